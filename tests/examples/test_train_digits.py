@@ -1,0 +1,126 @@
+"""End-to-end run of examples/train_digits.py under torchrun with 2 processes."""
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("sklearn")
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "examples" / "train_digits.py"
+SMDDP_MODULE = "smdistributed.dataparallel.torch.torch_smddp"
+RUN_TIMEOUT_S = 180
+
+
+def _smddp_skip_reason():
+    """None when SageMaker's smddp import can be resolved, else why not."""
+    if importlib.util.find_spec("smdistributed") is None:
+        return "smdistributed is not installed (pip install -e .), so the smddp backend is absent"
+    try:
+        spec = importlib.util.find_spec(SMDDP_MODULE)
+    except ImportError as e:
+        return f"{SMDDP_MODULE} cannot be resolved: {e}"
+    if spec is None:
+        return f"smdistributed is installed but {SMDDP_MODULE} does not exist yet"
+    return None
+
+
+def _torchrun():
+    exe = Path(sys.executable).with_name("torchrun")
+    if exe.exists():
+        return [str(exe)]
+    found = shutil.which("torchrun")
+    return [found] if found else [sys.executable, "-m", "torch.distributed.run"]
+
+
+def _load_example(monkeypatch):
+    # With SMDDP_EXAMPLE_BACKEND set the module skips the smddp import, so
+    # this works whether or not the backend is installed.
+    monkeypatch.setenv("SMDDP_EXAMPLE_BACKEND", "gloo")
+    spec = importlib.util.spec_from_file_location("train_digits_example", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(RUN_TIMEOUT_S + 60)
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "gloo",
+        pytest.param(
+            "smddp",
+            marks=pytest.mark.skipif(
+                _smddp_skip_reason() is not None, reason=str(_smddp_skip_reason())
+            ),
+        ),
+    ],
+)
+def test_train_digits(backend, tmp_path, monkeypatch):
+    model_dir = tmp_path / "model"
+    env = dict(os.environ)
+    if backend == "smddp":
+        env.pop("SMDDP_EXAMPLE_BACKEND", None)  # the script's default: import smddp
+    else:
+        env["SMDDP_EXAMPLE_BACKEND"] = backend
+
+    cmd = _torchrun() + [
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--tee",
+        "3",  # prefix every output line with its local rank: "[default0]:"
+        "--log-dir",
+        str(tmp_path / "torchrun-logs"),
+        str(SCRIPT),
+        "--model-dir",
+        str(model_dir),
+    ]
+    proc = subprocess.run(
+        cmd,
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+        check=False,
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, f"torchrun exited {proc.returncode}:\n{out}"
+
+    # Per-epoch all-reduced losses are printed by rank 0 only.
+    epoch_lines = [line for line in out.splitlines() if "average training loss" in line]
+    assert len(epoch_lines) == 15, out
+    assert all(line.startswith("[default0]:") for line in epoch_lines), out
+
+    # Final accuracy, printed by rank 0 only.
+    acc = re.findall(r"^\[default(\d)\]:final accuracy: ([0-9.]+)$", out, re.MULTILINE)
+    assert [rank for rank, _ in acc] == ["0"], out
+    accuracy = float(acc[0][1])
+    assert accuracy > 0.90, out
+
+    # Exactly one checkpoint, written by rank 0; no other rank claims a save.
+    ckpt = model_dir / "model.pt"
+    assert sorted(p.name for p in model_dir.iterdir()) == ["model.pt"]
+    saves = [line for line in out.splitlines() if "saved checkpoint" in line]
+    assert saves == [f"[default0]:rank 0 saved checkpoint to {ckpt}"], out
+
+    # The checkpoint loads into the example's model and reproduces the accuracy.
+    example = _load_example(monkeypatch)
+    model = example.Net()
+    model.load_state_dict(torch.load(ckpt, map_location="cpu", weights_only=True))
+    model.eval()
+    _, test_dataset = example.load_datasets(seed=1)
+    x, y = test_dataset.tensors
+    with torch.no_grad():
+        reloaded = (model(x).argmax(dim=1) == y).float().mean().item()
+    assert reloaded == pytest.approx(accuracy, abs=1e-3)
