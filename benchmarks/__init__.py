@@ -1,0 +1,1 @@
+"""Benchmarks for smddp; each subpackage is one runnable benchmark (``python -m benchmarks.X``)."""
