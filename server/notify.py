@@ -165,7 +165,7 @@ class Watchdog:
         if self._thread is not None and self._thread.is_alive():
             return True
         self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="smddp-watchdog", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="smddp-sd-watchdog", daemon=True)
         self._thread.start()
         return True
 

@@ -180,7 +180,7 @@ def test_watchdog_stop_ends_thread_and_pings(manager: socket.socket) -> None:
     watchdog.start()
     assert _recv(manager) == sd.WATCHDOG
     watchdog.stop()
-    assert not any(t.name == "smddp-watchdog" for t in threading.enumerate())
+    assert not any(t.name == "smddp-sd-watchdog" for t in threading.enumerate())
     # Drain what was sent before stop() returned; nothing may follow.
     manager.setblocking(False)
     try:
@@ -198,6 +198,6 @@ def test_watchdog_start_twice_keeps_one_thread(manager: socket.socket) -> None:
     try:
         assert watchdog.start() is True
         assert watchdog.start() is True
-        assert sum(t.name == "smddp-watchdog" for t in threading.enumerate()) == 1
+        assert sum(t.name == "smddp-sd-watchdog" for t in threading.enumerate()) == 1
     finally:
         watchdog.stop()
