@@ -1,0 +1,32 @@
+"""smddp's framework-neutral client: numpy collectives through the node daemon.
+
+Example (every process of the job runs this with its own rank)::
+
+    from smddp.client import connect
+    comm = connect(job_id="demo", job_token=token, rank=r, world_size=2)
+    comm.all_reduce(array).wait()
+"""
+
+from smddp.client.communicator import Communicator, Handle, connect
+from smddp.client.errors import (
+    DaemonLostError,
+    MismatchError,
+    OpError,
+    RankFailedError,
+    SmddpError,
+    TimeoutError,
+    UnsupportedError,
+)
+
+__all__ = [
+    "Communicator",
+    "DaemonLostError",
+    "Handle",
+    "MismatchError",
+    "OpError",
+    "RankFailedError",
+    "SmddpError",
+    "TimeoutError",
+    "UnsupportedError",
+    "connect",
+]

@@ -1,0 +1,457 @@
+"""Numpy collectives over a daemon session: cut into chunks, copied through the arena.
+
+Each call numbers its op, cuts it into chunks whose arena footprint fits the daemon's
+``chunk_bytes``, copies each chunk's input into a free block of the arena, submits it and
+returns a Handle at once. The daemon works on chunk k while this process copies chunk k+1;
+when the arena is full the oldest chunk is retired (its reply awaited, its output copied
+out). ``Handle.wait`` retires up to the handle's last chunk. All ranks cut an op the same
+way, since they share ``chunk_bytes`` and the op's shape.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import os
+import socket
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from smddp.client.arena import ALIGN, RingAllocator
+from smddp.client.errors import SmddpError, UnsupportedError, op_error
+from smddp.client.session import DaemonSession
+from smddp.v1 import smddp_pb2 as pb
+from smddp.wire import WIRE_DTYPES, reduce_op_check, socket_candidates
+
+DEFAULT_ARENA_BYTES = 64 << 20
+ENV_ARENA_BYTES = "SMDDP_ARENA_BYTES"
+# The daemon enforces the op timeout; this is the client's own last resort on top of it.
+REPLY_GRACE_S = 30.0
+
+
+@dataclass(eq=False)
+class _Chunk:
+    handle: Handle
+    request_id: int
+    copy_out: list[tuple[np.ndarray, int]]  # (destination, arena offset)
+
+
+@dataclass(eq=False)
+class Handle:
+    """An op in flight; ``wait`` blocks until its outputs are written."""
+
+    comm: Communicator
+    description: str
+    pending: int = 0
+    error: SmddpError | None = None
+    callbacks: list = field(default_factory=list)
+
+    def wait(self) -> None:
+        """Waits for the op, then raises the daemon's error if it failed."""
+        self.comm._retire_through(self)
+        if self.error is not None:
+            raise self.error
+
+    def done(self) -> bool:
+        """True once every chunk has been retired."""
+        return self.pending == 0
+
+
+class _Layout:
+    """Offsets of a chunk's regions relative to its block, each aligned."""
+
+    def __init__(self) -> None:
+        self.size = 0
+
+    def add(self, nbytes: int) -> int:
+        off = self.size
+        self.size += -(-nbytes // ALIGN) * ALIGN
+        return off
+
+
+def _flat(array: np.ndarray, what: str, writable: bool = False) -> np.ndarray:
+    if array.dtype not in WIRE_DTYPES:
+        raise UnsupportedError(
+            f"{what}: dtype {array.dtype} is not supported (float16, bfloat16, float32, float64, "
+            "int8, uint8, int16, int32, int64, bool)"
+        )
+    if writable:
+        if not array.flags.c_contiguous:
+            raise UnsupportedError(f"{what}: output arrays must be C-contiguous")
+        if not array.flags.writeable:
+            raise UnsupportedError(f"{what}: output array is read-only")
+    return array.reshape(-1)
+
+
+class Communicator:
+    """The numpy collectives of one rank in one communicator."""
+
+    def __init__(self, session: DaemonSession, timeout_s: float) -> None:
+        self.session = session
+        self.rank = session.rank
+        self.world_size = session.world_size
+        self.timeout_s = timeout_s
+        self.chunk_bytes = session.chunk_bytes
+        self._ring = RingAllocator(session.arena.nbytes)
+        self._outstanding: collections.deque[_Chunk] = collections.deque()
+        self._seq = 0
+        self._p2p_seq: dict[tuple[int, int], int] = {}
+        self._ids = itertools.count(1)
+        self._lock = threading.RLock()
+        self._closed = False
+
+    # -- the engine ---------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SmddpError(f"rank {self.rank}: the communicator has been destroyed")
+
+    def _submit(
+        self,
+        handle: Handle,
+        req: pb.OpRequest,
+        layout: _Layout,
+        copy_in: Sequence[tuple[np.ndarray, int]],
+        copy_out: Sequence[tuple[np.ndarray, int]],
+        regions: dict[str, int | tuple[int, int] | list[tuple[int, int]]],
+    ) -> None:
+        """Places one chunk in the arena and sends it; ``regions`` hold relative offsets."""
+        base = self._ring.alloc(layout.size)
+        while base is None:
+            self._retire_oldest()
+            base = self._ring.alloc(layout.size)
+        arena = self.session.arena
+        for src, off in copy_in:
+            np.copyto(arena.view(base + off, src.size, src.dtype), src)
+        for name, value in regions.items():
+            if name in ("send_blocks", "recv_blocks"):
+                getattr(req, name).extend(pb.Region(offset=base + o, nbytes=n) for o, n in value)  # type: ignore[union-attr]
+            else:
+                o, n = value  # type: ignore[misc]
+                getattr(req, name).CopyFrom(pb.Region(offset=base + o, nbytes=n))
+        req.request_id = next(self._ids)
+        chunk = _Chunk(handle, req.request_id, [(dst, base + off) for dst, off in copy_out])
+        handle.pending += 1
+        self._outstanding.append(chunk)
+        try:
+            self.session.send(req)
+        except SmddpError as exc:
+            # Retiring the chunk meets the same broken connection and frees its block.
+            handle.error = handle.error or exc
+
+    def _retire_oldest(self) -> None:
+        chunk = self._outstanding.popleft()
+        try:
+            reply = self.session.wait_reply(chunk.request_id, self.timeout_s + REPLY_GRACE_S)
+        except SmddpError as exc:
+            chunk.handle.error = chunk.handle.error or exc
+        else:
+            if reply.ok:
+                arena = self.session.arena
+                for dst, off in chunk.copy_out:
+                    np.copyto(dst, arena.view(off, dst.size, dst.dtype))
+            elif chunk.handle.error is None:
+                chunk.handle.error = op_error(reply.error_kind, reply.error)
+        finally:
+            self._ring.free_oldest()
+            chunk.handle.pending -= 1
+            if chunk.handle.pending == 0:
+                for cb in chunk.handle.callbacks:
+                    cb(chunk.handle)
+
+    def _retire_through(self, handle: Handle) -> None:
+        with self._lock:
+            while handle.pending > 0 and self._outstanding:
+                self._retire_oldest()
+
+    def _begin(self, kind: int, dtype: np.dtype | None, count: int, root: int = 0, reduce_op: int = 0) -> tuple[Handle, pb.OpRequest]:
+        self._check_open()
+        self._seq += 1
+        wire_dtype = WIRE_DTYPES[dtype] if dtype is not None else pb.DTYPE_UNSPECIFIED
+        template = pb.OpRequest(seq=self._seq, kind=kind, dtype=wire_dtype, count=count, root=root, reduce_op=reduce_op)
+        return Handle(self, f"op #{self._seq}"), template
+
+    def _parts(self, n: int, bytes_per_element: int) -> tuple[int, int]:
+        per = max(1, self.chunk_bytes // max(1, bytes_per_element))
+        return per, max(1, -(-n // per))
+
+    def _check_root(self, root: int, what: str) -> None:
+        if not 0 <= root < self.world_size:
+            raise UnsupportedError(f"{what}: rank {root} is outside a world of {self.world_size}")
+
+    def _check_reduce(self, dtype: np.dtype, reduce_op: int) -> None:
+        problem = reduce_op_check(WIRE_DTYPES[dtype], reduce_op)
+        if problem:
+            raise UnsupportedError(problem)
+
+    # -- collectives --------------------------------------------------------------------------
+
+    def all_reduce(self, array: np.ndarray, reduce_op: int = pb.SUM) -> Handle:
+        """Reduces ``array`` across ranks in place (rank order, bitwise identical everywhere)."""
+        flat = _flat(array, "all_reduce", writable=True)
+        self._check_reduce(flat.dtype, reduce_op)
+        return self._elementwise(pb.ALL_REDUCE, flat, 0, reduce_op, send=True, receive=True)
+
+    def broadcast(self, array: np.ndarray, root: int) -> Handle:
+        """Copies the root's ``array`` into every rank's ``array``."""
+        flat = _flat(array, "broadcast", writable=True)
+        self._check_root(root, "broadcast")
+        is_root = self.rank == root
+        return self._elementwise(pb.BROADCAST, flat, root, 0, send=is_root, receive=not is_root)
+
+    def reduce(self, array: np.ndarray, root: int, reduce_op: int = pb.SUM) -> Handle:
+        """Reduces ``array`` across ranks into the root's ``array``."""
+        flat = _flat(array, "reduce", writable=True)
+        self._check_root(root, "reduce")
+        self._check_reduce(flat.dtype, reduce_op)
+        return self._elementwise(pb.REDUCE, flat, root, reduce_op, send=True, receive=self.rank == root)
+
+    def _elementwise(self, kind: int, flat: np.ndarray, root: int, reduce_op: int, send: bool, receive: bool) -> Handle:
+        with self._lock:
+            handle, template = self._begin(kind, flat.dtype, flat.size, root, reduce_op)
+            s = flat.dtype.itemsize
+            per, parts = self._parts(flat.size, s)
+            for p in range(parts):
+                a, b = p * per, min(flat.size, (p + 1) * per)
+                layout = _Layout()
+                off = layout.add((b - a) * s)
+                req = pb.OpRequest()
+                req.CopyFrom(template)
+                req.part, req.parts = p, parts
+                self._submit(
+                    handle, req, layout,
+                    [(flat[a:b], off)] if send else [],
+                    [(flat[a:b], off)] if receive else [],
+                    {"input": (off, (b - a) * s), "output": (off, (b - a) * s)},
+                )
+            return handle
+
+    def all_gather(self, outputs: Sequence[np.ndarray], array: np.ndarray) -> Handle:
+        """Gathers every rank's ``array`` into ``outputs[r]`` on every rank."""
+        return self._gather_like(pb.ALL_GATHER, outputs, array, 0, "all_gather")
+
+    def gather(self, outputs: Sequence[np.ndarray] | None, array: np.ndarray, root: int) -> Handle:
+        """Gathers every rank's ``array`` into ``outputs[r]`` on the root (None elsewhere)."""
+        self._check_root(root, "gather")
+        return self._gather_like(pb.GATHER, outputs if self.rank == root else None, array, root, "gather")
+
+    def _gather_like(self, kind: int, outputs: Sequence[np.ndarray] | None, array: np.ndarray, root: int, what: str) -> Handle:
+        src = _flat(array, what)
+        outs = self._per_rank(outputs, src.size, src.dtype, what, writable=True)
+        with self._lock:
+            handle, template = self._begin(kind, src.dtype, src.size, root)
+            s, w = src.dtype.itemsize, self.world_size
+            per, parts = self._parts(src.size, s * (1 + w))
+            for p in range(parts):
+                a, b = p * per, min(src.size, (p + 1) * per)
+                n = b - a
+                layout = _Layout()
+                off_in = layout.add(n * s)
+                off_out = layout.add(n * s * w) if outs is not None else 0
+                req = pb.OpRequest()
+                req.CopyFrom(template)
+                req.part, req.parts = p, parts
+                copy_out = [(o[a:b], off_out + r * n * s) for r, o in enumerate(outs)] if outs is not None else []
+                self._submit(
+                    handle, req, layout, [(src[a:b], off_in)], copy_out,
+                    {"input": (off_in, n * s), "output": (off_out, n * s * w if outs is not None else 0)},
+                )
+            return handle
+
+    def reduce_scatter(self, output: np.ndarray, inputs: Sequence[np.ndarray], reduce_op: int = pb.SUM) -> Handle:
+        """Rank r's ``output`` becomes the reduction over ranks of their ``inputs[r]``."""
+        out = _flat(output, "reduce_scatter", writable=True)
+        self._check_reduce(out.dtype, reduce_op)
+        return self._scatter_like(pb.REDUCE_SCATTER, out, inputs, 0, reduce_op, "reduce_scatter")
+
+    def scatter(self, output: np.ndarray, inputs: Sequence[np.ndarray] | None, root: int) -> Handle:
+        """Rank r's ``output`` becomes the root's ``inputs[r]`` (``inputs`` None off the root)."""
+        out = _flat(output, "scatter", writable=True)
+        self._check_root(root, "scatter")
+        return self._scatter_like(pb.SCATTER, out, inputs if self.rank == root else None, root, 0, "scatter")
+
+    def _scatter_like(self, kind: int, out: np.ndarray, inputs: Sequence[np.ndarray] | None, root: int, reduce_op: int, what: str) -> Handle:
+        ins = self._per_rank(inputs, out.size, out.dtype, what, writable=False)
+        with self._lock:
+            handle, template = self._begin(kind, out.dtype, out.size, root, reduce_op)
+            s, w = out.dtype.itemsize, self.world_size
+            per, parts = self._parts(out.size, s * (1 + w))
+            for p in range(parts):
+                a, b = p * per, min(out.size, (p + 1) * per)
+                n = b - a
+                layout = _Layout()
+                off_in = layout.add(n * s * w) if ins is not None else 0
+                off_out = layout.add(n * s)
+                req = pb.OpRequest()
+                req.CopyFrom(template)
+                req.part, req.parts = p, parts
+                copy_in = [(x[a:b], off_in + r * n * s) for r, x in enumerate(ins)] if ins is not None else []
+                self._submit(
+                    handle, req, layout, copy_in, [(out[a:b], off_out)],
+                    {"input": (off_in, n * s * w if ins is not None else 0), "output": (off_out, n * s)},
+                )
+            return handle
+
+    def _per_rank(self, arrays: Sequence[np.ndarray] | None, n: int, dtype: np.dtype, what: str, writable: bool) -> list[np.ndarray] | None:
+        if arrays is None:
+            return None
+        if len(arrays) != self.world_size:
+            raise UnsupportedError(f"{what}: expected {self.world_size} tensors (one per rank), got {len(arrays)}")
+        flats = [_flat(a, what, writable) for a in arrays]
+        for r, f in enumerate(flats):
+            if f.dtype != dtype:
+                raise UnsupportedError(f"{what}: tensor {r} has dtype {f.dtype} but the op is {dtype}")
+            if f.size != n:
+                raise UnsupportedError(f"{what}: tensor {r} has {f.size} elements where {n} were expected")
+        return flats
+
+    def all_to_all(self, outputs: Sequence[np.ndarray], inputs: Sequence[np.ndarray]) -> Handle:
+        """Sends ``inputs[d]`` to rank d, receiving rank s's block into ``outputs[s]``.
+
+        Block sizes may differ (uneven splits); rank s's ``inputs[d]`` must match rank d's
+        ``outputs[s]`` in size, which the daemon checks.
+        """
+        w = self.world_size
+        if len(inputs) != w or len(outputs) != w:
+            raise UnsupportedError(f"all_to_all: expected {w} input and {w} output tensors")
+        ins = [_flat(x, "all_to_all") for x in inputs]
+        outs = [_flat(x, "all_to_all", writable=True) for x in outputs]
+        dtype = ins[0].dtype
+        if any(x.dtype != dtype for x in ins + outs):
+            raise UnsupportedError("all_to_all: every input and output must have the same dtype")
+        s = dtype.itemsize
+        need = np.array([(sum(x.size for x in ins) + sum(x.size for x in outs)) * s], dtype=np.int64)
+        with self._lock:
+            # Every rank must cut the blocks into the same number of chunks: agree on the
+            # largest footprint first (an op of its own in the sequence).
+            self.all_reduce(need, pb.MAX).wait()
+            usable = max(self.chunk_bytes - 2 * w * ALIGN, self.chunk_bytes // 2)
+            parts = max(1, -(-int(need[0]) // usable))
+            handle, template = self._begin(pb.ALL_TO_ALL, dtype, sum(x.size for x in ins))
+            for p in range(parts):
+                layout = _Layout()
+                sends, recvs, copy_in, copy_out = [], [], [], []
+                for x in ins:
+                    a, b = x.size * p // parts, x.size * (p + 1) // parts
+                    off = layout.add((b - a) * s)
+                    sends.append((off, (b - a) * s))
+                    copy_in.append((x[a:b], off))
+                for x in outs:
+                    a, b = x.size * p // parts, x.size * (p + 1) // parts
+                    off = layout.add((b - a) * s)
+                    recvs.append((off, (b - a) * s))
+                    copy_out.append((x[a:b], off))
+                req = pb.OpRequest()
+                req.CopyFrom(template)
+                req.part, req.parts = p, parts
+                self._submit(handle, req, layout, copy_in, copy_out, {"send_blocks": sends, "recv_blocks": recvs})
+            return handle
+
+    def barrier(self) -> Handle:
+        """Completes once every rank has called it."""
+        with self._lock:
+            handle, template = self._begin(pb.BARRIER, None, 0)
+            template.parts = 1
+            self._submit(handle, template, _Layout(), [], [], {})
+            return handle
+
+    def send(self, array: np.ndarray, dst: int, tag: int = 0) -> Handle:
+        """Sends ``array`` to rank ``dst``, which must call ``recv`` with the same size."""
+        return self._p2p(pb.SEND, _flat(array, "send"), dst, tag)
+
+    def recv(self, array: np.ndarray, src: int, tag: int = 0) -> Handle:
+        """Receives into ``array`` from rank ``src``."""
+        return self._p2p(pb.RECV, _flat(array, "recv", writable=True), src, tag)
+
+    def _p2p(self, kind: int, flat: np.ndarray, peer: int, tag: int) -> Handle:
+        what = "send" if kind == pb.SEND else "recv"
+        self._check_root(peer, what)
+        if peer == self.rank:
+            raise UnsupportedError(f"{what}: rank {peer} cannot {what} to or from itself")
+        with self._lock:
+            self._check_open()
+            seq = self._p2p_seq.get((peer, kind), 0) + 1
+            self._p2p_seq[(peer, kind)] = seq
+            s = flat.dtype.itemsize
+            template = pb.OpRequest(seq=seq, kind=kind, dtype=WIRE_DTYPES[flat.dtype], count=flat.size, root=peer, tag=tag)
+            handle = Handle(self, f"{what} #{seq}")
+            per, parts = self._parts(flat.size, s)
+            for p in range(parts):
+                a, b = p * per, min(flat.size, (p + 1) * per)
+                layout = _Layout()
+                off = layout.add((b - a) * s)
+                req = pb.OpRequest()
+                req.CopyFrom(template)
+                req.part, req.parts = p, parts
+                region = (off, (b - a) * s)
+                if kind == pb.SEND:
+                    self._submit(handle, req, layout, [(flat[a:b], off)], [], {"input": region})
+                else:
+                    self._submit(handle, req, layout, [], [(flat[a:b], off)], {"output": region})
+            return handle
+
+    def close(self) -> None:
+        """Waits for ops still in flight, then leaves the communicator."""
+        with self._lock:
+            if self._closed:
+                return
+            while self._outstanding:
+                self._retire_oldest()
+            self._closed = True
+            self.session.close()
+
+
+def connect(
+    job_id: str,
+    job_token: bytes,
+    rank: int,
+    world_size: int,
+    comm_id: str = "0",
+    socket_path: str | None = None,
+    timeout_s: float = 1800.0,
+    arena_bytes: int | None = None,
+    global_rank: int | None = None,
+) -> Communicator:
+    """Registers this process as ``rank`` of a communicator with its node daemon.
+
+    Args:
+        job_id: the job's identity, the same on every rank.
+        job_token: the job's secret (at least 16 bytes), the same on every rank.
+        rank: this process's rank in the communicator.
+        world_size: number of ranks.
+        comm_id: names the communicator inside the job.
+        socket_path: the daemon's socket; default ``SMDDP_SOCKET`` or the standard paths.
+        timeout_s: per-op timeout.
+        arena_bytes: size of this rank's shared-memory arena (default ``SMDDP_ARENA_BYTES`` or 64 MiB).
+        global_rank: the rank in the job's default communicator, for messages.
+
+    Returns:
+        The Communicator, ready for ops.
+
+    Raises:
+        ConnectError: no daemon answered or it refused the rank.
+    """
+    from smddp.client.errors import ConnectError
+
+    if arena_bytes is None:
+        arena_bytes = int(os.environ.get(ENV_ARENA_BYTES, DEFAULT_ARENA_BYTES))
+    paths = [socket_path] if socket_path else socket_candidates()
+    path = next((p for p in paths if os.path.exists(p)), None)
+    if path is None:
+        raise ConnectError(f"no smddpd socket found (looked at {', '.join(paths)}); start smddpd or set SMDDP_SOCKET")
+    register = pb.RegisterRequest(
+        job_id=job_id,
+        job_token=job_token,
+        comm_id=comm_id,
+        rank=rank,
+        world_size=world_size,
+        global_rank=rank if global_rank is None else global_rank,
+        node_id=os.environ.get("SMDDP_NODE_ID") or socket.gethostname(),
+        pid=os.getpid(),
+        arena_bytes=arena_bytes,
+        timeout_ms=int(timeout_s * 1000),
+    )
+    return Communicator(DaemonSession(path, register), timeout_s)

@@ -1,0 +1,62 @@
+"""The client's exception hierarchy. Every message comes from the daemon or names the op."""
+
+from __future__ import annotations
+
+import builtins
+
+from smddp.v1 import smddp_pb2 as pb
+
+
+class SmddpError(Exception):
+    """Base of every error the smddp client raises."""
+
+
+class UnsupportedError(SmddpError, ValueError):
+    """The call cannot be carried out (dtype, op, layout); nothing was sent to the daemon."""
+
+
+class ConnectError(SmddpError):
+    """No daemon answered, or it refused the registration."""
+
+
+class DaemonLostError(SmddpError):
+    """The daemon's connection broke: it stopped, restarted or crashed."""
+
+
+class OpError(SmddpError):
+    """The daemon failed an op; ``kind`` is the wire ErrorKind."""
+
+    kind: int = pb.INVALID
+
+
+class MismatchError(OpError):
+    """Ranks called different collectives as the same op number."""
+
+    kind = pb.MISMATCH
+
+
+class RankFailedError(OpError):
+    """A rank of the communicator died, disconnected or left."""
+
+    kind = pb.RANK_FAILED
+
+
+class TimeoutError(OpError, builtins.TimeoutError):
+    """Ranks did not arrive within the communicator's timeout."""
+
+    kind = pb.TIMEOUT
+
+
+_BY_KIND: dict[int, type[OpError]] = {
+    pb.MISMATCH: MismatchError,
+    pb.RANK_FAILED: RankFailedError,
+    pb.TIMEOUT: TimeoutError,
+}
+
+
+def op_error(kind: int, message: str) -> OpError:
+    """The exception for a failed OpReply."""
+    cls = _BY_KIND.get(kind, OpError)
+    err = cls(message)
+    err.kind = kind
+    return err

@@ -1,0 +1,209 @@
+"""One rank's connection to its node daemon: registration, arena attach, op channel.
+
+Ops travel on the data socket by default (``SMDDP_OP_CHANNEL=socket``); the gRPC Ops stream
+(``SMDDP_OP_CHANNEL=grpc``) carries the same messages where a plain socket is unwelcome.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import threading
+import time
+
+import grpc
+
+from smddp.client.arena import ClientArena
+from smddp.client.errors import ConnectError, DaemonLostError
+from smddp.v1 import smddp_pb2 as pb
+from smddp.v1 import smddp_pb2_grpc as pb_grpc
+from smddp.wire import (
+    DATA_SOCKET_SUFFIX,
+    MAX_MESSAGE_BYTES,
+    MSG_ATTACH,
+    MSG_ATTACH_REPLY,
+    MSG_OP,
+    MSG_OP_REPLY,
+    pack,
+    unpack,
+)
+
+ENV_OP_CHANNEL = "SMDDP_OP_CHANNEL"
+REGISTER_TIMEOUT_S = 30.0
+
+_channels: dict[str, grpc.Channel] = {}
+_channels_lock = threading.Lock()
+
+
+def grpc_channel(path: str) -> grpc.Channel:
+    """The process's gRPC channel to the daemon at ``path`` (one per socket, shared)."""
+    with _channels_lock:
+        channel = _channels.get(path)
+        if channel is None:
+            channel = grpc.insecure_channel("unix:" + path)
+            _channels[path] = channel
+        return channel
+
+
+class DaemonSession:
+    """A registered rank with its arena attached; sends OpRequests and collects OpReplies."""
+
+    def __init__(
+        self,
+        socket_path: str,
+        register: pb.RegisterRequest,
+        op_channel: str | None = None,
+    ) -> None:
+        """Registers with the daemon at ``socket_path`` and attaches a new arena.
+
+        Raises:
+            ConnectError: the daemon is unreachable or refused the rank.
+        """
+        self.socket_path = socket_path
+        self.rank = register.rank
+        self.world_size = register.world_size
+        self._stub = pb_grpc.NodeStub(grpc_channel(socket_path))
+        try:
+            reply = self._stub.Register(register, timeout=REGISTER_TIMEOUT_S)
+        except grpc.RpcError as exc:
+            raise ConnectError(
+                f"smddpd at {socket_path} refused rank {register.rank} of job {register.job_id} "
+                f"comm {register.comm_id}: {exc.details() or exc.code()}"
+            ) from None
+        self.session_id = reply.session_id
+        self._secret = reply.session_secret
+        self.chunk_bytes = reply.chunk_bytes
+        self.daemon_node_id = reply.daemon_node_id
+        self.arena = ClientArena(register.arena_bytes)
+        self._replies: dict[int, pb.OpReply] = {}
+        self._closed = False
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self._sock.connect(socket_path + DATA_SOCKET_SUFFIX)
+            attach = pb.AttachRequest(session_id=self.session_id, session_secret=self._secret)
+            socket.send_fds(self._sock, [pack(MSG_ATTACH, attach.SerializeToString())], [self.arena.fd])
+            self._sock.settimeout(REGISTER_TIMEOUT_S)
+            kind, payload = unpack(self._sock.recv(MAX_MESSAGE_BYTES))
+            answer = pb.AttachReply.FromString(payload)
+        except (OSError, ValueError) as exc:
+            self.close()
+            raise ConnectError(f"cannot attach to smddpd's data socket at {socket_path}{DATA_SOCKET_SUFFIX}: {exc}") from None
+        if kind != MSG_ATTACH_REPLY or not answer.ok:
+            self.close()
+            raise ConnectError(f"smddpd at {socket_path} refused the arena: {answer.error}")
+        mode = op_channel or os.environ.get(ENV_OP_CHANNEL, "socket")
+        if mode not in ("socket", "grpc"):
+            raise ConnectError(f"{ENV_OP_CHANNEL}={mode!r}: expected 'socket' or 'grpc'")
+        self._stream_requests: queue.Queue[pb.OpRequest | None] | None = None
+        self._stream_replies: queue.Queue[pb.OpReply | Exception] | None = None
+        if mode == "grpc":
+            self._open_stream()
+
+    def _open_stream(self) -> None:
+        requests: queue.Queue[pb.OpRequest | None] = queue.Queue()
+        replies: queue.Queue[pb.OpReply | Exception] = queue.Queue()
+
+        def iterate():
+            # The first message names the session; the daemon ignores the fields afterwards.
+            first = True
+            while True:
+                item = requests.get()
+                if item is None:
+                    return
+                if first:
+                    item.session_id, item.session_secret = self.session_id, self._secret
+                    first = False
+                yield item
+
+        responses = self._stub.Ops(iterate())
+
+        def pump() -> None:
+            try:
+                for reply in responses:
+                    replies.put(reply)
+                replies.put(DaemonLostError(f"smddpd at {self.socket_path} ended the Ops stream"))
+            except grpc.RpcError as exc:
+                replies.put(DaemonLostError(f"smddpd at {self.socket_path}: Ops stream broke: {exc.details()}"))
+
+        threading.Thread(target=pump, name="smddp-ops-stream", daemon=True).start()
+        self._stream_requests, self._stream_replies = requests, replies
+
+    def send(self, req: pb.OpRequest) -> None:
+        """Submits one chunk.
+
+        Raises:
+            DaemonLostError: the daemon is gone.
+        """
+        if self._stream_requests is not None:
+            self._stream_requests.put(req)
+            return
+        try:
+            self._sock.sendall(pack(MSG_OP, req.SerializeToString()))
+        except OSError as exc:
+            raise DaemonLostError(
+                f"smddpd at {self.socket_path} is gone (it stopped or restarted): {exc}"
+            ) from None
+
+    def wait_reply(self, request_id: int, timeout_s: float) -> pb.OpReply:
+        """Blocks until the reply to ``request_id`` arrives.
+
+        Raises:
+            DaemonLostError: the daemon closed the connection or never answered in time.
+        """
+        deadline = time.monotonic() + timeout_s
+        while request_id not in self._replies:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise DaemonLostError(
+                    f"smddpd at {self.socket_path} sent no reply within {timeout_s:.0f} s "
+                    "(the daemon is stuck or unreachable)"
+                )
+            reply = self._recv(min(remaining, 1.0))
+            if reply is not None:
+                self._replies[reply.request_id] = reply
+        return self._replies.pop(request_id)
+
+    def _recv(self, timeout_s: float) -> pb.OpReply | None:
+        if self._stream_replies is not None:
+            try:
+                item = self._stream_replies.get(timeout=timeout_s)
+            except queue.Empty:
+                return None
+            if isinstance(item, Exception):
+                self._stream_replies.put(item)
+                raise item
+            return item
+        self._sock.settimeout(timeout_s)
+        try:
+            data = self._sock.recv(MAX_MESSAGE_BYTES)
+        except TimeoutError:
+            return None
+        except OSError as exc:
+            raise DaemonLostError(f"smddpd at {self.socket_path}: connection broke: {exc}") from None
+        if not data:
+            raise DaemonLostError(
+                f"smddpd at {self.socket_path} closed the connection (the daemon stopped, "
+                "restarted or crashed)"
+            )
+        kind, payload = unpack(data)
+        if kind != MSG_OP_REPLY:
+            raise DaemonLostError(f"smddpd at {self.socket_path} sent message type {kind}")
+        return pb.OpReply.FromString(payload)
+
+    def close(self, deregister: bool = True) -> None:
+        """Leaves the communicator (when ``deregister``) and releases socket and arena."""
+        if self._closed:
+            return
+        self._closed = True
+        if deregister:
+            try:
+                self._stub.Deregister(
+                    pb.DeregisterRequest(session_id=self.session_id, session_secret=self._secret), timeout=5
+                )
+            except grpc.RpcError:
+                pass  # the daemon is gone; there is nothing left to leave
+        if getattr(self, "_stream_requests", None) is not None:
+            self._stream_requests.put(None)
+        self._sock.close()
+        self.arena.close()

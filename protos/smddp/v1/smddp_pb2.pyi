@@ -1,0 +1,288 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    FLOAT16: _ClassVar[DType]
+    BFLOAT16: _ClassVar[DType]
+    FLOAT32: _ClassVar[DType]
+    FLOAT64: _ClassVar[DType]
+    INT8: _ClassVar[DType]
+    UINT8: _ClassVar[DType]
+    INT16: _ClassVar[DType]
+    INT32: _ClassVar[DType]
+    INT64: _ClassVar[DType]
+    BOOL: _ClassVar[DType]
+
+class ReduceOp(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REDUCE_OP_UNSPECIFIED: _ClassVar[ReduceOp]
+    SUM: _ClassVar[ReduceOp]
+    AVG: _ClassVar[ReduceOp]
+    MIN: _ClassVar[ReduceOp]
+    MAX: _ClassVar[ReduceOp]
+    PRODUCT: _ClassVar[ReduceOp]
+    BAND: _ClassVar[ReduceOp]
+    BOR: _ClassVar[ReduceOp]
+    BXOR: _ClassVar[ReduceOp]
+
+class OpKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    OP_KIND_UNSPECIFIED: _ClassVar[OpKind]
+    ALL_REDUCE: _ClassVar[OpKind]
+    BROADCAST: _ClassVar[OpKind]
+    REDUCE: _ClassVar[OpKind]
+    ALL_GATHER: _ClassVar[OpKind]
+    REDUCE_SCATTER: _ClassVar[OpKind]
+    ALL_TO_ALL: _ClassVar[OpKind]
+    GATHER: _ClassVar[OpKind]
+    SCATTER: _ClassVar[OpKind]
+    BARRIER: _ClassVar[OpKind]
+    SEND: _ClassVar[OpKind]
+    RECV: _ClassVar[OpKind]
+
+class ErrorKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ERROR_KIND_UNSPECIFIED: _ClassVar[ErrorKind]
+    INVALID: _ClassVar[ErrorKind]
+    MISMATCH: _ClassVar[ErrorKind]
+    RANK_FAILED: _ClassVar[ErrorKind]
+    TIMEOUT: _ClassVar[ErrorKind]
+    UNAUTHENTICATED: _ClassVar[ErrorKind]
+    SHUTDOWN: _ClassVar[ErrorKind]
+    ABORTED: _ClassVar[ErrorKind]
+DTYPE_UNSPECIFIED: DType
+FLOAT16: DType
+BFLOAT16: DType
+FLOAT32: DType
+FLOAT64: DType
+INT8: DType
+UINT8: DType
+INT16: DType
+INT32: DType
+INT64: DType
+BOOL: DType
+REDUCE_OP_UNSPECIFIED: ReduceOp
+SUM: ReduceOp
+AVG: ReduceOp
+MIN: ReduceOp
+MAX: ReduceOp
+PRODUCT: ReduceOp
+BAND: ReduceOp
+BOR: ReduceOp
+BXOR: ReduceOp
+OP_KIND_UNSPECIFIED: OpKind
+ALL_REDUCE: OpKind
+BROADCAST: OpKind
+REDUCE: OpKind
+ALL_GATHER: OpKind
+REDUCE_SCATTER: OpKind
+ALL_TO_ALL: OpKind
+GATHER: OpKind
+SCATTER: OpKind
+BARRIER: OpKind
+SEND: OpKind
+RECV: OpKind
+ERROR_KIND_UNSPECIFIED: ErrorKind
+INVALID: ErrorKind
+MISMATCH: ErrorKind
+RANK_FAILED: ErrorKind
+TIMEOUT: ErrorKind
+UNAUTHENTICATED: ErrorKind
+SHUTDOWN: ErrorKind
+ABORTED: ErrorKind
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("job_id", "job_token", "comm_id", "rank", "world_size", "global_rank", "node_id", "pid", "arena_bytes", "timeout_ms")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    COMM_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    ARENA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    job_token: bytes
+    comm_id: str
+    rank: int
+    world_size: int
+    global_rank: int
+    node_id: str
+    pid: int
+    arena_bytes: int
+    timeout_ms: int
+    def __init__(self, job_id: _Optional[str] = ..., job_token: _Optional[bytes] = ..., comm_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., global_rank: _Optional[int] = ..., node_id: _Optional[str] = ..., pid: _Optional[int] = ..., arena_bytes: _Optional[int] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
+class RegisterReply(_message.Message):
+    __slots__ = ("session_id", "session_secret", "chunk_bytes", "daemon_node_id", "daemon_version")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_SECRET_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DAEMON_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    DAEMON_VERSION_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    session_secret: bytes
+    chunk_bytes: int
+    daemon_node_id: str
+    daemon_version: str
+    def __init__(self, session_id: _Optional[str] = ..., session_secret: _Optional[bytes] = ..., chunk_bytes: _Optional[int] = ..., daemon_node_id: _Optional[str] = ..., daemon_version: _Optional[str] = ...) -> None: ...
+
+class AttachRequest(_message.Message):
+    __slots__ = ("session_id", "session_secret")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_SECRET_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    session_secret: bytes
+    def __init__(self, session_id: _Optional[str] = ..., session_secret: _Optional[bytes] = ...) -> None: ...
+
+class AttachReply(_message.Message):
+    __slots__ = ("ok", "error")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    error: str
+    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+
+class Region(_message.Message):
+    __slots__ = ("offset", "nbytes")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    nbytes: int
+    def __init__(self, offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class OpRequest(_message.Message):
+    __slots__ = ("request_id", "session_id", "session_secret", "seq", "part", "parts", "kind", "dtype", "count", "root", "reduce_op", "tag", "input", "output", "send_blocks", "recv_blocks")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_SECRET_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    ROOT_FIELD_NUMBER: _ClassVar[int]
+    REDUCE_OP_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    INPUT_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    SEND_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RECV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    session_id: str
+    session_secret: bytes
+    seq: int
+    part: int
+    parts: int
+    kind: OpKind
+    dtype: DType
+    count: int
+    root: int
+    reduce_op: ReduceOp
+    tag: int
+    input: Region
+    output: Region
+    send_blocks: _containers.RepeatedCompositeFieldContainer[Region]
+    recv_blocks: _containers.RepeatedCompositeFieldContainer[Region]
+    def __init__(self, request_id: _Optional[int] = ..., session_id: _Optional[str] = ..., session_secret: _Optional[bytes] = ..., seq: _Optional[int] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., kind: _Optional[_Union[OpKind, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., count: _Optional[int] = ..., root: _Optional[int] = ..., reduce_op: _Optional[_Union[ReduceOp, str]] = ..., tag: _Optional[int] = ..., input: _Optional[_Union[Region, _Mapping]] = ..., output: _Optional[_Union[Region, _Mapping]] = ..., send_blocks: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., recv_blocks: _Optional[_Iterable[_Union[Region, _Mapping]]] = ...) -> None: ...
+
+class OpReply(_message.Message):
+    __slots__ = ("request_id", "ok", "error_kind", "error")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_KIND_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    ok: bool
+    error_kind: ErrorKind
+    error: str
+    def __init__(self, request_id: _Optional[int] = ..., ok: _Optional[bool] = ..., error_kind: _Optional[_Union[ErrorKind, str]] = ..., error: _Optional[str] = ...) -> None: ...
+
+class DeregisterRequest(_message.Message):
+    __slots__ = ("session_id", "session_secret")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_SECRET_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    session_secret: bytes
+    def __init__(self, session_id: _Optional[str] = ..., session_secret: _Optional[bytes] = ...) -> None: ...
+
+class DeregisterReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PendingOp(_message.Message):
+    __slots__ = ("seq", "part", "description", "arrived_ranks", "missing_ranks", "waited_seconds")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    ARRIVED_RANKS_FIELD_NUMBER: _ClassVar[int]
+    MISSING_RANKS_FIELD_NUMBER: _ClassVar[int]
+    WAITED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    part: int
+    description: str
+    arrived_ranks: _containers.RepeatedScalarFieldContainer[int]
+    missing_ranks: _containers.RepeatedScalarFieldContainer[int]
+    waited_seconds: float
+    def __init__(self, seq: _Optional[int] = ..., part: _Optional[int] = ..., description: _Optional[str] = ..., arrived_ranks: _Optional[_Iterable[int]] = ..., missing_ranks: _Optional[_Iterable[int]] = ..., waited_seconds: _Optional[float] = ...) -> None: ...
+
+class RankStatus(_message.Message):
+    __slots__ = ("rank", "global_rank", "pid", "node_id", "attached", "ops_completed")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ATTACHED_FIELD_NUMBER: _ClassVar[int]
+    OPS_COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    global_rank: int
+    pid: int
+    node_id: str
+    attached: bool
+    ops_completed: int
+    def __init__(self, rank: _Optional[int] = ..., global_rank: _Optional[int] = ..., pid: _Optional[int] = ..., node_id: _Optional[str] = ..., attached: _Optional[bool] = ..., ops_completed: _Optional[int] = ...) -> None: ...
+
+class CommStatus(_message.Message):
+    __slots__ = ("job_id", "comm_id", "world_size", "ranks", "pending", "failed", "ops_completed")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    COMM_ID_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    OPS_COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    comm_id: str
+    world_size: int
+    ranks: _containers.RepeatedCompositeFieldContainer[RankStatus]
+    pending: _containers.RepeatedCompositeFieldContainer[PendingOp]
+    failed: str
+    ops_completed: int
+    def __init__(self, job_id: _Optional[str] = ..., comm_id: _Optional[str] = ..., world_size: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., pending: _Optional[_Iterable[_Union[PendingOp, _Mapping]]] = ..., failed: _Optional[str] = ..., ops_completed: _Optional[int] = ...) -> None: ...
+
+class StatusReply(_message.Message):
+    __slots__ = ("node_id", "version", "uptime_seconds", "comms")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    COMMS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    version: str
+    uptime_seconds: float
+    comms: _containers.RepeatedCompositeFieldContainer[CommStatus]
+    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., comms: _Optional[_Iterable[_Union[CommStatus, _Mapping]]] = ...) -> None: ...

@@ -1,0 +1,7 @@
+"""``python -m smddp.server`` runs the daemon."""
+
+import sys
+
+from smddp.server.main import main
+
+sys.exit(main())

@@ -1,0 +1,329 @@
+"""A communicator: the ranks of one process group, its numbered ops and their matching.
+
+Every rank sends the chunks of op #k in order. When all ranks' requests for a chunk have
+arrived, they must agree on kind, dtype, count, root and reduce op; then the chunk runs and
+every rank gets a reply. A mismatch, a dead rank or a timeout fails the communicator: every
+pending and later op of it fails on every rank with a message naming who did what.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from smddp.server import collectives
+from smddp.server.errors import InvalidRequest, OpMismatch, SmddpError
+from smddp.server.session import Session
+from smddp.v1 import smddp_pb2 as pb
+from smddp.wire import (
+    KIND_NAMES,
+    NUMPY_DTYPES,
+    P2P_KINDS,
+    REDUCING_KINDS,
+    ROOTED_KINDS,
+    describe_request,
+    rank_list,
+    reduce_op_check,
+)
+
+log = logging.getLogger(__name__)
+
+# Called after each completed op chunk: (comm, request of rank 0, seconds since the first
+# arrival, the rank that arrived last, arrival skew in seconds). Metrics hook in here.
+OpObserver = Callable[["Communicator", pb.OpRequest, float, int, float], None]
+
+
+@dataclass
+class Pending:
+    """One chunk that some ranks have submitted and others not yet."""
+
+    seq: int
+    part: int
+    participants: tuple[int, ...]
+    first_arrival: float
+    arrivals: dict[int, tuple[Session, pb.OpRequest, float]] = field(default_factory=dict)
+
+    def missing(self) -> list[int]:
+        return [r for r in self.participants if r not in self.arrivals]
+
+
+def _signature(req: pb.OpRequest) -> tuple[int, ...]:
+    # all_to_all ranks legitimately send different totals; their blocks are checked pairwise.
+    count = 0 if req.kind == pb.ALL_TO_ALL else req.count
+    root = req.root if req.kind in ROOTED_KINDS else -1
+    op = req.reduce_op if req.kind in REDUCING_KINDS else 0
+    return (req.kind, req.dtype if req.kind != pb.BARRIER else 0, count, root, op, req.parts)
+
+
+class Communicator:
+    """The ranks of one process group of one job, as registered with this daemon."""
+
+    def __init__(
+        self,
+        job_id: str,
+        comm_id: str,
+        world_size: int,
+        token: bytes,
+        timeout_s: float,
+        chunk_bytes: int,
+        observer: OpObserver | None = None,
+    ) -> None:
+        self.job_id = job_id
+        self.comm_id = comm_id
+        self.world_size = world_size
+        self.token = token
+        self.timeout_s = timeout_s
+        self.chunk_bytes = chunk_bytes
+        self.members: dict[int, Session] = {}
+        self.ops_completed = 0
+        self._observer = observer
+        self._pending: dict[tuple, Pending] = {}
+        self._failed: tuple[int, str] | None = None
+        self._left: list[str] = []
+        self._lock = threading.Lock()
+
+    # -- membership -------------------------------------------------------------------------
+
+    def name(self) -> str:
+        """``job J comm C``, the prefix of every message about this communicator."""
+        return f"job {self.job_id} comm {self.comm_id}"
+
+    def add(self, session: Session) -> None:
+        """Adds a registered rank (the registry has checked that its slot is free)."""
+        with self._lock:
+            self.members[session.rank] = session
+
+    def remove(self, session: Session, why: str, kind: int, log_level: int = logging.WARNING) -> bool:
+        """Removes a rank. Others' pending and later ops fail, since they can no longer complete.
+
+        Returns:
+            True when no rank is left and the communicator can be forgotten.
+        """
+        with self._lock:
+            if self.members.get(session.rank) is session:
+                del self.members[session.rank]
+            empty = not self.members
+            if not empty:
+                self._left.append(why)
+        if not empty:
+            self.fail(kind, why, log_level)
+        return empty
+
+    def failed(self) -> tuple[int, str] | None:
+        """The error kind and message that failed the communicator, or None."""
+        return self._failed
+
+    # -- ops ----------------------------------------------------------------------------------
+
+    def submit(self, session: Session, req: pb.OpRequest) -> None:
+        """Takes one chunk from one rank; runs it when it is the last rank to arrive."""
+        now = time.monotonic()
+        try:
+            self._validate(session, req)
+        except SmddpError as exc:
+            # A rank that sends an impossible op leaves the others waiting forever: fail all.
+            self.fail(exc.kind, f"{self.name()}: {session.label()} sent an invalid op: {exc}")
+            self._reply_error(session, req, exc.kind, str(exc))
+            return
+        with self._lock:
+            failure = self._failed
+            ready = None
+            if failure is None:
+                key, participants = self._key(session, req)
+                pending = self._pending.get(key)
+                if pending is None:
+                    pending = Pending(req.seq, req.part, participants, now)
+                    self._pending[key] = pending
+                pending.arrivals[session.rank] = (session, req, now)
+                if not pending.missing():
+                    del self._pending[key]
+                    ready = pending
+        if failure is not None:
+            self._reply_error(session, req, *failure)
+        elif ready is not None:
+            self._run(ready)
+
+    def _key(self, session: Session, req: pb.OpRequest) -> tuple[tuple, tuple[int, ...]]:
+        if req.kind == pb.SEND:
+            src, dst = session.rank, req.root
+        elif req.kind == pb.RECV:
+            src, dst = req.root, session.rank
+        else:
+            return ("c", req.seq, req.part), tuple(range(self.world_size))
+        return ("p", src, dst, req.seq, req.part), (src, dst)
+
+    def _validate(self, session: Session, req: pb.OpRequest) -> None:
+        if req.kind not in KIND_NAMES:
+            raise InvalidRequest(f"unknown op kind {req.kind}")
+        if req.kind != pb.BARRIER and req.dtype not in NUMPY_DTYPES:
+            raise InvalidRequest(f"unknown dtype {req.dtype} in {KIND_NAMES[req.kind]}")
+        if req.parts < 1 or req.part >= req.parts:
+            raise InvalidRequest(f"chunk {req.part} of {req.parts} is impossible")
+        if req.kind in ROOTED_KINDS or req.kind in P2P_KINDS:
+            if not 0 <= req.root < self.world_size:
+                raise InvalidRequest(
+                    f"{describe_request(req)}: rank {req.root} is outside a world of {self.world_size}"
+                )
+        if req.kind in P2P_KINDS and req.root == session.rank:
+            raise InvalidRequest(f"{describe_request(req)}: a rank cannot send to or receive from itself")
+        if req.kind in REDUCING_KINDS:
+            problem = reduce_op_check(req.dtype, req.reduce_op)
+            if problem:
+                raise InvalidRequest(problem)
+        if session.arena is None and req.kind != pb.BARRIER:
+            raise InvalidRequest("the rank has not attached its arena")
+        # Chunks come in order; anything else is a client bug that would desynchronise ranks.
+        with session.lock:
+            if req.kind in P2P_KINDS:
+                slot = (req.root, req.kind)
+                expected = session.next_p2p.get(slot, (1, 0))
+            else:
+                expected = session.next_collective
+            if (req.seq, req.part) != expected:
+                raise InvalidRequest(
+                    f"{describe_request(req)} arrived as op #{req.seq} chunk {req.part}, "
+                    f"but op #{expected[0]} chunk {expected[1]} was next"
+                )
+            following = (req.seq, req.part + 1) if req.part + 1 < req.parts else (req.seq + 1, 0)
+            if req.kind in P2P_KINDS:
+                session.next_p2p[slot] = following
+            else:
+                session.next_collective = following
+
+    def _run(self, pending: Pending) -> None:
+        arrivals = [pending.arrivals[r] for r in pending.participants]
+        reqs = [a[1] for a in arrivals]
+        sessions = [a[0] for a in arrivals]
+        try:
+            if reqs[0].kind in P2P_KINDS:
+                self._run_p2p(sessions, reqs)
+            else:
+                self._check_match(pending, reqs)
+                arenas = [s.arena for s in sessions]
+                collectives.execute(reqs, arenas)  # type: ignore[arg-type]
+        except SmddpError as exc:
+            msg = str(exc) if str(exc).startswith(self.name()) else f"{self.name()}: {exc}"
+            self.fail(exc.kind, msg)
+            for s, r in zip(sessions, reqs):
+                self._reply_error(s, r, exc.kind, msg)
+            return
+        except Exception as exc:  # a bug in the daemon must fail the op, not hang the job
+            log.exception("%s: op #%d failed", self.name(), pending.seq)
+            msg = f"{self.name()}: internal error in smddpd running op #{pending.seq}: {exc!r}"
+            self.fail(pb.INVALID, msg)
+            for s, r in zip(sessions, reqs):
+                self._reply_error(s, r, pb.INVALID, msg)
+            return
+        last = max(arrivals, key=lambda a: a[2])
+        done = time.monotonic()
+        if reqs[0].part + 1 == reqs[0].parts:
+            with self._lock:
+                self.ops_completed += 1
+            for s in sessions:
+                s.ops_completed += 1
+        for s, r in zip(sessions, reqs):
+            s.reply(pb.OpReply(request_id=r.request_id, ok=True))
+        if self._observer is not None:
+            self._observer(
+                self, reqs[0], done - pending.first_arrival, last[0].rank, last[2] - pending.first_arrival
+            )
+
+    def _run_p2p(self, sessions: list[Session], reqs: list[pb.OpRequest]) -> None:
+        send, recv = (reqs[0], reqs[1]) if reqs[0].kind == pb.SEND else (reqs[1], reqs[0])
+        s_send, s_recv = (sessions[0], sessions[1]) if reqs[0].kind == pb.SEND else (sessions[1], sessions[0])
+        if recv.kind != pb.RECV or send.kind != pb.SEND:
+            raise InvalidRequest("a send must meet a recv")
+        if (send.dtype, send.count, send.parts, send.tag) != (recv.dtype, recv.count, recv.parts, recv.tag):
+            raise InvalidRequest(
+                f"{s_send.label()} called {describe_request(send)} (tag {send.tag}) as message "
+                f"#{send.seq} to rank {s_recv.rank}, which called {describe_request(recv)} "
+                f"(tag {recv.tag})"
+            )
+        collectives.execute_p2p(send, recv, s_send.arena, s_recv.arena)  # type: ignore[arg-type]
+
+    def _check_match(self, pending: Pending, reqs: list[pb.OpRequest]) -> None:
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for rank, req in enumerate(reqs):
+            groups.setdefault(_signature(req), []).append(rank)
+        if len(groups) == 1:
+            return
+        # Name the minority first: "rank 3 called X as op #17 while ranks 0-2 called Y".
+        ordered = sorted(groups.items(), key=lambda kv: (len(kv[1]), kv[1][0]))
+        calls = [f"{rank_list(ranks)} called {describe_request(reqs[ranks[0]])}" for _, ranks in ordered]
+        text = f"{calls[0]} as op #{pending.seq} while " + " and ".join(calls[1:])
+        raise OpMismatch(f"{self.name()}: {text}")
+
+    def _reply_error(self, session: Session, req: pb.OpRequest, kind: int, msg: str) -> None:
+        session.reply(pb.OpReply(request_id=req.request_id, ok=False, error_kind=kind, error=msg))
+
+    # -- failure ------------------------------------------------------------------------------
+
+    def fail(self, kind: int, message: str, log_level: int = logging.WARNING) -> None:
+        """Fails every pending and later op of the communicator on every rank."""
+        with self._lock:
+            if self._failed is not None:
+                return
+            self._failed = (kind, message)
+            pending = list(self._pending.values())
+            self._pending.clear()
+        log.log(logging.WARNING if pending else log_level, "%s", message)
+        for p in pending:
+            for session, req, _ in p.arrivals.values():
+                self._reply_error(session, req, kind, message)
+
+    def check_timeouts(self, now: float) -> None:
+        """Fails the communicator if an op has waited longer than the timeout."""
+        with self._lock:
+            overdue = [p for p in self._pending.values() if now - p.first_arrival > self.timeout_s]
+            if not overdue or self._failed is not None:
+                return
+            p = min(overdue, key=lambda x: x.first_arrival)
+            missing = p.missing()
+            labels = [
+                self.members[r].label() if r in self.members else f"rank {r} (not registered)"
+                for r in missing
+            ]
+            req = next(iter(p.arrivals.values()))[1]
+        waited = now - p.first_arrival
+        arrived = sorted(p.arrivals)
+        message = (
+            f"{self.name()}: op #{p.seq} {describe_request(req)} timed out: "
+            f"{rank_list(missing)} never arrived ({', '.join(labels)}) while "
+            f"{rank_list(arrived)} waited {waited:.1f} s (timeout {self.timeout_s:.1f} s)"
+        )
+        self.fail(pb.TIMEOUT, message)
+
+    def status(self) -> pb.CommStatus:
+        """A snapshot for smddpctl status."""
+        now = time.monotonic()
+        with self._lock:
+            st = pb.CommStatus(
+                job_id=self.job_id,
+                comm_id=self.comm_id,
+                world_size=self.world_size,
+                failed=self._failed[1] if self._failed else "",
+                ops_completed=self.ops_completed,
+            )
+            for r, s in sorted(self.members.items()):
+                st.ranks.add(
+                    rank=r,
+                    global_rank=s.global_rank,
+                    pid=s.pid,
+                    node_id=s.node_id,
+                    attached=s.arena is not None,
+                    ops_completed=s.ops_completed,
+                )
+            for p in sorted(self._pending.values(), key=lambda x: (x.seq, x.part)):
+                req = next(iter(p.arrivals.values()))[1]
+                st.pending.add(
+                    seq=p.seq,
+                    part=p.part,
+                    description=describe_request(req),
+                    arrived_ranks=sorted(p.arrivals),
+                    missing_ranks=p.missing(),
+                    waited_seconds=now - p.first_arrival,
+                )
+        return st

@@ -1,0 +1,124 @@
+"""The daemon's configuration: flags > SMDDP_* environment > config file > defaults."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import socket
+import tomllib
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from smddp.wire import default_socket_path
+
+ENV_PREFIX = "SMDDP_"
+
+
+@dataclass
+class DaemonConfig:
+    """Everything smddpd can be told. Field names are the flags' names with underscores."""
+
+    socket: str = ""  # unix socket of the Node service; "" picks the default
+    socket_group: str = ""  # group that may also use the socket and join jobs
+    grpc_bind: str = ""  # optional TCP listener for health and status (Kubernetes probes)
+    http_bind: str = "127.0.0.1:9464"  # /healthz /readyz /metrics; "off" disables
+    peer_bind: str = "0.0.0.0:7470"  # daemon-to-daemon listener
+    advertise: str = ""  # peer address other daemons use; "" derives it from peer_bind
+    node_id: str = ""  # identity of this node; "" uses the host name
+    log_level: str = "INFO"
+    log_format: str = "text"  # text | json
+    owner_pid: int = 0  # embedded daemon: exit once this process is gone and no rank is left
+    chunk_bytes: int = 8 << 20  # arena footprint of one op chunk
+    default_timeout_s: float = 1800.0  # per-op timeout when the client sets none
+    max_jobs: int = 64
+    max_ranks_per_job: int = 4096
+    max_arena_bytes: int = 16 << 30
+
+    def __post_init__(self) -> None:
+        if not self.socket:
+            self.socket = default_socket_path()
+        if not self.node_id:
+            self.node_id = socket.gethostname()
+
+
+_HELP = {
+    "socket": "unix socket of the local Node service (default /run/smddp/smddpd.sock, or a "
+    "per-user runtime folder when /run/smddp is not writable)",
+    "socket_group": "group allowed to use the socket besides the daemon's user",
+    "grpc_bind": "HOST:PORT of a TCP gRPC listener for health and status (default: none)",
+    "http_bind": "HOST:PORT serving /healthz, /readyz and /metrics; 'off' disables",
+    "peer_bind": "HOST:PORT for connections from other nodes' daemons",
+    "advertise": "HOST:PORT other daemons use to reach this one",
+    "node_id": "this node's identity (default: the host name)",
+    "log_level": "DEBUG, INFO, WARNING or ERROR",
+    "log_format": "text or json",
+    "owner_pid": "embedded mode: exit when this pid is gone and no rank is registered",
+    "chunk_bytes": "arena bytes of one op chunk (large ops are cut and pipelined)",
+    "default_timeout_s": "per-op timeout in seconds for clients that set none",
+    "max_jobs": "most jobs served at once",
+    "max_ranks_per_job": "largest world size of a communicator",
+    "max_arena_bytes": "largest arena a rank may attach",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argparse parser of smddpd; every default is None so that precedence can apply."""
+    parser = argparse.ArgumentParser(
+        prog="smddpd",
+        description="smddp's node daemon: carries out the collectives of the training ranks on "
+        "this node and exchanges with the daemons of other nodes. Every flag can also be set "
+        "as an SMDDP_<NAME> environment variable (e.g. SMDDP_SOCKET) or in the TOML file "
+        "given by --config / SMDDP_CONFIG; flags win over the environment, which wins over "
+        "the file.",
+    )
+    parser.add_argument("--config", help="TOML file with any of the settings below (env SMDDP_CONFIG)")
+    for f in fields(DaemonConfig):
+        flag = "--" + f.name.replace("_", "-")
+        env = ENV_PREFIX + f.name.upper()
+        default = DaemonConfig.__dataclass_fields__[f.name].default
+        shown = default if default != "" else "auto"
+        kind = {"int": int, "float": float}.get(str(f.type), str)
+        parser.add_argument(flag, type=kind, default=None, help=f"{_HELP[f.name]} (env {env}; default {shown})")
+    return parser
+
+
+def load(argv: list[str] | None = None, environ: dict[str, str] | None = None) -> DaemonConfig:
+    """Builds the configuration from flags, environment and file.
+
+    Raises:
+        SystemExit: a bad flag, an unreadable file or a value of the wrong type.
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    env = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    config_file = args.config or env.get(ENV_PREFIX + "CONFIG")
+    names = {f.name: f for f in fields(DaemonConfig)}
+    if config_file:
+        try:
+            data = tomllib.loads(Path(config_file).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            parser.error(f"cannot read config file {config_file}: {exc}")
+        for key, value in data.items():
+            name = key.replace("-", "_")
+            if name not in names:
+                parser.error(f"config file {config_file}: unknown setting {key!r}")
+            values[name] = value
+    for name, f in names.items():
+        raw = env.get(ENV_PREFIX + name.upper())
+        if raw is not None:
+            values[name] = raw
+        flag_value = getattr(args, name)
+        if flag_value is not None:
+            values[name] = flag_value
+    for name, value in list(values.items()):
+        kind = {"int": int, "float": float}.get(str(names[name].type), str)
+        try:
+            values[name] = kind(value)
+        except (TypeError, ValueError):
+            parser.error(f"{name}: {value!r} is not a valid {kind.__name__}")
+    if values.get("log_format", "text") not in ("text", "json"):
+        parser.error("log_format must be 'text' or 'json'")
+    return dataclasses.replace(DaemonConfig(), **values) if values else DaemonConfig()

@@ -1,0 +1,56 @@
+"""The daemon's exception hierarchy; each error knows its wire kind and gRPC status."""
+
+from __future__ import annotations
+
+import grpc
+
+from smddp.v1 import smddp_pb2 as pb
+
+
+class SmddpError(Exception):
+    """Base of the daemon's errors; the message names job, rank, node and op involved."""
+
+    kind: int = pb.INVALID
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+
+class InvalidRequest(SmddpError):
+    """Malformed or impossible input from a client."""
+
+    kind = pb.INVALID
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class Unauthenticated(SmddpError):
+    """Unknown session, wrong secret or wrong job token."""
+
+    kind = pb.UNAUTHENTICATED
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDenied(SmddpError):
+    """A client of another user tried to join or use a job."""
+
+    kind = pb.UNAUTHENTICATED
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class FailedPrecondition(SmddpError):
+    """The request is valid but the state does not allow it (e.g. rank already registered)."""
+
+    kind = pb.INVALID
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class LimitExceeded(SmddpError):
+    """A configured limit (jobs, ranks, arena size) would be exceeded."""
+
+    kind = pb.INVALID
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class OpMismatch(SmddpError):
+    """Ranks called different collectives as the same op number."""
+
+    kind = pb.MISMATCH
+    code = grpc.StatusCode.FAILED_PRECONDITION

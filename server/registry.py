@@ -1,0 +1,224 @@
+"""Who is registered with this daemon: jobs, their communicators and the ranks' sessions."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import secrets
+import threading
+import time
+
+from smddp.server.arena import Arena
+from smddp.server.communicator import Communicator, OpObserver
+from smddp.server.config import DaemonConfig
+from smddp.server.errors import (
+    FailedPrecondition,
+    InvalidRequest,
+    LimitExceeded,
+    PermissionDenied,
+    Unauthenticated,
+)
+from smddp.server.session import Session
+from smddp.v1 import smddp_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+_JOB_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+_COMM_ID = re.compile(r"^[\x21-\x7e]{1,256}$")
+MIN_TOKEN_BYTES = 16
+MAX_TOKEN_BYTES = 1024
+MIN_ARENA_BYTES = 64 << 10
+MAX_TIMEOUT_MS = 7 * 24 * 3600 * 1000
+
+
+class Registry:
+    """Thread-safe tables of communicators and sessions, and the rules for joining them."""
+
+    def __init__(self, config: DaemonConfig, observer: OpObserver | None = None) -> None:
+        self.config = config
+        self.started = time.time()
+        self._observer = observer
+        self._comms: dict[tuple[str, str], Communicator] = {}
+        self._sessions: dict[str, Session] = {}
+        self._job_tokens: dict[str, bytes] = {}
+        self._job_owner: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    # -- joining ------------------------------------------------------------------------------
+
+    def register(self, req: pb.RegisterRequest) -> Session:
+        """Adds a rank to its communicator, creating the communicator on first contact.
+
+        Raises:
+            SmddpError: bad fields, wrong token, a taken rank slot or an exceeded limit.
+        """
+        cfg = self.config
+        if not _JOB_ID.match(req.job_id):
+            raise InvalidRequest(f"job_id {req.job_id[:140]!r} must be 1-128 characters of A-Z a-z 0-9 . _ : -")
+        if not _COMM_ID.match(req.comm_id):
+            raise InvalidRequest(f"job {req.job_id}: comm_id {req.comm_id[:260]!r} must be 1-256 printable characters")
+        where = f"job {req.job_id} comm {req.comm_id}"
+        if not MIN_TOKEN_BYTES <= len(req.job_token) <= MAX_TOKEN_BYTES:
+            raise InvalidRequest(f"{where}: job_token must have {MIN_TOKEN_BYTES}-{MAX_TOKEN_BYTES} bytes")
+        if not 1 <= req.world_size <= cfg.max_ranks_per_job:
+            raise LimitExceeded(
+                f"{where}: world_size {req.world_size} is outside 1..{cfg.max_ranks_per_job} (--max-ranks-per-job)"
+            )
+        if req.rank >= req.world_size:
+            raise InvalidRequest(f"{where}: rank {req.rank} is outside a world of {req.world_size}")
+        if not MIN_ARENA_BYTES <= req.arena_bytes <= cfg.max_arena_bytes:
+            raise LimitExceeded(
+                f"{where} rank {req.rank}: arena_bytes {req.arena_bytes} is outside "
+                f"{MIN_ARENA_BYTES}..{cfg.max_arena_bytes} (--max-arena-bytes)"
+            )
+        if req.timeout_ms > MAX_TIMEOUT_MS:
+            raise InvalidRequest(f"{where}: timeout_ms {req.timeout_ms} exceeds 7 days")
+        timeout_s = req.timeout_ms / 1000 if req.timeout_ms else cfg.default_timeout_s
+        key = (req.job_id, req.comm_id)
+        with self._lock:
+            token = self._job_tokens.get(req.job_id)
+            if token is None:
+                if len(self._job_tokens) >= cfg.max_jobs:
+                    raise LimitExceeded(f"{where}: the daemon already serves {cfg.max_jobs} jobs (--max-jobs)")
+            elif not secrets.compare_digest(token, req.job_token):
+                raise Unauthenticated(f"{where} rank {req.rank}: wrong job token")
+            comm = self._comms.get(key)
+            if comm is None:
+                chunk = max(4096, min(cfg.chunk_bytes, req.arena_bytes // 2) // 64 * 64)
+                comm = Communicator(
+                    req.job_id, req.comm_id, req.world_size, req.job_token, timeout_s, chunk, self._observer
+                )
+                self._comms[key] = comm
+                self._job_tokens[req.job_id] = req.job_token
+            else:
+                if comm.world_size != req.world_size:
+                    raise FailedPrecondition(
+                        f"{where}: rank {req.rank} registered with world_size {req.world_size} "
+                        f"but the communicator has {comm.world_size} ranks"
+                    )
+                if req.rank in comm.members:
+                    other = comm.members[req.rank]
+                    raise FailedPrecondition(f"{where}: rank {req.rank} is already registered ({other.label()})")
+                if req.arena_bytes < comm.chunk_bytes:
+                    raise InvalidRequest(
+                        f"{where} rank {req.rank}: arena of {req.arena_bytes} bytes is smaller than "
+                        f"the communicator's chunk of {comm.chunk_bytes} bytes"
+                    )
+            session = Session(
+                session_id=secrets.token_hex(16),
+                secret=secrets.token_bytes(32),
+                comm=comm,
+                rank=req.rank,
+                global_rank=req.global_rank,
+                pid=req.pid,
+                node_id=req.node_id or "?",
+                arena_bytes=req.arena_bytes,
+            )
+            comm.add(session)
+            self._sessions[session.session_id] = session
+        log.info("%s: registered %s", where, session.label())
+        return session
+
+    def authenticate(self, session_id: str, secret: bytes) -> Session:
+        """Returns the live session named by ``session_id`` if ``secret`` proves it.
+
+        Raises:
+            Unauthenticated: no such session, or the wrong secret.
+        """
+        with self._lock:
+            session = self._sessions.get(session_id)
+        if session is None or not secrets.compare_digest(session.secret, secret):
+            raise Unauthenticated(f"unknown session {session_id[:64]!r} or wrong session secret")
+        return session
+
+    def attach(self, session: Session, fd: int, uid: int) -> None:
+        """Maps the session's arena from ``fd`` after checking the client's uid.
+
+        Raises:
+            SmddpError: already attached, another user's job, or a bad memfd.
+        """
+        comm = session.comm
+        try:
+            if session.arena is not None:
+                raise FailedPrecondition(f"{comm.name()}: {session.label()} has already attached its arena")
+            with self._lock:
+                owner = self._job_owner.setdefault(comm.job_id, uid)
+            if owner != uid:
+                raise PermissionDenied(
+                    f"{comm.name()}: uid {uid} may not join job {comm.job_id}, which belongs to uid {owner}"
+                )
+        except Exception:
+            os.close(fd)
+            raise
+        session.uid = uid
+        session.arena = Arena(fd, session.arena_bytes, f"{comm.name()} {session.label()}")
+
+    # -- leaving ------------------------------------------------------------------------------
+
+    def deregister(self, session: Session) -> None:
+        """Removes a rank that left cleanly (destroy_process_group)."""
+        why = f"{session.comm.name()}: {session.label()} has left the communicator (destroy_process_group)"
+        self._drop(session, why, pb.RANK_FAILED, logging.INFO)
+
+    def connection_lost(self, session: Session, detail: str) -> None:
+        """Removes a rank whose connection broke; its communicator fails on the other ranks."""
+        why = (
+            f"{session.comm.name()}: {session.label()} disconnected without leaving the "
+            f"communicator ({detail}); its process died or closed its connection"
+        )
+        self._drop(session, why, pb.RANK_FAILED)
+
+    def _drop(self, session: Session, why: str, kind: int, log_level: int = logging.WARNING) -> None:
+        with self._lock:
+            if session.closed:
+                return
+            session.closed = True
+            self._sessions.pop(session.session_id, None)
+        comm = session.comm
+        empty = comm.remove(session, why, kind, log_level)
+        if empty:
+            with self._lock:
+                if self._comms.get((comm.job_id, comm.comm_id)) is comm:
+                    del self._comms[(comm.job_id, comm.comm_id)]
+                if not any(k[0] == comm.job_id for k in self._comms):
+                    self._job_tokens.pop(comm.job_id, None)
+                    self._job_owner.pop(comm.job_id, None)
+        if session.arena is not None:
+            session.arena.close()
+
+    # -- looking ------------------------------------------------------------------------------
+
+    def comms(self) -> list[Communicator]:
+        """A snapshot of the live communicators."""
+        with self._lock:
+            return list(self._comms.values())
+
+    def session_count(self) -> int:
+        """Number of registered ranks."""
+        with self._lock:
+            return len(self._sessions)
+
+    def job_count(self) -> int:
+        """Number of jobs with at least one communicator."""
+        with self._lock:
+            return len(self._job_tokens)
+
+    def sessions(self) -> list[Session]:
+        """A snapshot of the registered ranks."""
+        with self._lock:
+            return list(self._sessions.values())
+
+    def status(self, version: str) -> pb.StatusReply:
+        """Everything smddpctl status shows."""
+        reply = pb.StatusReply(
+            node_id=self.config.node_id, version=version, uptime_seconds=time.time() - self.started
+        )
+        for comm in sorted(self.comms(), key=lambda c: (c.job_id, c.comm_id)):
+            reply.comms.append(comm.status())
+        return reply
+
+    def shutdown(self, reason: str) -> None:
+        """Fails every communicator: the daemon is stopping."""
+        for comm in self.comms():
+            comm.fail(pb.SHUTDOWN, f"{comm.name()}: {reason}")

@@ -1,0 +1,94 @@
+"""The gRPC edge of the daemon: the Node service. Proto in, domain calls, proto out."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Iterator
+
+import grpc
+
+from smddp.server import __version__
+from smddp.server.errors import SmddpError
+from smddp.server.registry import Registry
+from smddp.server.session import Session
+from smddp.v1 import smddp_pb2 as pb
+from smddp.v1 import smddp_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+
+class StreamChannel:
+    """Replies to one rank over its gRPC Ops stream."""
+
+    def __init__(self) -> None:
+        self.queue: queue.Queue[pb.OpReply | None] = queue.Queue()
+
+    def send_reply(self, reply: pb.OpReply) -> None:
+        self.queue.put(reply)
+
+
+class NodeService(pb_grpc.NodeServicer):
+    """Registration, the op stream, deregistration and status for local ranks."""
+
+    def __init__(self, registry: Registry) -> None:
+        self._registry = registry
+
+    def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.RegisterReply:
+        try:
+            session = self._registry.register(request)
+        except SmddpError as exc:
+            context.abort(exc.code, str(exc))
+        return pb.RegisterReply(
+            session_id=session.session_id,
+            session_secret=session.secret,
+            chunk_bytes=session.comm.chunk_bytes,
+            daemon_node_id=self._registry.config.node_id,
+            daemon_version=__version__,
+        )
+
+    def Ops(self, request_iterator: Iterator[pb.OpRequest], context: grpc.ServicerContext) -> Iterator[pb.OpReply]:
+        try:
+            first = next(request_iterator)
+        except StopIteration:
+            return
+        try:
+            session = self._registry.authenticate(first.session_id, first.session_secret)
+        except SmddpError as exc:
+            context.abort(exc.code, str(exc))
+        channel = StreamChannel()
+        session.channel = channel
+
+        def read() -> None:
+            detail = "the Ops stream ended"
+            try:
+                session.comm.submit(session, first)
+                for req in request_iterator:
+                    session.comm.submit(session, req)
+            except grpc.RpcError as exc:
+                detail = f"the Ops stream broke: {exc}"
+            except Exception as exc:  # keep serving others whatever one stream does
+                detail = f"the Ops stream failed: {exc!r}"
+            finally:
+                if not session.closed:
+                    self._registry.connection_lost(session, detail)
+                channel.queue.put(None)
+
+        threading.Thread(target=read, name="smddp-ops-stream", daemon=True).start()
+        while True:
+            reply = channel.queue.get()
+            if reply is None:
+                return
+            yield reply
+
+    def Deregister(self, request: pb.DeregisterRequest, context: grpc.ServicerContext) -> pb.DeregisterReply:
+        try:
+            session: Session = self._registry.authenticate(request.session_id, request.session_secret)
+        except SmddpError as exc:
+            context.abort(exc.code, str(exc))
+        self._registry.deregister(session)
+        return pb.DeregisterReply()
+
+    def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
+        return self._registry.status(__version__)

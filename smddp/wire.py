@@ -1,0 +1,176 @@
+"""What the daemon and its clients both know about the wire: dtypes, op names, framing.
+
+Both sides import this module; it depends on nothing but numpy, ml_dtypes and the
+generated stubs, so the daemon stays free of torch.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import ml_dtypes
+import numpy as np
+
+from smddp.v1 import smddp_pb2 as pb
+
+# Data socket framing: one SOCK_SEQPACKET message is a 1-byte type and a serialized proto.
+MSG_ATTACH = 1
+MSG_ATTACH_REPLY = 2
+MSG_OP = 3
+MSG_OP_REPLY = 4
+MAX_MESSAGE_BYTES = 1 << 20
+
+DATA_SOCKET_SUFFIX = ".data"
+
+NUMPY_DTYPES: dict[int, np.dtype] = {
+    pb.FLOAT16: np.dtype(np.float16),
+    pb.BFLOAT16: np.dtype(ml_dtypes.bfloat16),
+    pb.FLOAT32: np.dtype(np.float32),
+    pb.FLOAT64: np.dtype(np.float64),
+    pb.INT8: np.dtype(np.int8),
+    pb.UINT8: np.dtype(np.uint8),
+    pb.INT16: np.dtype(np.int16),
+    pb.INT32: np.dtype(np.int32),
+    pb.INT64: np.dtype(np.int64),
+    pb.BOOL: np.dtype(np.bool_),
+}
+WIRE_DTYPES: dict[np.dtype, int] = {v: k for k, v in NUMPY_DTYPES.items()}
+FLOAT_DTYPES = frozenset({pb.FLOAT16, pb.BFLOAT16, pb.FLOAT32, pb.FLOAT64})
+
+KIND_NAMES = {
+    pb.ALL_REDUCE: "all_reduce",
+    pb.BROADCAST: "broadcast",
+    pb.REDUCE: "reduce",
+    pb.ALL_GATHER: "all_gather",
+    pb.REDUCE_SCATTER: "reduce_scatter",
+    pb.ALL_TO_ALL: "all_to_all",
+    pb.GATHER: "gather",
+    pb.SCATTER: "scatter",
+    pb.BARRIER: "barrier",
+    pb.SEND: "send",
+    pb.RECV: "recv",
+}
+REDUCE_NAMES = {
+    pb.SUM: "SUM",
+    pb.AVG: "AVG",
+    pb.MIN: "MIN",
+    pb.MAX: "MAX",
+    pb.PRODUCT: "PRODUCT",
+    pb.BAND: "BAND",
+    pb.BOR: "BOR",
+    pb.BXOR: "BXOR",
+}
+REDUCING_KINDS = frozenset({pb.ALL_REDUCE, pb.REDUCE, pb.REDUCE_SCATTER})
+ROOTED_KINDS = frozenset({pb.BROADCAST, pb.REDUCE, pb.GATHER, pb.SCATTER})
+P2P_KINDS = frozenset({pb.SEND, pb.RECV})
+
+
+def dtype_name(dtype: int) -> str:
+    """Returns the torch-style name of a wire dtype, e.g. ``float32``."""
+    if dtype == pb.BFLOAT16:
+        return "bfloat16"
+    np_dtype = NUMPY_DTYPES.get(dtype)
+    return "bool" if np_dtype == np.bool_ else (np_dtype.name if np_dtype else f"dtype#{dtype}")
+
+
+def reduce_op_check(dtype: int, reduce_op: int) -> str | None:
+    """Says why ``reduce_op`` cannot apply to ``dtype``, or None when it can."""
+    if reduce_op not in REDUCE_NAMES:
+        return f"unknown reduce op {reduce_op}"
+    if reduce_op in (pb.BAND, pb.BOR, pb.BXOR) and dtype in FLOAT_DTYPES:
+        return f"{REDUCE_NAMES[reduce_op]} is only defined for integer and bool tensors, not {dtype_name(dtype)}"
+    if reduce_op == pb.AVG and dtype not in FLOAT_DTYPES:
+        return f"AVG is only defined for floating-point tensors, not {dtype_name(dtype)}"
+    return None
+
+
+def describe(kind: int, dtype: int, count: int, root: int, reduce_op: int) -> str:
+    """Names an op the way a user wrote it, e.g. ``broadcast(src=1, 4096 x float32)``."""
+    name = KIND_NAMES.get(kind, f"op#{kind}")
+    if kind == pb.BARRIER:
+        return "barrier()"
+    args = []
+    if kind in REDUCING_KINDS:
+        args.append(REDUCE_NAMES.get(reduce_op, f"op#{reduce_op}"))
+    if kind in (pb.BROADCAST, pb.SCATTER):
+        args.append(f"src={root}")
+    elif kind in (pb.REDUCE, pb.GATHER):
+        args.append(f"dst={root}")
+    elif kind == pb.SEND:
+        args.append(f"dst={root}")
+    elif kind == pb.RECV:
+        args.append(f"src={root}")
+    if kind == pb.ALL_TO_ALL:
+        args.append(f"{count} x {dtype_name(dtype)} sent")
+    else:
+        args.append(f"{count} x {dtype_name(dtype)}")
+    return f"{name}({', '.join(args)})"
+
+
+def describe_request(req: pb.OpRequest) -> str:
+    """``describe`` applied to an OpRequest."""
+    return describe(req.kind, req.dtype, req.count, req.root, req.reduce_op)
+
+
+def pack(msg_type: int, message: bytes) -> bytes:
+    """Frames one data-socket message."""
+    return struct.pack("B", msg_type) + message
+
+
+def unpack(data: bytes) -> tuple[int, bytes]:
+    """Splits one data-socket message into its type and payload.
+
+    Raises:
+        ValueError: the message is empty.
+    """
+    if not data:
+        raise ValueError("empty message")
+    return data[0], data[1:]
+
+
+def rank_list(ranks: list[int]) -> str:
+    """Formats ranks compactly: ``rank 3``, ``ranks 0-2``, ``ranks 0, 2, 5-7``."""
+    ranks = sorted(ranks)
+    parts: list[str] = []
+    start = prev = None
+    for r in ranks:
+        if start is None:
+            start = prev = r
+        elif r == prev + 1:
+            prev = r
+        else:
+            parts.append(f"{start}" if start == prev else f"{start}-{prev}")
+            start = prev = r
+    if start is not None:
+        parts.append(f"{start}" if start == prev else f"{start}-{prev}")
+    label = "rank" if len(ranks) == 1 else "ranks"
+    return f"{label} {', '.join(parts)}"
+
+
+SYSTEM_SOCKET = "/run/smddp/smddpd.sock"
+
+
+def user_socket_path() -> str:
+    """The per-user fallback socket: ``$XDG_RUNTIME_DIR/smddp`` or ``/tmp/smddp-<uid>``."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    base = os.path.join(runtime, "smddp") if runtime else f"/tmp/smddp-{os.getuid()}"
+    return os.path.join(base, "smddpd.sock")
+
+
+def default_socket_path() -> str:
+    """The daemon's socket when none is configured: the system path if we may create it there."""
+    folder = os.path.dirname(SYSTEM_SOCKET)
+    if os.path.isdir(folder) and os.access(folder, os.W_OK | os.X_OK):
+        return SYSTEM_SOCKET
+    if not os.path.exists(folder) and os.access(os.path.dirname(folder), os.W_OK | os.X_OK):
+        return SYSTEM_SOCKET
+    return user_socket_path()
+
+
+def socket_candidates() -> list[str]:
+    """Where a client looks for a daemon: ``SMDDP_SOCKET`` alone if set, else both defaults."""
+    explicit = os.environ.get("SMDDP_SOCKET")
+    if explicit:
+        return [explicit]
+    return [SYSTEM_SOCKET, user_socket_path()]
