@@ -89,6 +89,13 @@ class Daemon:
             self._data.stop()
         if self._grpc is not None:
             self._grpc.stop(grace_s).wait()
+        if self.config.owner_pid:
+            # An embedded daemon owns its private folder; leave nothing behind.
+            for path in (self.config.socket, os.path.dirname(self.config.socket)):
+                try:
+                    os.rmdir(path) if os.path.isdir(path) else os.unlink(path)
+                except OSError:
+                    pass
         self.stopped.set()
         log.info("smddpd stopped")
 

@@ -1,0 +1,62 @@
+"""The torch.distributed backend "smddp": registration and the process group's creator.
+
+``import smddp`` (or ``import smddp.backend``, or SageMaker's
+``import smdistributed.dataparallel.torch.torch_smddp``) registers it; then
+``dist.init_process_group(backend="smddp")`` and ``dist.new_group(..., backend="smddp")``
+create SmddpProcessGroups whose collectives the node daemon carries out.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch.distributed as dist
+
+from smddp.backend.job import Job, rendezvous
+from smddp.backend.process_group import BACKEND_NAME, SmddpProcessGroup
+from smddp.client.communicator import Communicator, connect
+from smddp.client.errors import SmddpError
+
+__all__ = ["BACKEND_NAME", "SmddpProcessGroup", "register"]
+
+_job: Job | None = None
+_job_lock = threading.Lock()
+
+
+def _create(dist_opts: Any, pg_options: Any) -> SmddpProcessGroup:
+    """torch's extended-API creator: called once per process group, on its members only."""
+    global _job
+    store, rank, size = dist_opts.store, dist_opts.group_rank, dist_opts.group_size
+    group_id = str(dist_opts.group_id)
+    global_ranks = list(dist_opts.global_ranks_in_group) or list(range(size))
+    timeout_s = dist_opts.timeout.total_seconds()
+    try:
+        with _job_lock:
+            # The default group (id "0") starts a job; new groups join the running one.
+            if _job is None or group_id == "0":
+                _job = rendezvous(store, rank, size, dist_opts.timeout)
+            job = _job
+        comm: Communicator = connect(
+            job_id=job.job_id,
+            job_token=job.token,
+            rank=rank,
+            world_size=size,
+            comm_id=group_id,
+            socket_path=job.socket_path,
+            timeout_s=timeout_s,
+            global_rank=global_ranks[rank],
+        )
+    except SmddpError as exc:
+        raise dist.DistBackendError(f"smddp: cannot create process group {group_id} (rank {rank} of {size}): {exc}") from None
+    return SmddpProcessGroup(comm, rank, size)
+
+
+def register() -> None:
+    """Registers backend "smddp" with torch.distributed (idempotent)."""
+    if BACKEND_NAME in dist.Backend.backend_list:
+        return
+    dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu", "cuda"])
+
+
+register()

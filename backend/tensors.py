@@ -1,0 +1,56 @@
+"""Torch tensors as numpy arrays for the client, and the reduce ops torch passes."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from smddp.client.errors import UnsupportedError
+from smddp.v1 import smddp_pb2 as pb
+
+SUPPORTED = (
+    torch.float16, torch.bfloat16, torch.float32, torch.float64,
+    torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool,
+)
+_REDUCE_OPS = {
+    dist.ReduceOp.SUM: pb.SUM,
+    dist.ReduceOp.AVG: pb.AVG,
+    dist.ReduceOp.MIN: pb.MIN,
+    dist.ReduceOp.MAX: pb.MAX,
+    dist.ReduceOp.PRODUCT: pb.PRODUCT,
+    dist.ReduceOp.BAND: pb.BAND,
+    dist.ReduceOp.BOR: pb.BOR,
+    dist.ReduceOp.BXOR: pb.BXOR,
+}
+
+
+def check(t: torch.Tensor, what: str) -> None:
+    """Raises UnsupportedError for a tensor smddp cannot carry."""
+    if not isinstance(t, torch.Tensor):
+        raise UnsupportedError(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise UnsupportedError(f"{what}: {t.layout} tensors are not supported, only dense ones")
+    if t.device.type != "cpu":
+        raise UnsupportedError(f"{what}: tensors on {t.device} are not supported yet; smddp carries CPU tensors")
+    if t.dtype not in SUPPORTED:
+        names = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED)
+        raise UnsupportedError(f"{what}: dtype {str(t.dtype).removeprefix('torch.')} is not supported ({names})")
+
+
+def as_numpy(t: torch.Tensor, what: str) -> np.ndarray:
+    """A numpy view of ``t`` sharing its memory (bfloat16 through ml_dtypes)."""
+    check(t, what)
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def reduce_op(op: dist.ReduceOp, what: str) -> int:
+    """The wire ReduceOp for torch's, or UnsupportedError (e.g. PREMUL_SUM)."""
+    for torch_op, wire in _REDUCE_OPS.items():
+        if op == torch_op:
+            return wire
+    raise UnsupportedError(f"{what}: reduce op {op} is not supported (SUM, AVG, MIN, MAX, PRODUCT, BAND, BOR, BXOR)")

@@ -1,0 +1,89 @@
+"""The Work object torch gets back from every smddp collective.
+
+No ``from __future__ import annotations`` here: TorchScript compiles ``_identity`` below and
+needs real annotations.
+"""
+
+import threading
+from datetime import timedelta
+from typing import Callable, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from smddp.backend.errors import translate
+from smddp.client import Handle
+from smddp.client.errors import SmddpError
+
+
+@torch.jit.script
+def _identity(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+    return tensors
+
+
+def typed_future(tensors: List[torch.Tensor]) -> torch.futures.Future:
+    """A completed Future whose TorchScript type is List[Tensor].
+
+    DDP's built-in C++ comm hooks (FP16_COMPRESS) require ``isTensorList()`` of the value; a
+    Future completed from Python holds a PyObject, one made by ``torch.jit._fork`` does not.
+    """
+    return torch.jit._fork(_identity, tensors)
+
+
+class SmddpWork(dist.Work):
+    """Completes when the op's chunks are retired and copy-backs have run."""
+
+    def __init__(
+        self,
+        handles: List[Handle],
+        result: List[torch.Tensor],
+        finish: Optional[Callable[[], None]] = None,
+    ) -> None:
+        super().__init__()
+        self._handles = handles
+        self._result = result
+        self._finish = finish
+        self._error: Optional[BaseException] = None
+        self._completed = False
+        self._lock = threading.Lock()
+
+    def _complete(self) -> None:
+        with self._lock:
+            if self._completed:
+                return
+            try:
+                for h in self._handles:
+                    h.wait()
+                if self._finish is not None:
+                    self._finish()
+            except SmddpError as exc:
+                self._error = translate(exc)
+            self._completed = True
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        self._complete()
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        return self._completed or all(h.done() for h in self._handles)
+
+    def is_success(self) -> bool:
+        self._complete()
+        return self._error is None
+
+    def exception(self) -> Optional[BaseException]:
+        return self._error
+
+    def result(self) -> List[torch.Tensor]:
+        self.wait()
+        return self._result
+
+    def get_future(self) -> torch.futures.Future:
+        self._complete()
+        if self._error is not None:
+            fut: torch.futures.Future = torch.futures.Future()
+            fut.set_exception(self._error)
+            return fut
+        return typed_future(self._result)

@@ -1,0 +1,1 @@
+"""SageMaker-compatible import path, provided by smddp."""
