@@ -37,23 +37,38 @@ def write_plot(path: str, rows: Sequence[Row], memcpy_gbps: dict[int, float]) ->
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(11, 7))
-    lines: dict[tuple[str, str, int], list[Row]] = {}
+    lines: dict[tuple[str, int, str], dict[int, Row]] = {}
     for row in rows:
         if row.busbw_gbps is not None:
-            lines.setdefault((row.backend, row.op, row.world_size), []).append(row)
-    for (backend, op, world), points in sorted(lines.items()):
-        points.sort(key=lambda r: r.bytes)
+            # Keyed by bytes moved: a tiny size rounded up to n elements would otherwise
+            # duplicate the next size's point; the later row is the one asked for exactly.
+            lines.setdefault((row.op, row.world_size, row.backend), {})[row.bytes] = row
+    # One colour per op and world size, one line style per backend, so pairs are easy to read.
+    colours = plt.get_cmap("tab10").colors + plt.get_cmap("Dark2").colors
+    series = sorted({(op, world) for op, world, _ in lines})
+    styles = ["-", ":", "--", "-."]
+    backends = sorted({backend for _, _, backend in lines}, key=lambda b: b != "smddp")
+    for (op, world, backend), points in sorted(lines.items()):
+        sizes = sorted(points)
         ax.plot(
-            [r.bytes for r in points],
-            [r.busbw_gbps for r in points],
+            sizes,
+            [points[s].busbw_gbps for s in sizes],
             marker="o",
             markersize=3,
-            linestyle="-" if backend == "smddp" else ":",
+            color=colours[series.index((op, world)) % len(colours)],
+            linestyle=styles[backends.index(backend) % len(styles)],
             label=f"{backend} {op} n={world}",
         )
     if memcpy_gbps:
         sizes = sorted(memcpy_gbps)
-        ax.plot(sizes, [memcpy_gbps[s] for s in sizes], "k--", label="memcpy (1 process)")
+        ax.plot(
+            sizes,
+            [memcpy_gbps[s] for s in sizes],
+            "k-",
+            lw=2,
+            alpha=0.5,
+            label="memcpy (1 process)",
+        )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("message size (bytes)")
