@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from typing import TYPE_CHECKING
 from dataclasses import dataclass, field
 
 from smddp.server import collectives
@@ -31,15 +31,14 @@ from smddp.wire import (
 
 log = logging.getLogger(__name__)
 
-# Called after each completed op chunk: (comm, request of rank 0, seconds since the first
-# arrival, the rank that arrived last, arrival skew in seconds). Metrics hook in here.
-OpObserver = Callable[["Communicator", pb.OpRequest, float, int, float], None]
-
+if TYPE_CHECKING:
+    from smddp.server.metrics import Metrics
 
 @dataclass
 class Pending:
     """One chunk that some ranks have submitted and others not yet."""
 
+    key: tuple
     seq: int
     part: int
     participants: tuple[int, ...]
@@ -69,7 +68,7 @@ class Communicator:
         token: bytes,
         timeout_s: float,
         chunk_bytes: int,
-        observer: OpObserver | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         self.job_id = job_id
         self.comm_id = comm_id
@@ -79,7 +78,9 @@ class Communicator:
         self.chunk_bytes = chunk_bytes
         self.members: dict[int, Session] = {}
         self.ops_completed = 0
-        self._observer = observer
+        self._metrics = metrics
+        # Per op in progress: (time the first rank arrived at chunk 0, bytes so far).
+        self._progress: dict[tuple, tuple[float, int]] = {}
         self._pending: dict[tuple, Pending] = {}
         self._failed: tuple[int, str] | None = None
         self._left: list[str] = []
@@ -135,7 +136,7 @@ class Communicator:
                 key, participants = self._key(session, req)
                 pending = self._pending.get(key)
                 if pending is None:
-                    pending = Pending(req.seq, req.part, participants, now)
+                    pending = Pending(key, req.seq, req.part, participants, now)
                     self._pending[key] = pending
                 pending.arrivals[session.rank] = (session, req, now)
                 if not pending.missing():
@@ -218,18 +219,22 @@ class Communicator:
                 self._reply_error(s, r, pb.INVALID, msg)
             return
         last = max(arrivals, key=lambda a: a[2])
-        done = time.monotonic()
-        if reqs[0].part + 1 == reqs[0].parts:
+        op_key = pending.key[:-1]
+        start, nbytes = self._progress.pop(op_key, (pending.first_arrival, 0))
+        nbytes += sum(r.input.nbytes + sum(b.nbytes for b in r.send_blocks) for r in reqs)
+        final = reqs[0].part + 1 == reqs[0].parts
+        if final:
             with self._lock:
                 self.ops_completed += 1
             for s in sessions:
                 s.ops_completed += 1
+        else:
+            self._progress[op_key] = (start, nbytes)
         for s, r in zip(sessions, reqs):
             s.reply(pb.OpReply(request_id=r.request_id, ok=True))
-        if self._observer is not None:
-            self._observer(
-                self, reqs[0], done - pending.first_arrival, last[0].rank, last[2] - pending.first_arrival
-            )
+        if final and self._metrics is not None:
+            skew = last[2] - pending.first_arrival
+            self._metrics.op_done(self, reqs[0], time.monotonic() - start, last[0].rank, skew, nbytes)
 
     def _run_p2p(self, sessions: list[Session], reqs: list[pb.OpRequest]) -> None:
         send, recv = (reqs[0], reqs[1]) if reqs[0].kind == pb.SEND else (reqs[1], reqs[0])
@@ -269,6 +274,8 @@ class Communicator:
             self._failed = (kind, message)
             pending = list(self._pending.values())
             self._pending.clear()
+        if self._metrics is not None and pending:
+            self._metrics.error(kind)
         log.log(logging.WARNING if pending else log_level, "%s", message)
         for p in pending:
             for session, req, _ in p.arrivals.values():

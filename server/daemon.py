@@ -5,6 +5,7 @@ from __future__ import annotations
 import grp
 import logging
 import os
+import socket
 import threading
 import time
 from concurrent import futures
@@ -13,8 +14,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from smddp.server import notify
 from smddp.server.config import DaemonConfig
 from smddp.server.data_socket import DataSocketServer
+from smddp.server.http import HttpServer
+from smddp.server.metrics import Metrics
 from smddp.server.registry import Registry
 from smddp.server.service import NodeService
 from smddp.v1 import smddp_pb2 as pb
@@ -29,15 +33,34 @@ WATCHDOG_PERIOD_S = 0.2
 ORPHAN_GRACE_S = 30.0
 
 
+def _answers(data_socket: str) -> bool:
+    """True when a live daemon accepts connections on ``data_socket``."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        probe.connect(data_socket)
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+
+
 class Daemon:
     """One smddpd: start(), then stop() from a signal handler or a test."""
 
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
-        self.registry = Registry(config)
+        self.metrics = Metrics()
+        self.registry = Registry(config, self.metrics)
+        self.metrics.watch(self.registry)
         self.health = health.HealthServicer(experimental_non_blocking=True)
         self.stopped = threading.Event()
+        self.stopping = False
+        self.last_tick = time.monotonic()
+        self.http: HttpServer | None = None
         self._grpc: grpc.Server | None = None
+        self._tcp: grpc.Server | None = None
+        self._watchdog_pinger = notify.Watchdog(healthy=self.alive)
         self._data: DataSocketServer | None = None
         self._orphaned_at: float | None = None
 
@@ -52,6 +75,8 @@ class Daemon:
         mode = 0o660 if gid is not None else 0o600
         folder = os.path.dirname(cfg.socket) or "."
         os.makedirs(folder, mode=0o750 if gid is not None else 0o700, exist_ok=True)
+        if _answers(self.data_socket_path):
+            raise RuntimeError(f"another smddpd is already serving on {cfg.socket}")
         if os.path.exists(cfg.socket):
             os.unlink(cfg.socket)  # a stale socket of a previous run; nobody answers on it
         server = grpc.server(
@@ -65,30 +90,51 @@ class Daemon:
             server,
         )
         server.add_insecure_port("unix:" + cfg.socket)
-        if cfg.grpc_bind:
-            server.add_insecure_port(cfg.grpc_bind)
         server.start()
         if gid is not None:
             os.chown(cfg.socket, -1, gid)
         os.chmod(cfg.socket, mode)
         self._grpc = server
+        if cfg.grpc_bind:
+            # The TCP listener is for probes and monitoring: health and reflection only, never
+            # the Node service (registration and ops stay on the local socket).
+            tcp = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="smddp-probe"))
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, tcp)
+            reflection.enable_server_reflection(
+                (health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), tcp
+            )
+            tcp.add_insecure_port(cfg.grpc_bind)
+            tcp.start()
+            self._tcp = tcp
         self._data = DataSocketServer(self.data_socket_path, self.registry, mode, gid)
         self._data.start()
+        if cfg.http_bind and cfg.http_bind != "off":
+            self.http = HttpServer(cfg.http_bind, self.metrics.registry, self.alive, self.ready)
+            self.http.start()
         threading.Thread(target=self._watchdog, name="smddp-watchdog", daemon=True).start()
         for service in ("", NODE_SERVICE):
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        notify.notify(notify.READY)
+        self._watchdog_pinger.start()
         log.info("smddpd serving on %s (node %s, pid %d)", cfg.socket, cfg.node_id, os.getpid())
 
     def stop(self, grace_s: float = 2.0) -> None:
         """Reports NOT_SERVING, fails every job's ops with a clear error, closes the sockets."""
-        if self.stopped.is_set():
+        if self.stopped.is_set() or self.stopping:
             return
+        self.stopping = True
+        notify.notify(notify.STOPPING)
+        self._watchdog_pinger.stop()
         self.health.enter_graceful_shutdown()
         self.registry.shutdown("smddpd is shutting down")
         if self._data is not None:
             self._data.stop()
         if self._grpc is not None:
             self._grpc.stop(grace_s).wait()
+        if self._tcp is not None:
+            self._tcp.stop(0).wait()
+        if self.http is not None:
+            self.http.stop()
         if self.config.owner_pid:
             # An embedded daemon owns its private folder; leave nothing behind.
             for path in (self.config.socket, os.path.dirname(self.config.socket)):
@@ -99,9 +145,24 @@ class Daemon:
         self.stopped.set()
         log.info("smddpd stopped")
 
+    def alive(self) -> bool:
+        """True while the daemon's own watchdog loop keeps ticking."""
+        return not self.stopped.is_set() and time.monotonic() - self.last_tick < 10 * WATCHDOG_PERIOD_S + 5
+
+    def ready(self) -> tuple[bool, str]:
+        """Whether new jobs are welcome, and why not."""
+        if self.stopping or self.stopped.is_set():
+            return False, "shutting down"
+        if not self.alive():
+            return False, "the daemon's watchdog loop is stuck"
+        if self.registry.job_count() >= self.config.max_jobs:
+            return False, f"serving the maximum of {self.config.max_jobs} jobs"
+        return True, "ready"
+
     def _watchdog(self) -> None:
         while not self.stopped.wait(WATCHDOG_PERIOD_S):
             now = time.monotonic()
+            self.last_tick = now
             for comm in self.registry.comms():
                 comm.check_timeouts(now)
             if self.config.owner_pid and self._owner_gone(now):

@@ -10,7 +10,7 @@ import threading
 import time
 
 from smddp.server.arena import Arena
-from smddp.server.communicator import Communicator, OpObserver
+from smddp.server.communicator import Communicator
 from smddp.server.config import DaemonConfig
 from smddp.server.errors import (
     FailedPrecondition,
@@ -19,6 +19,7 @@ from smddp.server.errors import (
     PermissionDenied,
     Unauthenticated,
 )
+from smddp.server.metrics import Metrics
 from smddp.server.session import Session
 from smddp.v1 import smddp_pb2 as pb
 
@@ -35,10 +36,10 @@ MAX_TIMEOUT_MS = 7 * 24 * 3600 * 1000
 class Registry:
     """Thread-safe tables of communicators and sessions, and the rules for joining them."""
 
-    def __init__(self, config: DaemonConfig, observer: OpObserver | None = None) -> None:
+    def __init__(self, config: DaemonConfig, metrics: Metrics | None = None) -> None:
         self.config = config
         self.started = time.time()
-        self._observer = observer
+        self.metrics = metrics
         self._comms: dict[tuple[str, str], Communicator] = {}
         self._sessions: dict[str, Session] = {}
         self._job_tokens: dict[str, bytes] = {}
@@ -87,7 +88,7 @@ class Registry:
             if comm is None:
                 chunk = max(4096, min(cfg.chunk_bytes, req.arena_bytes // 2) // 64 * 64)
                 comm = Communicator(
-                    req.job_id, req.comm_id, req.world_size, req.job_token, timeout_s, chunk, self._observer
+                    req.job_id, req.comm_id, req.world_size, req.job_token, timeout_s, chunk, self.metrics
                 )
                 self._comms[key] = comm
                 self._job_tokens[req.job_id] = req.job_token
@@ -181,9 +182,12 @@ class Registry:
             with self._lock:
                 if self._comms.get((comm.job_id, comm.comm_id)) is comm:
                     del self._comms[(comm.job_id, comm.comm_id)]
-                if not any(k[0] == comm.job_id for k in self._comms):
+                job_over = not any(k[0] == comm.job_id for k in self._comms)
+                if job_over:
                     self._job_tokens.pop(comm.job_id, None)
                     self._job_owner.pop(comm.job_id, None)
+            if job_over and self.metrics is not None:
+                self.metrics.job_ended(comm.job_id)
         if session.arena is not None:
             session.arena.close()
 

@@ -39,6 +39,8 @@ class NodeService(pb_grpc.NodeServicer):
         try:
             session = self._registry.register(request)
         except SmddpError as exc:
+            if self._registry.metrics is not None:
+                self._registry.metrics.error(exc.kind)
             context.abort(exc.code, str(exc))
         return pb.RegisterReply(
             session_id=session.session_id,

@@ -1,0 +1,69 @@
+"""The daemon's HTTP listener: /healthz (alive), /readyz (ready for jobs) and /metrics."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+
+def parse_bind(bind: str) -> tuple[str, int]:
+    """Splits ``HOST:PORT`` (``[v6]:PORT`` too).
+
+    Raises:
+        ValueError: no port, or a port that is not a number.
+    """
+    host, sep, port = bind.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"{bind!r} is not HOST:PORT")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+class HttpServer:
+    """Serves the three endpoints from a daemon thread."""
+
+    def __init__(
+        self,
+        bind: str,
+        registry: CollectorRegistry,
+        alive: Callable[[], bool],
+        ready: Callable[[], tuple[bool, str]],
+    ) -> None:
+        host, port = parse_bind(bind)
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                path = self.path.split("?", 1)[0]
+                if path == "/metrics":
+                    self._send(200, generate_latest(registry), CONTENT_TYPE_LATEST)
+                elif path == "/healthz":
+                    ok = alive()
+                    self._send(200 if ok else 503, b"ok\n" if ok else b"not alive\n")
+                elif path == "/readyz":
+                    ok, why = ready()
+                    self._send(200 if ok else 503, (why + "\n").encode())
+                else:
+                    self._send(404, b"not found: try /healthz, /readyz or /metrics\n")
+
+            def _send(self, code: int, body: bytes, ctype: str = "text/plain; charset=utf-8") -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: object) -> None:
+                pass  # scrapes every few seconds would drown the daemon's log
+
+        self._server = ThreadingHTTPServer((host, port), Handler)
+        self._server.daemon_threads = True
+        self.port = self._server.server_address[1]
+
+    def start(self) -> None:
+        threading.Thread(target=self._server.serve_forever, name="smddp-http", daemon=True).start()
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
