@@ -1,0 +1,133 @@
+"""smddpd as a process: torch-free, clean exit on signals, several jobs at once, Status."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import sys
+
+import grpc
+import numpy as np
+import pytest
+
+from smddp.client import SmddpError, connect
+from smddp.v1 import smddp_pb2 as pb
+from smddp.v1 import smddp_pb2_grpc as pb_grpc
+from smddp.wire import DATA_SOCKET_SUFFIX
+
+
+def status(socket_path: str) -> pb.StatusReply:
+    """The daemon's Status RPC."""
+    with grpc.insecure_channel("unix:" + socket_path) as channel:
+        return pb_grpc.NodeStub(channel).Status(pb.StatusRequest(), timeout=10)
+
+
+def allreduce_worker(rank: int, world: int, socket_path: str, job_id: str, token: bytes) -> list[float]:
+    """One numpy rank: a single all_reduce of a multi-chunk array; returns a few of its values."""
+    comm = connect(job_id, token, rank, world, socket_path=socket_path, arena_bytes=1 << 20)
+    x = np.arange(600_000, dtype=np.float32) + rank  # several chunks of a 1 MiB arena
+    comm.all_reduce(x).wait()
+    comm.close()
+    np.testing.assert_array_equal(x, np.arange(600_000, dtype=np.float32) * world + sum(range(world)))
+    return x[:3].tolist()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("daemon_switch", ["SMDDP_DAEMON=1", "no SMDDP_DAEMON"])
+def test_daemon_serves_without_torch(daemon_switch, start_daemon, torch_free_python, spawn_ranks, tmp_path):
+    """In an interpreter where torch is not installed, smddpd never looks for or loads it."""
+    report = tmp_path / "torch.json"
+    env = dict(os.environ, SMDDP_TEST_TORCH_REPORT=str(report))
+    env["SMDDP_DAEMON"] = "1" if daemon_switch == "SMDDP_DAEMON=1" else "0"
+    d = start_daemon(command=[*torch_free_python, "-m", "smddp.server"], env=env)
+
+    results = spawn_ranks(allreduce_worker, 2, 2, d.socket, "torchless", secrets.token_bytes(16)).join()
+    assert results == [[1.0, 3.0, 5.0]] * 2
+
+    maps = open(f"/proc/{d.proc.pid}/maps").read()
+    assert "libtorch" not in maps, "smddpd has libtorch mapped"
+    assert d.stop(signal.SIGTERM) == 0, d.log()
+    seen = json.loads(report.read_text())
+    assert seen["loaded"] == [], f"smddpd imported {seen['loaded']}"
+    if daemon_switch == "SMDDP_DAEMON=1":
+        assert seen["lookups"] == [], f"smddpd looked for {seen['lookups']}"
+    else:
+        # Without the switch, ``import smddp`` only probes whether torch is installed.
+        assert set(seen["lookups"]) <= {"torch"}, f"smddpd looked for {seen['lookups']}"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
+def test_signal_stops_daemon_cleanly(sig, start_daemon):
+    """SIGTERM and SIGINT: exit 0, both sockets gone, a connected rank gets a clear error."""
+    d = start_daemon()
+    comm = connect("signalled", secrets.token_bytes(16), 0, 1, socket_path=d.socket, arena_bytes=1 << 20)
+    x = np.ones(10, dtype=np.float32)
+    comm.all_reduce(x).wait()
+    assert os.path.exists(d.socket) and os.path.exists(d.socket + DATA_SOCKET_SUFFIX)
+
+    assert d.stop(sig) == 0, d.log()
+    assert not os.path.exists(d.socket), "the gRPC socket was left behind"
+    assert not os.path.exists(d.socket + DATA_SOCKET_SUFFIX), "the data socket was left behind"
+    assert f"received {sig.name}, shutting down" in d.log()
+
+    with pytest.raises(SmddpError, match="smddpd"):
+        comm.all_reduce(x).wait()
+    comm.close()
+
+
+def job_worker(rank: int, world: int, socket_path: str, job_id: str, token: bytes, scale: float) -> float:
+    """One numpy rank of a job: registers, says "ready", waits for "go", runs checked ops."""
+    comm = connect(job_id, token, rank, world, socket_path=socket_path, arena_bytes=4 << 20)
+    first = np.full(1000, (rank + 1) * scale)
+    comm.all_reduce(first).wait()
+    np.testing.assert_array_equal(first, np.full(1000, scale * world * (world + 1) / 2))
+    print("ready", flush=True)
+    assert sys.stdin.readline().strip() == "go"
+    total = 0.0
+    for step in range(20):
+        n = 1000 + 97 * step
+        x = np.arange(n, dtype=np.float64) * scale + rank
+        comm.all_reduce(x).wait()
+        np.testing.assert_array_equal(x, np.arange(n, dtype=np.float64) * scale * world + sum(range(world)))
+        outs = [np.empty(n, dtype=np.int32) for _ in range(world)]
+        comm.all_gather(outs, np.full(n, rank * int(scale), dtype=np.int32)).wait()
+        for r, out in enumerate(outs):
+            np.testing.assert_array_equal(out, np.full(n, r * int(scale), dtype=np.int32))
+        total += float(x.sum())
+    comm.close()
+    return total
+
+
+@pytest.mark.timeout(120)
+def test_two_jobs_share_one_daemon(daemon, spawn_ranks):
+    """Two jobs of two ranks each, registered at the same time, both get their own results."""
+    world = 2
+    jobs = {"job-a": 1.0, "job-b": 10.0}
+    groups = {
+        job_id: spawn_ranks(job_worker, world, world, daemon.socket, job_id, secrets.token_bytes(16), scale)
+        for job_id, scale in jobs.items()
+    }
+    for g in groups.values():
+        g.wait_for("ready")
+
+    # Both jobs are registered and have run an op, and neither has finished: Status shows them.
+    st = status(daemon.socket)
+    comms = {c.job_id: c for c in st.comms}
+    assert set(comms) == set(jobs)
+    for job_id, c in comms.items():
+        assert (c.comm_id, c.world_size, c.failed) == ("0", world, ""), c
+        assert [r.rank for r in c.ranks] == [0, 1] and all(r.attached for r in c.ranks), c
+        assert c.ops_completed == 1, c
+
+    for g in groups.values():
+        g.send("go")
+    totals = {job_id: g.join() for job_id, g in groups.items()}
+    for job_id, scale in jobs.items():
+        expected = sum(
+            float((np.arange(n, dtype=np.float64) * scale * world + 1).sum()) for n in (1000 + 97 * s for s in range(20))
+        )
+        assert totals[job_id] == [expected] * world
+    assert status(daemon.socket).comms == []
