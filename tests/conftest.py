@@ -37,6 +37,7 @@ DAEMON_COMMAND = (sys.executable, "-m", "smddp.server")
 START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 10.0
 RANK_TIMEOUT_S = 120.0
+FAILED_RANK_GRACE_S = 15.0
 
 
 # -- the daemon -------------------------------------------------------------------------------
@@ -251,6 +252,13 @@ class Ranks:
     def __init__(self, ranks: list[Rank], timeout_s: float) -> None:
         self.ranks = ranks
         self.deadline = time.monotonic() + timeout_s
+        self._exited: queue.Queue[int] = queue.Queue()
+        for r in ranks:
+            threading.Thread(target=self._reap, args=(r,), daemon=True).start()
+
+    def _reap(self, r: Rank) -> None:
+        r.proc.wait()
+        self._exited.put(r.rank)
 
     def wait_for(self, marker: str) -> None:
         """Blocks until every rank has printed the line ``marker``; fails if one exits first."""
@@ -276,19 +284,29 @@ class Ranks:
             r.proc.stdin.flush()
 
     def join(self) -> list[Any]:
-        """Waits for every rank; returns their return values or fails with their tracebacks."""
+        """Waits for every rank; returns their return values or fails with their tracebacks.
+
+        Once a rank has failed, the others get FAILED_RANK_GRACE_S to end (smddp must fail
+        their ops within seconds, not leave them hanging) before they are killed.
+        """
+        running = {r.rank for r in self.ranks}
+        deadline = self.deadline
+        while running:
+            try:
+                rank = self._exited.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            running.discard(rank)
+            if self.ranks[rank].proc.returncode != 0:
+                deadline = min(deadline, time.monotonic() + FAILED_RANK_GRACE_S)
+        self.kill()
         failures = []
         for r in self.ranks:
-            try:
-                r.proc.wait(timeout=max(0.0, self.deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                self.kill()
+            if r.rank in running:
                 failures.append(f"rank {r.rank}: did not finish in time\n{r.stderr()[-4000:]}")
-                continue
-            if r.proc.returncode != 0:
+            elif r.proc.returncode != 0:
                 failures.append(r.failure())
         if failures:
-            self.kill()
             pytest.fail("\n\n".join(failures), pytrace=False)
         results = []
         for r in self.ranks:
@@ -297,6 +315,7 @@ class Ranks:
         return results
 
     def kill(self) -> None:
+        """Kills the ranks still running."""
         for r in self.ranks:
             if r.proc.poll() is None:
                 r.proc.kill()
