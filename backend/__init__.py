@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from smddp.backend.job import Job, rendezvous
 from smddp.backend.process_group import BACKEND_NAME, SmddpProcessGroup
-from smddp.client.communicator import Communicator, connect
+from smddp.client.communicator import Communicator, connect, node_layout
 from smddp.client.errors import SmddpError
 
 __all__ = ["BACKEND_NAME", "SmddpProcessGroup", "register"]
@@ -46,6 +46,7 @@ def _create(dist_opts: Any, pg_options: Any) -> SmddpProcessGroup:
             socket_path=job.socket_path,
             timeout_s=timeout_s,
             global_rank=global_ranks[rank],
+            nodes=node_layout([job.node_of_rank[g] for g in global_ranks], job.peer_of_node),
         )
     except SmddpError as exc:
         raise dist.DistBackendError(f"smddp: cannot create process group {group_id} (rank {rank} of {size}): {exc}") from None

@@ -1,9 +1,9 @@
-"""The job as the torch backend sees it: identity, token, node layout and daemon socket.
+"""The job as the torch backend sees it: identity, token, node layout and daemon sockets.
 
 Built once per default process group from the c10d store that init_process_group gives the
 backend: rank 0 draws the job id and token, every rank publishes its node, and the first
 rank of each node (its local leader) finds the node's daemon, or starts an embedded one,
-and publishes its socket for the other local ranks.
+and publishes its socket and peer address for the others.
 """
 
 from __future__ import annotations
@@ -12,21 +12,38 @@ import json
 import os
 import secrets
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch.distributed as dist
 
+from smddp.client.communicator import daemon_info
 from smddp.client.embedded import find_or_start_daemon
 from smddp.client.errors import ConnectError
+from smddp.wire import outward_ip
 
 ENV_NODE_ID = "SMDDP_NODE_ID"
+ENV_ADVERTISE = "SMDDP_ADVERTISE"
 KEY_JOB = "smddp/job"
 
 
 def node_id() -> str:
     """This process's node identity: SMDDP_NODE_ID, else the host name."""
     return os.environ.get(ENV_NODE_ID) or socket.gethostname()
+
+
+def peer_host() -> str:
+    """Where other nodes reach this node's embedded daemon: SMDDP_ADVERTISE, else the
+    address of the route toward MASTER_ADDR (the rendezvous host every node reaches)."""
+    explicit = os.environ.get(ENV_ADVERTISE)
+    if explicit:
+        return explicit
+    master = os.environ.get("MASTER_ADDR", "")
+    try:
+        toward = socket.gethostbyname(master) if master else ""
+    except OSError:
+        toward = ""
+    return outward_ip(toward) if toward and not toward.startswith("127.") else outward_ip()
 
 
 @dataclass(frozen=True)
@@ -38,6 +55,7 @@ class Job:
     node_id: str
     socket_path: str
     node_of_rank: tuple[str, ...]
+    peer_of_node: dict[str, str] = field(default_factory=dict)
 
 
 def _get(store: dist.Store, key: str) -> str:
@@ -48,7 +66,7 @@ def rendezvous(store: dist.Store, rank: int, world_size: int, timeout: timedelta
     """Agrees on the job through ``store`` and finds this node's daemon.
 
     Raises:
-        ConnectError: no daemon could be found or started, or ranks span several nodes.
+        ConnectError: no daemon could be found or started, or it cannot reach other nodes.
     """
     store.set_timeout(timeout)
     if rank == 0:
@@ -57,21 +75,22 @@ def rendezvous(store: dist.Store, rank: int, world_size: int, timeout: timedelta
     me = node_id()
     store.set(f"smddp/node/{rank}", me)
     nodes = tuple(_get(store, f"smddp/node/{r}") for r in range(world_size))
-    if len(set(nodes)) > 1:
-        raise ConnectError(
-            f"smddp: this job's ranks run on {len(set(nodes))} nodes ({', '.join(sorted(set(nodes)))}); "
-            "this version carries collectives within one node only"
-        )
+    spans_nodes = len(set(nodes)) > 1
     leader = nodes.index(me)
     key = f"smddp/socket/{me}"
     if rank == leader:
         try:
-            path = find_or_start_daemon()
+            path = find_or_start_daemon(peer_host() if spans_nodes else None)
+            peer = daemon_info(path).peer_address
+            if spans_nodes and not peer:
+                raise ConnectError(f"smddpd at {path} accepts no peer connections (--peer-bind off)")
         except ConnectError as exc:
             store.set(key, "!" + str(exc))  # tell the other local ranks instead of leaving them waiting
             raise
+        store.set(f"smddp/peer/{me}", peer)
         store.set(key, path)
     path = _get(store, key)
     if path.startswith("!"):
         raise ConnectError(f"the local leader (rank {leader}) could not reach a daemon: {path[1:]}")
-    return Job(job["job_id"], bytes.fromhex(job["token"]), me, path, nodes)
+    peers = {n: _get(store, f"smddp/peer/{n}") for n in sorted(set(nodes))} if spans_nodes else {}
+    return Job(job["job_id"], bytes.fromhex(job["token"]), me, path, nodes, peers)

@@ -414,6 +414,7 @@ def connect(
     timeout_s: float = 1800.0,
     arena_bytes: int | None = None,
     global_rank: int | None = None,
+    nodes: Sequence[pb.NodeSpec] = (),
 ) -> Communicator:
     """Registers this process as ``rank`` of a communicator with its node daemon.
 
@@ -427,6 +428,8 @@ def connect(
         timeout_s: per-op timeout.
         arena_bytes: size of this rank's shared-memory arena (default ``SMDDP_ARENA_BYTES`` or 64 MiB).
         global_rank: the rank in the job's default communicator, for messages.
+        nodes: for a communicator spanning nodes, every node's id, daemon peer address and
+            ranks, the same list on every rank (see ``node_layout``).
 
     Returns:
         The Communicator, ready for ops.
@@ -453,5 +456,46 @@ def connect(
         pid=os.getpid(),
         arena_bytes=arena_bytes,
         timeout_ms=int(timeout_s * 1000),
+        nodes=nodes,
     )
     return Communicator(DaemonSession(path, register), timeout_s)
+
+
+def daemon_info(socket_path: str) -> pb.InfoReply:
+    """The node id and peer address of the daemon at ``socket_path``.
+
+    Raises:
+        ConnectError: the daemon does not answer.
+    """
+    import grpc
+
+    from smddp.client.errors import ConnectError
+    from smddp.client.session import grpc_channel
+    from smddp.v1 import smddp_pb2_grpc as pb_grpc
+
+    try:
+        return pb_grpc.NodeStub(grpc_channel(socket_path)).Info(pb.InfoRequest(), timeout=10)
+    except grpc.RpcError as exc:
+        raise ConnectError(f"smddpd at {socket_path} does not answer: {exc.details() or exc.code()}") from None
+
+
+def node_layout(node_of_rank: Sequence[str], peer_of_node: dict[str, str]) -> list[pb.NodeSpec]:
+    """The NodeSpecs of a communicator whose rank r runs on ``node_of_rank[r]``.
+
+    Nodes are ordered by their lowest rank, so every rank computes the same list. Empty when
+    every rank is on one node.
+    """
+    order: list[str] = []
+    for node in node_of_rank:
+        if node not in order:
+            order.append(node)
+    if len(order) == 1:
+        return []
+    return [
+        pb.NodeSpec(
+            node_id=node,
+            peer_address=peer_of_node[node],
+            ranks=[r for r, n in enumerate(node_of_rank) if n == node],
+        )
+        for node in order
+    ]

@@ -40,8 +40,12 @@ def daemon_answers(path: str, timeout_s: float = 2.0) -> bool:
     return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def find_or_start_daemon() -> str:
+def find_or_start_daemon(peer_host: str | None = None) -> str:
     """The socket of a daemon for this node: a running one, or a new embedded one.
+
+    Args:
+        peer_host: for a job that spans nodes, the address other nodes reach this one at;
+            an embedded daemon then listens for peers on an ephemeral port.
 
     Raises:
         ConnectError: none answers and starting one is forbidden or fails.
@@ -54,10 +58,10 @@ def find_or_start_daemon() -> str:
         raise ConnectError(
             f"no smddpd answers at {', '.join(candidates)} and {ENV_EMBEDDED}=0 forbids starting one"
         )
-    return start_embedded_daemon(tried=candidates)
+    return start_embedded_daemon(tried=candidates, peer_host=peer_host)
 
 
-def start_embedded_daemon(tried: list[str] | None = None) -> str:
+def start_embedded_daemon(tried: list[str] | None = None, peer_host: str | None = None) -> str:
     """Starts smddpd for this job on a private socket and waits until it serves.
 
     Returns:
@@ -75,6 +79,7 @@ def start_embedded_daemon(tried: list[str] | None = None) -> str:
         "--socket", path,
         "--owner-pid", str(os.getpid()),
         "--http-bind", "off",
+        *(["--peer-bind", "0.0.0.0:0", "--advertise", peer_host] if peer_host else ["--peer-bind", "off"]),
         "--log-level", os.environ.get("SMDDP_EMBEDDED_LOG_LEVEL", "WARNING"),
     ]
     proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True)

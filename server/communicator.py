@@ -9,18 +9,21 @@ pending and later op of it fails on every rank with a message naming who did wha
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from typing import TYPE_CHECKING
 from dataclasses import dataclass, field
 
-from smddp.server import collectives
+from smddp.server import collectives, multinode
+from smddp.server.peer_transport import FRAME_DATA, CommPeers, Frame, PeerError
 from smddp.server.errors import InvalidRequest, OpMismatch, SmddpError
 from smddp.server.session import Session
 from smddp.v1 import smddp_pb2 as pb
 from smddp.wire import (
     KIND_NAMES,
     NUMPY_DTYPES,
+    dtype_name,
     P2P_KINDS,
     REDUCING_KINDS,
     ROOTED_KINDS,
@@ -69,6 +72,8 @@ class Communicator:
         timeout_s: float,
         chunk_bytes: int,
         metrics: Metrics | None = None,
+        nodes: list[list[int]] | None = None,
+        my_node: int = 0,
     ) -> None:
         self.job_id = job_id
         self.comm_id = comm_id
@@ -77,6 +82,13 @@ class Communicator:
         self.timeout_s = timeout_s
         self.chunk_bytes = chunk_bytes
         self.members: dict[int, Session] = {}
+        # The communicator's ranks per node (all on this node unless the job spans nodes).
+        self.nodes = nodes or [list(range(world_size))]
+        self.my_node = my_node
+        self.local_ranks = tuple(self.nodes[my_node])
+        self._remote = set(range(world_size)) - set(self.local_ranks)
+        self.peers: CommPeers | None = None
+        self._work: queue.Queue[Pending | None] | None = None
         self.ops_completed = 0
         self._metrics = metrics
         # Per op in progress: (time the first rank arrived at chunk 0, bytes so far).
@@ -110,7 +122,7 @@ class Communicator:
             if not empty:
                 self._left.append(why)
         if not empty:
-            self.fail(kind, why, log_level)
+            self.fail(kind, why, log_level, culprit=session)
         return empty
 
     def failed(self) -> tuple[int, str] | None:
@@ -126,7 +138,7 @@ class Communicator:
             self._validate(session, req)
         except SmddpError as exc:
             # A rank that sends an impossible op leaves the others waiting forever: fail all.
-            self.fail(exc.kind, f"{self.name()}: {session.label()} sent an invalid op: {exc}")
+            self.fail(exc.kind, f"{self.name()}: {session.label()} sent an invalid op: {exc}", culprit=session)
             self._reply_error(session, req, exc.kind, str(exc))
             return
         with self._lock:
@@ -153,8 +165,9 @@ class Communicator:
         elif req.kind == pb.RECV:
             src, dst = req.root, session.rank
         else:
-            return ("c", req.seq, req.part), tuple(range(self.world_size))
-        return ("p", src, dst, req.seq, req.part), (src, dst)
+            return ("c", req.seq, req.part), self.local_ranks
+        here = tuple(r for r in (src, dst) if r not in self._remote)
+        return ("p", src, dst, req.seq, req.part), here
 
     def _validate(self, session: Session, req: pb.OpRequest) -> None:
         if req.kind not in KIND_NAMES:
@@ -194,7 +207,73 @@ class Communicator:
             else:
                 session.next_collective = following
 
+    def attach_peers(self, peers: CommPeers) -> None:
+        """Makes this a multi-node communicator: chunks run in order on a worker thread."""
+        self.peers = peers
+        self._work = queue.Queue()
+        threading.Thread(target=self._worker, name="smddp-comm-worker", daemon=True).start()
+
+    def _worker(self) -> None:
+        assert self._work is not None
+        while True:
+            pending = self._work.get()
+            if pending is None:
+                return
+            self._execute(pending)
+
     def _run(self, pending: Pending) -> None:
+        req = next(iter(pending.arrivals.values()))[1]
+        if self.peers is None or (req.kind in P2P_KINDS and len(pending.participants) == 2):
+            self._execute(pending)
+        elif req.kind in P2P_KINDS:
+            self._run_remote_p2p(pending)
+        else:
+            # Network exchanges block; keep them off the ranks' reader threads and in order.
+            assert self._work is not None
+            self._work.put(pending)
+
+    def _run_remote_p2p(self, pending: Pending) -> None:
+        session, req, _ = next(iter(pending.arrivals.values()))
+        assert self.peers is not None and session.arena is not None
+        if req.kind == pb.SEND:
+            node = next(i for i, ranks in enumerate(self.nodes) if req.root in ranks)
+            data = session.arena.view(req.input, NUMPY_DTYPES[req.dtype])
+
+            def send() -> None:
+                try:
+                    self.peers.send(node, FRAME_DATA, req, 0, [data], src_rank=session.rank, dst_rank=req.root)  # type: ignore[union-attr]
+                except PeerError as exc:
+                    self.fail(pb.RANK_FAILED, f"{self.name()}: {exc}")
+                    self._reply_error(session, req, pb.RANK_FAILED, f"{self.name()}: {exc}")
+                    return
+                self._finish(pending, [session], [req])
+
+            assert self._work is not None
+            threading.Thread(target=send, name="smddp-p2p-send", daemon=True).start()
+            return
+
+        def arrived(frame: Frame) -> None:
+            try:
+                if (frame.dtype, frame.count, frame.parts) != (req.dtype, req.count, req.parts):
+                    raise InvalidRequest(
+                        f"send of {frame.count} x {dtype_name(frame.dtype)} from rank {req.root} meets "
+                        f"{describe_request(req)} on {session.label()}"
+                    )
+                out = session.arena.view(req.output, NUMPY_DTYPES[req.dtype])  # type: ignore[union-attr]
+                data = frame.payload.view(out.dtype)
+                if data.size != out.size:
+                    raise InvalidRequest(f"send of {data.size} elements meets a recv of {out.size} elements")
+                out[:] = data
+            except SmddpError as exc:
+                msg = f"{self.name()}: {exc}"
+                self.fail(exc.kind, msg)
+                self._reply_error(session, req, exc.kind, msg)
+                return
+            self._finish(pending, [session], [req])
+
+        self.peers.on_p2p(req.root, session.rank, req.seq, req.part, arrived)
+
+    def _execute(self, pending: Pending) -> None:
         arrivals = [pending.arrivals[r] for r in pending.participants]
         reqs = [a[1] for a in arrivals]
         sessions = [a[0] for a in arrivals]
@@ -204,7 +283,17 @@ class Communicator:
             else:
                 self._check_match(pending, reqs)
                 arenas = [s.arena for s in sessions]
-                collectives.execute(reqs, arenas)  # type: ignore[arg-type]
+                if self.peers is None:
+                    collectives.execute(reqs, arenas)  # type: ignore[arg-type]
+                else:
+                    by_rank = dict(zip(pending.participants, reqs))
+                    multinode.execute(self, by_rank, dict(zip(pending.participants, arenas)))  # type: ignore[arg-type]
+        except PeerError as exc:
+            msg = f"{self.name()}: {exc}"
+            self.fail(pb.RANK_FAILED, msg)
+            for s, r in zip(sessions, reqs):
+                self._reply_error(s, r, self._failed[0] if self._failed else pb.RANK_FAILED, self._failed[1] if self._failed else msg)
+            return
         except SmddpError as exc:
             msg = str(exc) if str(exc).startswith(self.name()) else f"{self.name()}: {exc}"
             self.fail(exc.kind, msg)
@@ -212,12 +301,16 @@ class Communicator:
                 self._reply_error(s, r, exc.kind, msg)
             return
         except Exception as exc:  # a bug in the daemon must fail the op, not hang the job
-            log.exception("%s: op #%d failed", self.name(), pending.seq)
+            log.exception("%s: op #%d failed", self.name(), pending.seq, extra=self._log_fields())
             msg = f"{self.name()}: internal error in smddpd running op #{pending.seq}: {exc!r}"
             self.fail(pb.INVALID, msg)
             for s, r in zip(sessions, reqs):
                 self._reply_error(s, r, pb.INVALID, msg)
             return
+        self._finish(pending, sessions, reqs)
+
+    def _finish(self, pending: Pending, sessions: list[Session], reqs: list[pb.OpRequest]) -> None:
+        arrivals = [pending.arrivals[s.rank] for s in sessions]
         last = max(arrivals, key=lambda a: a[2])
         op_key = pending.key[:-1]
         start, nbytes = self._progress.pop(op_key, (pending.first_arrival, 0))
@@ -251,13 +344,14 @@ class Communicator:
 
     def _check_match(self, pending: Pending, reqs: list[pb.OpRequest]) -> None:
         groups: dict[tuple[int, ...], list[int]] = {}
-        for rank, req in enumerate(reqs):
+        by_rank = dict(zip(pending.participants, reqs))
+        for rank, req in by_rank.items():
             groups.setdefault(_signature(req), []).append(rank)
         if len(groups) == 1:
             return
         # Name the minority first: "rank 3 called X as op #17 while ranks 0-2 called Y".
         ordered = sorted(groups.items(), key=lambda kv: (len(kv[1]), kv[1][0]))
-        calls = [f"{rank_list(ranks)} called {describe_request(reqs[ranks[0]])}" for _, ranks in ordered]
+        calls = [f"{rank_list(ranks)} called {describe_request(by_rank[ranks[0]])}" for _, ranks in ordered]
         text = f"{calls[0]} as op #{pending.seq} while " + " and ".join(calls[1:])
         raise OpMismatch(f"{self.name()}: {text}")
 
@@ -266,17 +360,39 @@ class Communicator:
 
     # -- failure ------------------------------------------------------------------------------
 
-    def fail(self, kind: int, message: str, log_level: int = logging.WARNING) -> None:
-        """Fails every pending and later op of the communicator on every rank."""
+    def _log_fields(self, culprit: Session | None = None) -> dict[str, object]:
+        if culprit is not None:
+            return culprit.log_fields()
+        return {"job": self.job_id, "comm": self.comm_id}
+
+    def fail(
+        self,
+        kind: int,
+        message: str,
+        log_level: int = logging.WARNING,
+        culprit: Session | None = None,
+        propagate: bool = True,
+    ) -> None:
+        """Fails every pending and later op of the communicator on every rank.
+
+        Args:
+            culprit: the one rank that caused the failure, when there is one; its rank and
+                node go into the log record.
+            propagate: tell the other nodes (False when they told us).
+        """
         with self._lock:
             if self._failed is not None:
                 return
             self._failed = (kind, message)
             pending = list(self._pending.values())
             self._pending.clear()
+        if self.peers is not None:
+            if propagate:
+                self.peers.abort(kind, message)
+            self.peers.failed(message)
         if self._metrics is not None and pending:
             self._metrics.error(kind)
-        log.log(logging.WARNING if pending else log_level, "%s", message)
+        log.log(logging.WARNING if pending else log_level, "%s", message, extra=self._log_fields(culprit))
         for p in pending:
             for session, req, _ in p.arrivals.values():
                 self._reply_error(session, req, kind, message)
@@ -294,6 +410,7 @@ class Communicator:
                 for r in missing
             ]
             req = next(iter(p.arrivals.values()))[1]
+            culprit = self.members.get(missing[0]) if len(missing) == 1 else None
         waited = now - p.first_arrival
         arrived = sorted(p.arrivals)
         message = (
@@ -301,7 +418,14 @@ class Communicator:
             f"{rank_list(missing)} never arrived ({', '.join(labels)}) while "
             f"{rank_list(arrived)} waited {waited:.1f} s (timeout {self.timeout_s:.1f} s)"
         )
-        self.fail(pb.TIMEOUT, message)
+        self.fail(pb.TIMEOUT, message, culprit=culprit)
+
+    def close(self) -> None:
+        """Stops the worker and closes the peer connections (the last local rank left)."""
+        if self._work is not None:
+            self._work.put(None)
+        if self.peers is not None:
+            self.peers.close()
 
     def status(self) -> pb.CommStatus:
         """A snapshot for smddpctl status."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 import socket
 import tomllib
@@ -14,6 +15,7 @@ from typing import Any
 from smddp.wire import default_socket_path
 
 ENV_PREFIX = "SMDDP_"
+_KINDS: dict[str, type] = {"int": int, "float": float}
 
 
 @dataclass
@@ -105,6 +107,12 @@ def load(argv: list[str] | None = None, environ: dict[str, str] | None = None) -
             name = key.replace("-", "_")
             if name not in names:
                 parser.error(f"config file {config_file}: unknown setting {key!r}")
+            # TOML values arrive typed: refuse true for an int or 1.5 for an int rather than
+            # let Python's int() quietly turn them into 1.
+            kind = _KINDS.get(str(names[name].type), str)
+            accepted = (int, float) if kind is float else (kind,)
+            if isinstance(value, bool) or not isinstance(value, accepted):
+                parser.error(f"config file {config_file}: {key} = {value!r} is not a valid {kind.__name__}")
             values[name] = value
     for name, f in names.items():
         raw = env.get(ENV_PREFIX + name.upper())
@@ -114,11 +122,14 @@ def load(argv: list[str] | None = None, environ: dict[str, str] | None = None) -
         if flag_value is not None:
             values[name] = flag_value
     for name, value in list(values.items()):
-        kind = {"int": int, "float": float}.get(str(names[name].type), str)
+        kind = _KINDS.get(str(names[name].type), str)
         try:
             values[name] = kind(value)
         except (TypeError, ValueError):
             parser.error(f"{name}: {value!r} is not a valid {kind.__name__}")
     if values.get("log_format", "text") not in ("text", "json"):
         parser.error("log_format must be 'text' or 'json'")
+    level = values.get("log_level", "INFO")
+    if not isinstance(logging.getLevelName(level.upper()), int):
+        parser.error(f"log_level: {level!r} is not one of DEBUG, INFO, WARNING, ERROR")
     return dataclasses.replace(DaemonConfig(), **values) if values else DaemonConfig()

@@ -19,6 +19,8 @@ from smddp.server.config import DaemonConfig
 from smddp.server.data_socket import DataSocketServer
 from smddp.server.http import HttpServer
 from smddp.server.metrics import Metrics
+from smddp.server.peer_transport import PeerListener, parse_address
+from smddp.server.topology import advertise_address
 from smddp.server.registry import Registry
 from smddp.server.service import NodeService
 from smddp.v1 import smddp_pb2 as pb
@@ -60,6 +62,7 @@ class Daemon:
         self.http: HttpServer | None = None
         self._grpc: grpc.Server | None = None
         self._tcp: grpc.Server | None = None
+        self._peers: PeerListener | None = None
         self._watchdog_pinger = notify.Watchdog(healthy=self.alive)
         self._data: DataSocketServer | None = None
         self._orphaned_at: float | None = None
@@ -83,6 +86,11 @@ class Daemon:
             futures.ThreadPoolExecutor(max_workers=256, thread_name_prefix="smddp-grpc"),
             options=[("grpc.max_receive_message_length", 4 << 20), ("grpc.so_reuseport", 0)],
         )
+        if cfg.peer_bind and cfg.peer_bind != "off":
+            self._peers = PeerListener(cfg.peer_bind, self.registry.find_comm)
+            self._peers.start()
+            host = parse_address(cfg.peer_bind)[0]
+            self.registry.peer_address = advertise_address(host, self._peers.port, cfg.advertise)
         pb_grpc.add_NodeServicer_to_server(NodeService(self.registry), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
@@ -98,7 +106,12 @@ class Daemon:
         if cfg.grpc_bind:
             # The TCP listener is for probes and monitoring: health and reflection only, never
             # the Node service (registration and ops stay on the local socket).
-            tcp = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="smddp-probe"))
+            # No SO_REUSEPORT: a second daemon on the same port must fail to start, not split
+            # the probes between two daemons.
+            tcp = grpc.server(
+                futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="smddp-probe"),
+                options=[("grpc.so_reuseport", 0)],
+            )
             health_pb2_grpc.add_HealthServicer_to_server(self.health, tcp)
             reflection.enable_server_reflection(
                 (health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), tcp
@@ -116,7 +129,10 @@ class Daemon:
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         notify.notify(notify.READY)
         self._watchdog_pinger.start()
-        log.info("smddpd serving on %s (node %s, pid %d)", cfg.socket, cfg.node_id, os.getpid())
+        log.info(
+            "smddpd serving on %s (node %s, pid %d, peers %s)",
+            cfg.socket, cfg.node_id, os.getpid(), self.registry.peer_address or "off",
+        )
 
     def stop(self, grace_s: float = 2.0) -> None:
         """Reports NOT_SERVING, fails every job's ops with a clear error, closes the sockets."""
@@ -133,6 +149,8 @@ class Daemon:
             self._grpc.stop(grace_s).wait()
         if self._tcp is not None:
             self._tcp.stop(0).wait()
+        if self._peers is not None:
+            self._peers.stop()
         if self.http is not None:
             self.http.stop()
         if self.config.owner_pid:

@@ -57,9 +57,15 @@ def parallel_ranges(n: int, itemsize: int, fn: Callable[[int, int], None]) -> No
 
 
 def reduce_into(
-    outputs: Sequence[np.ndarray], inputs: Sequence[np.ndarray], reduce_op: int
+    outputs: Sequence[np.ndarray],
+    inputs: Sequence[np.ndarray],
+    reduce_op: int,
+    divisor: int | None = None,
 ) -> None:
     """Reduces ``inputs`` in order into every array of ``outputs``.
+
+    For AVG the sum is divided by ``divisor`` (default: the number of inputs); a partial sum
+    that another step will finish passes ``divisor=1``.
 
     ``outputs[0]`` may be the same memory as ``inputs[0]`` (an in-place op); any other output
     may alias its own rank's input, which is only overwritten once every input is consumed.
@@ -68,6 +74,7 @@ def reduce_into(
     first = inputs[0]
     ufunc = _BOOL_UFUNCS[reduce_op] if first.dtype == np.bool_ else _UFUNCS[reduce_op]
     world = len(inputs)
+    divide_by = world if divisor is None else divisor
     target = outputs[0]
     # Writing into outputs[0] early is only safe if it aliases nothing but inputs[0].
     safe = not any(np.may_share_memory(target, x) for x in inputs[1:])
@@ -80,8 +87,8 @@ def reduce_into(
             ufunc(first[a:b], inputs[1][a:b], out=acc)
             for x in inputs[2:]:
                 ufunc(acc, x[a:b], out=acc)
-        if reduce_op == pb.AVG:
-            np.divide(acc, np.asarray(world, dtype=first.dtype), out=acc)
+        if reduce_op == pb.AVG and divide_by != 1:
+            np.divide(acc, np.asarray(divide_by, dtype=first.dtype), out=acc)
         for out in outputs if not safe else outputs[1:]:
             np.copyto(out[a:b], acc)
 

@@ -20,6 +20,7 @@ from smddp.server.errors import (
     Unauthenticated,
 )
 from smddp.server.metrics import Metrics
+from smddp.server.peer_transport import CommPeers, parse_address
 from smddp.server.session import Session
 from smddp.v1 import smddp_pb2 as pb
 
@@ -44,6 +45,8 @@ class Registry:
         self._sessions: dict[str, Session] = {}
         self._job_tokens: dict[str, bytes] = {}
         self._job_owner: dict[str, int] = {}
+        # HOST:PORT other daemons reach this one at; "" when the peer listener is off.
+        self.peer_address = ""
         self._lock = threading.Lock()
 
     # -- joining ------------------------------------------------------------------------------
@@ -76,6 +79,7 @@ class Registry:
         if req.timeout_ms > MAX_TIMEOUT_MS:
             raise InvalidRequest(f"{where}: timeout_ms {req.timeout_ms} exceeds 7 days")
         timeout_s = req.timeout_ms / 1000 if req.timeout_ms else cfg.default_timeout_s
+        nodes, my_node = self._layout(req, where)
         key = (req.job_id, req.comm_id)
         with self._lock:
             token = self._job_tokens.get(req.job_id)
@@ -88,8 +92,13 @@ class Registry:
             if comm is None:
                 chunk = max(4096, min(cfg.chunk_bytes, req.arena_bytes // 2) // 64 * 64)
                 comm = Communicator(
-                    req.job_id, req.comm_id, req.world_size, req.job_token, timeout_s, chunk, self.metrics
+                    req.job_id, req.comm_id, req.world_size, req.job_token, timeout_s, chunk, self.metrics,
+                    nodes=nodes, my_node=my_node,
                 )
+                if len(comm.nodes) > 1:
+                    comm.attach_peers(
+                        CommPeers(comm, my_node, [n.node_id for n in req.nodes], [n.peer_address for n in req.nodes], self.metrics)
+                    )
                 self._comms[key] = comm
                 self._job_tokens[req.job_id] = req.job_token
             else:
@@ -97,6 +106,11 @@ class Registry:
                     raise FailedPrecondition(
                         f"{where}: rank {req.rank} registered with world_size {req.world_size} "
                         f"but the communicator has {comm.world_size} ranks"
+                    )
+                if comm.nodes != (nodes or [list(range(req.world_size))]) or comm.my_node != my_node:
+                    raise FailedPrecondition(
+                        f"{where}: rank {req.rank} describes the job's nodes differently than the "
+                        "ranks registered before it"
                     )
                 if req.rank in comm.members:
                     other = comm.members[req.rank]
@@ -118,8 +132,47 @@ class Registry:
             )
             comm.add(session)
             self._sessions[session.session_id] = session
-        log.info("%s: registered %s", where, session.label())
+        log.info("%s: registered %s", where, session.label(), extra=session.log_fields())
         return session
+
+    def _layout(self, req: pb.RegisterRequest, where: str) -> tuple[list[list[int]] | None, int]:
+        """Checks the node layout of a registration; returns (ranks per node, this node's index)."""
+        if not req.nodes:
+            return None, 0
+        seen: set[int] = set()
+        nodes: list[list[int]] = []
+        ids = [n.node_id for n in req.nodes]
+        if len(set(ids)) != len(ids):
+            raise InvalidRequest(f"{where}: node ids repeat in the layout: {ids}")
+        for spec in req.nodes:
+            ranks = list(spec.ranks)
+            if not ranks or ranks != sorted(set(ranks)) or any(r >= req.world_size for r in ranks) or seen & set(ranks):
+                raise InvalidRequest(
+                    f"{where}: node {spec.node_id} lists ranks {ranks[:16]}: expected ascending, distinct "
+                    f"ranks below {req.world_size} that no other node lists"
+                )
+            seen |= set(ranks)
+            nodes.append(ranks)
+        if len(seen) != req.world_size:
+            raise InvalidRequest(f"{where}: the layout places {len(seen)} of {req.world_size} ranks")
+        my_node = next(i for i, ranks in enumerate(nodes) if req.rank in ranks)
+        if len(nodes) > 1:
+            if not self.peer_address:
+                raise FailedPrecondition(
+                    f"{where}: the job spans {len(nodes)} nodes but this daemon accepts no peer "
+                    "connections (--peer-bind off)"
+                )
+            for spec in req.nodes:
+                try:
+                    parse_address(spec.peer_address)
+                except ValueError:
+                    raise InvalidRequest(f"{where}: node {spec.node_id} has no valid peer address ({spec.peer_address!r})") from None
+        return nodes, my_node
+
+    def find_comm(self, job_id: str, comm_id: str) -> Communicator | None:
+        """The communicator a peer daemon asks for, if registered here."""
+        with self._lock:
+            return self._comms.get((job_id, comm_id))
 
     def authenticate(self, session_id: str, secret: bytes) -> Session:
         """Returns the live session named by ``session_id`` if ``secret`` proves it.
@@ -179,6 +232,8 @@ class Registry:
         comm = session.comm
         empty = comm.remove(session, why, kind, log_level)
         if empty:
+            # The communicator logs a departure only when it fails others; the last one, here.
+            log.log(log_level, "%s", why, extra=session.log_fields())
             with self._lock:
                 if self._comms.get((comm.job_id, comm.comm_id)) is comm:
                     del self._comms[(comm.job_id, comm.comm_id)]
@@ -188,6 +243,7 @@ class Registry:
                     self._job_owner.pop(comm.job_id, None)
             if job_over and self.metrics is not None:
                 self.metrics.job_ended(comm.job_id)
+            comm.close()
         if session.arena is not None:
             session.arena.close()
 

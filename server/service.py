@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 from collections.abc import Iterator
@@ -13,6 +14,7 @@ from smddp.server import __version__
 from smddp.server.errors import SmddpError
 from smddp.server.registry import Registry
 from smddp.server.session import Session
+from smddp.server.topology import local_devices
 from smddp.v1 import smddp_pb2 as pb
 from smddp.v1 import smddp_pb2_grpc as pb_grpc
 
@@ -94,3 +96,23 @@ class NodeService(pb_grpc.NodeServicer):
 
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
         return self._registry.status(__version__)
+
+    def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoReply:
+        return pb.InfoReply(
+            node_id=self._registry.config.node_id, peer_address=self._registry.peer_address, version=__version__
+        )
+
+    def Topology(self, request: pb.TopologyRequest, context: grpc.ServicerContext) -> pb.TopologyReply:
+        reply = pb.TopologyReply(
+            node_id=self._registry.config.node_id,
+            peer_address=self._registry.peer_address,
+            cpu_count=os.cpu_count() or 1,
+            devices=local_devices(),
+        )
+        for comm in self._registry.comms():
+            layout = reply.jobs.add(job_id=comm.job_id, comm_id=comm.comm_id, local_ranks=comm.local_ranks)
+            ids = comm.peers.node_ids if comm.peers else [self._registry.config.node_id]
+            addrs = comm.peers.addresses if comm.peers else [self._registry.peer_address]
+            for node_id, addr, ranks in zip(ids, addrs, comm.nodes):
+                layout.nodes.add(node_id=node_id, peer_address=addr, ranks=ranks)
+        return reply

@@ -46,6 +46,10 @@ class Session:
         """``rank 2 (pid 4711, node n1)``, the way errors name a rank."""
         return f"rank {self.rank} (pid {self.pid}, node {self.node_id})"
 
+    def log_fields(self) -> dict[str, object]:
+        """``extra=`` for a log record about this rank: the JSON log's job, comm, rank, node."""
+        return {"job": self.comm.job_id, "comm": self.comm.comm_id, "rank": self.rank, "node": self.node_id}
+
     def reply(self, reply: pb.OpReply) -> None:
         """Sends a reply if the rank still has a channel."""
         channel = self.channel

@@ -7,6 +7,7 @@ generated stubs, so the daemon stays free of torch.
 from __future__ import annotations
 
 import os
+import socket
 import struct
 
 import ml_dtypes
@@ -174,3 +175,15 @@ def socket_candidates() -> list[str]:
     if explicit:
         return [explicit]
     return [SYSTEM_SOCKET, user_socket_path()]
+
+
+def outward_ip(toward: str = "10.255.255.255") -> str:
+    """This host's IP address on the route toward ``toward`` (a UDP connect sends nothing)."""
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect((toward, 9))
+        return probe.getsockname()[0]
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+    finally:
+        probe.close()

@@ -88,7 +88,7 @@ def _launch(
 ) -> DaemonProcess:
     full_env = dict(os.environ if env is None else env)
     full_env.setdefault("SMDDP_DAEMON", "1")
-    cmd = [*command, "--socket", socket_path, "--http-bind", "off", *args]
+    cmd = [*command, "--socket", socket_path, "--http-bind", "off", "--peer-bind", "127.0.0.1:0", *args]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, env=full_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log)
     daemon = DaemonProcess(socket_path, proc, log_path)

@@ -100,7 +100,7 @@ SHUTDOWN: ErrorKind
 ABORTED: ErrorKind
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("job_id", "job_token", "comm_id", "rank", "world_size", "global_rank", "node_id", "pid", "arena_bytes", "timeout_ms")
+    __slots__ = ("job_id", "job_token", "comm_id", "rank", "world_size", "global_rank", "node_id", "pid", "arena_bytes", "timeout_ms", "nodes")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_TOKEN_FIELD_NUMBER: _ClassVar[int]
     COMM_ID_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +111,7 @@ class RegisterRequest(_message.Message):
     PID_FIELD_NUMBER: _ClassVar[int]
     ARENA_BYTES_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     job_token: bytes
     comm_id: str
@@ -121,7 +122,72 @@ class RegisterRequest(_message.Message):
     pid: int
     arena_bytes: int
     timeout_ms: int
-    def __init__(self, job_id: _Optional[str] = ..., job_token: _Optional[bytes] = ..., comm_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., global_rank: _Optional[int] = ..., node_id: _Optional[str] = ..., pid: _Optional[int] = ..., arena_bytes: _Optional[int] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeSpec]
+    def __init__(self, job_id: _Optional[str] = ..., job_token: _Optional[bytes] = ..., comm_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., global_rank: _Optional[int] = ..., node_id: _Optional[str] = ..., pid: _Optional[int] = ..., arena_bytes: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeSpec, _Mapping]]] = ...) -> None: ...
+
+class NodeSpec(_message.Message):
+    __slots__ = ("node_id", "peer_address", "ranks")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    peer_address: str
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, node_id: _Optional[str] = ..., peer_address: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class InfoReply(_message.Message):
+    __slots__ = ("node_id", "peer_address", "version")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    peer_address: str
+    version: str
+    def __init__(self, node_id: _Optional[str] = ..., peer_address: _Optional[str] = ..., version: _Optional[str] = ...) -> None: ...
+
+class TopologyRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Device(_message.Message):
+    __slots__ = ("kind", "index", "name")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    index: int
+    name: str
+    def __init__(self, kind: _Optional[str] = ..., index: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
+
+class JobLayout(_message.Message):
+    __slots__ = ("job_id", "comm_id", "nodes", "local_ranks")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    COMM_ID_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANKS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    comm_id: str
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeSpec]
+    local_ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, job_id: _Optional[str] = ..., comm_id: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[NodeSpec, _Mapping]]] = ..., local_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class TopologyReply(_message.Message):
+    __slots__ = ("node_id", "peer_address", "cpu_count", "devices", "jobs")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    CPU_COUNT_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    peer_address: str
+    cpu_count: int
+    devices: _containers.RepeatedCompositeFieldContainer[Device]
+    jobs: _containers.RepeatedCompositeFieldContainer[JobLayout]
+    def __init__(self, node_id: _Optional[str] = ..., peer_address: _Optional[str] = ..., cpu_count: _Optional[int] = ..., devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., jobs: _Optional[_Iterable[_Union[JobLayout, _Mapping]]] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
     __slots__ = ("session_id", "session_secret", "chunk_bytes", "daemon_node_id", "daemon_version")

@@ -55,6 +55,16 @@ class NodeStub:
                 request_serializer=smddp_dot_v1_dot_smddp__pb2.StatusRequest.SerializeToString,
                 response_deserializer=smddp_dot_v1_dot_smddp__pb2.StatusReply.FromString,
                 _registered_method=True)
+        self.Info = channel.unary_unary(
+                '/smddp.v1.Node/Info',
+                request_serializer=smddp_dot_v1_dot_smddp__pb2.InfoRequest.SerializeToString,
+                response_deserializer=smddp_dot_v1_dot_smddp__pb2.InfoReply.FromString,
+                _registered_method=True)
+        self.Topology = channel.unary_unary(
+                '/smddp.v1.Node/Topology',
+                request_serializer=smddp_dot_v1_dot_smddp__pb2.TopologyRequest.SerializeToString,
+                response_deserializer=smddp_dot_v1_dot_smddp__pb2.TopologyReply.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -91,6 +101,21 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Info(self, request, context):
+        """Who the daemon is: node identity and the address other nodes' daemons reach it at.
+        Ranks publish the address in the job's store before registering.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Topology(self, request, context):
+        """The node's ranks, local devices and each job's node layout.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -113,6 +138,16 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=smddp_dot_v1_dot_smddp__pb2.StatusRequest.FromString,
                     response_serializer=smddp_dot_v1_dot_smddp__pb2.StatusReply.SerializeToString,
+            ),
+            'Info': grpc.unary_unary_rpc_method_handler(
+                    servicer.Info,
+                    request_deserializer=smddp_dot_v1_dot_smddp__pb2.InfoRequest.FromString,
+                    response_serializer=smddp_dot_v1_dot_smddp__pb2.InfoReply.SerializeToString,
+            ),
+            'Topology': grpc.unary_unary_rpc_method_handler(
+                    servicer.Topology,
+                    request_deserializer=smddp_dot_v1_dot_smddp__pb2.TopologyRequest.FromString,
+                    response_serializer=smddp_dot_v1_dot_smddp__pb2.TopologyReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -224,6 +259,60 @@ class Node:
             '/smddp.v1.Node/Status',
             smddp_dot_v1_dot_smddp__pb2.StatusRequest.SerializeToString,
             smddp_dot_v1_dot_smddp__pb2.StatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Info(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/smddp.v1.Node/Info',
+            smddp_dot_v1_dot_smddp__pb2.InfoRequest.SerializeToString,
+            smddp_dot_v1_dot_smddp__pb2.InfoReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Topology(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/smddp.v1.Node/Topology',
+            smddp_dot_v1_dot_smddp__pb2.TopologyRequest.SerializeToString,
+            smddp_dot_v1_dot_smddp__pb2.TopologyReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,291 @@
+"""Hierarchical collectives: inside the node, among the node daemons, inside the node again.
+
+One function per op kind runs one chunk on this node, given its local ranks' requests and
+arenas. Network traffic is per node, not per rank: the local ranks' contributions are
+combined first (reduced, or concatenated), then exchanged directly between node pairs.
+
+all_reduce is a reduce-scatter among nodes followed by an all-gather: node j reduces
+segment j of every node's partial sum, in node order, and sends the result to the others.
+Every element is therefore computed exactly once, in an order fixed by ranks and nodes, so
+every rank gets the same bits, and a rerun too. Each node sends and receives
+2 (N-1)/N of the data, as a ring would, over direct connections; with the few nodes of a
+data-parallel job this costs one round trip per phase instead of N-1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from smddp.server.arena import Arena
+from smddp.server.errors import InvalidRequest, OpMismatch
+from smddp.server.peer_transport import FRAME_DATA, CommPeers, Frame
+from smddp.server.reduce import copy_into, reduce_into
+from smddp.v1 import smddp_pb2 as pb
+from smddp.wire import NUMPY_DTYPES, describe, describe_request, rank_list
+
+if TYPE_CHECKING:
+    from smddp.server.communicator import Communicator
+
+
+def _signature(req: pb.OpRequest) -> tuple[int, ...]:
+    count = 0 if req.kind == pb.ALL_TO_ALL else req.count
+    return (req.kind, req.dtype, count, req.root, req.reduce_op, req.parts)
+
+
+class _Chunk:
+    """What the functions below share: the op, the layout and the exchange helpers."""
+
+    def __init__(self, comm: Communicator, reqs: dict[int, pb.OpRequest], arenas: dict[int, Arena]) -> None:
+        assert comm.peers is not None
+        self.comm = comm
+        self.peers: CommPeers = comm.peers
+        self.nodes = comm.nodes
+        self.me = comm.my_node
+        self.local = self.nodes[self.me]
+        self.reqs = reqs
+        self.arenas = arenas
+        self.req0 = reqs[self.local[0]]
+        self.dtype = NUMPY_DTYPES.get(self.req0.dtype, np.dtype(np.uint8))
+        self.world = comm.world_size
+        self.node_of = {r: i for i, ranks in enumerate(self.nodes) for r in ranks}
+
+    def input(self, rank: int) -> np.ndarray:
+        return self.arenas[rank].view(self.reqs[rank].input, self.dtype)
+
+    def output(self, rank: int) -> np.ndarray:
+        return self.arenas[rank].view(self.reqs[rank].output, self.dtype)
+
+    def others(self) -> list[int]:
+        return [i for i in range(len(self.nodes)) if i != self.me]
+
+    def send(self, node: int, round_: int, payloads: Sequence[np.ndarray]) -> None:
+        self.peers.send(node, FRAME_DATA, self.req0, round_, payloads)
+
+    def recv(self, node: int, round_: int, expect: int | None = None) -> np.ndarray:
+        frame = self.peers.recv(self.req0.seq, self.req0.part, round_, node)
+        self._check(frame)
+        data = frame.payload.view(self.dtype)
+        if expect is not None and data.size != expect:
+            raise InvalidRequest(
+                f"{describe_request(self.req0)}: node {self.peers.node_ids[node]} sent {data.size} "
+                f"elements where this node expected {expect} (tensors of mismatched sizes?)"
+            )
+        return data
+
+    def _check(self, frame: Frame) -> None:
+        if frame.signature() == _signature(self.req0):
+            return
+        theirs = describe(frame.kind, frame.dtype, frame.count, frame.root, frame.reduce_op)
+        node = frame.src_node
+        raise OpMismatch(
+            f"{self.comm.name()}: {rank_list(self.nodes[node])} (node {self.peers.node_ids[node]}) called "
+            f"{theirs} as op #{self.req0.seq} while {rank_list(self.local)} (node "
+            f"{self.peers.node_ids[self.me]}) called {describe_request(self.req0)}"
+        )
+
+    def same_sizes(self, arrays: Sequence[np.ndarray], n: int, what: str) -> None:
+        for rank, a in zip(self.local, arrays):
+            if a.size != n:
+                raise InvalidRequest(
+                    f"{describe_request(self.req0)}: rank {rank}'s {what} holds {a.size} elements of "
+                    f"this chunk where {n} were expected (tensors of mismatched sizes?)"
+                )
+
+
+def execute(comm: Communicator, reqs: dict[int, pb.OpRequest], arenas: dict[int, Arena]) -> None:
+    """Runs one chunk of a collective across the communicator's nodes.
+
+    Raises:
+        SmddpError: mismatched ops or sizes; PeerError: a node did not answer.
+    """
+    c = _Chunk(comm, reqs, arenas)
+    run = _KINDS.get(c.req0.kind)
+    if run is None:
+        raise InvalidRequest(f"op kind {c.req0.kind} cannot run across nodes")
+    run(c)
+
+
+def _partial(c: _Chunk, inputs: Sequence[np.ndarray], n: int) -> np.ndarray:
+    partial = np.empty(n, dtype=c.dtype)
+    reduce_into([partial], inputs, c.req0.reduce_op, divisor=1)
+    return partial
+
+
+def _all_reduce(c: _Chunk) -> None:
+    ins = [c.input(r) for r in c.local]
+    outs = [c.output(r) for r in c.local]
+    n = ins[0].size
+    c.same_sizes(ins, n, "input")
+    c.same_sizes(outs, n, "output")
+    partial = _partial(c, ins, n)
+    nodes = len(c.nodes)
+    bounds = [n * j // nodes for j in range(nodes + 1)]
+    for j in c.others():
+        c.send(j, 0, [partial[bounds[j] : bounds[j + 1]]])
+    mine = slice(bounds[c.me], bounds[c.me + 1])
+    segments = [
+        partial[mine] if i == c.me else c.recv(i, 0, mine.stop - mine.start) for i in range(nodes)
+    ]
+    result = np.empty(mine.stop - mine.start, dtype=c.dtype)
+    reduce_into([result], segments, c.req0.reduce_op, divisor=c.world)
+    for j in c.others():
+        c.send(j, 1, [result])
+    full = partial  # every segment is overwritten below
+    full[mine] = result
+    for i in c.others():
+        full[bounds[i] : bounds[i + 1]] = c.recv(i, 1, bounds[i + 1] - bounds[i])
+    copy_into(outs, full)
+
+
+def _broadcast(c: _Chunk) -> None:
+    root_node = c.node_of[c.req0.root]
+    outs = [c.output(r) for r in c.local]
+    if root_node == c.me:
+        data = c.input(c.req0.root)
+        for j in c.others():
+            c.send(j, 0, [data])
+    else:
+        data = c.recv(root_node, 0, outs[0].size)
+    c.same_sizes(outs, data.size, "output")
+    copy_into(outs, data)
+
+
+def _reduce(c: _Chunk) -> None:
+    root = c.req0.root
+    root_node = c.node_of[root]
+    ins = [c.input(r) for r in c.local]
+    n = ins[0].size
+    c.same_sizes(ins, n, "input")
+    partial = _partial(c, ins, n)
+    if root_node != c.me:
+        c.send(root_node, 0, [partial])
+        return
+    parts = [partial if i == c.me else c.recv(i, 0, n) for i in range(len(c.nodes))]
+    reduce_into([c.output(root)], parts, c.req0.reduce_op, divisor=c.world)
+
+
+def _gather_like(c: _Chunk, everywhere: bool) -> None:
+    ins = [c.input(r) for r in c.local]
+    n = ins[0].size
+    c.same_sizes(ins, n, "input")
+    root_node = c.node_of[c.req0.root]
+    targets = c.local if everywhere else ([c.req0.root] if root_node == c.me else [])
+    outs = [c.output(r) for r in targets]
+    for out in outs:
+        if out.size != n * c.world:
+            raise InvalidRequest(f"{describe_request(c.req0)}: an output holds {out.size} elements, not {n * c.world}")
+    receivers = c.others() if everywhere else ([root_node] if root_node != c.me else [])
+    for j in receivers:
+        c.send(j, 0, ins)
+    for rank, x in zip(c.local, ins):
+        copy_into([o[rank * n : (rank + 1) * n] for o in outs], x)
+    if not outs:
+        return
+    for i in c.others():
+        data = c.recv(i, 0, n * len(c.nodes[i]))
+        for k, rank in enumerate(c.nodes[i]):
+            copy_into([o[rank * n : (rank + 1) * n] for o in outs], data[k * n : (k + 1) * n])
+
+
+def _all_gather(c: _Chunk) -> None:
+    _gather_like(c, everywhere=True)
+
+
+def _gather(c: _Chunk) -> None:
+    _gather_like(c, everywhere=False)
+
+
+def _scatter(c: _Chunk) -> None:
+    root = c.req0.root
+    root_node = c.node_of[root]
+    outs = [c.output(r) for r in c.local]
+    n = outs[0].size
+    c.same_sizes(outs, n, "output")
+    if root_node == c.me:
+        data = c.input(root)
+        if data.size != n * c.world:
+            raise InvalidRequest(f"{describe_request(c.req0)}: the root's input holds {data.size} elements, not {n * c.world}")
+        for j in c.others():
+            c.send(j, 0, [data[r * n : (r + 1) * n] for r in c.nodes[j]])
+        for rank, out in zip(c.local, outs):
+            copy_into([out], data[rank * n : (rank + 1) * n])
+    else:
+        data = c.recv(root_node, 0, n * len(c.local))
+        for k, out in enumerate(outs):
+            copy_into([out], data[k * n : (k + 1) * n])
+
+
+def _reduce_scatter(c: _Chunk) -> None:
+    outs = [c.output(r) for r in c.local]
+    n = outs[0].size
+    c.same_sizes(outs, n, "output")
+    ins = [c.input(r) for r in c.local]
+    c.same_sizes(ins, n * c.world, "input")
+    partials = []
+    for ranks in c.nodes:
+        p = np.empty(n * len(ranks), dtype=c.dtype)
+        for k, d in enumerate(ranks):
+            reduce_into([p[k * n : (k + 1) * n]], [x[d * n : (d + 1) * n] for x in ins], c.req0.reduce_op, divisor=1)
+        partials.append(p)
+    for j in c.others():
+        c.send(j, 0, [partials[j]])
+    parts = [partials[c.me] if i == c.me else c.recv(i, 0, n * len(c.local)) for i in range(len(c.nodes))]
+    for k, out in enumerate(outs):
+        reduce_into([out], [p[k * n : (k + 1) * n] for p in parts], c.req0.reduce_op, divisor=c.world)
+
+
+def _all_to_all(c: _Chunk) -> None:
+    w = c.world
+    for rank in c.local:
+        req = c.reqs[rank]
+        if len(req.send_blocks) != w or len(req.recv_blocks) != w:
+            raise InvalidRequest(f"all_to_all: rank {rank} gave the wrong number of blocks for a world of {w}")
+    sends = {s: [c.arenas[s].view(b, c.dtype) for b in c.reqs[s].send_blocks] for s in c.local}
+    recvs = {d: [c.arenas[d].view(b, c.dtype) for b in c.reqs[d].recv_blocks] for d in c.local}
+    for j in c.others():
+        c.send(j, 0, [sends[s][d] for s in c.local for d in c.nodes[j]])
+    for s in c.local:
+        for d in c.local:
+            if sends[s][d].size != recvs[d][s].size:
+                raise InvalidRequest(
+                    f"all_to_all: rank {s} sends {sends[s][d].size} elements to rank {d} but rank {d} "
+                    f"expects {recvs[d][s].size} (input and output split sizes disagree)"
+                )
+            copy_into([recvs[d][s]], sends[s][d])
+    for i in c.others():
+        expect = sum(recvs[d][s].size for s in c.nodes[i] for d in c.local)
+        data = c.recv(i, 0)
+        if data.size != expect:
+            raise InvalidRequest(
+                f"all_to_all: {rank_list(c.nodes[i])} sent {data.size} elements to {rank_list(c.local)} "
+                f"which expect {expect} (input and output split sizes disagree)"
+            )
+        off = 0
+        for s in c.nodes[i]:
+            for d in c.local:
+                size = recvs[d][s].size
+                copy_into([recvs[d][s]], data[off : off + size])
+                off += size
+
+
+def _barrier(c: _Chunk) -> None:
+    for j in c.others():
+        c.send(j, 0, [])
+    for i in c.others():
+        c.recv(i, 0)
+
+
+_KINDS = {
+    pb.ALL_REDUCE: _all_reduce,
+    pb.BROADCAST: _broadcast,
+    pb.REDUCE: _reduce,
+    pb.ALL_GATHER: _all_gather,
+    pb.GATHER: _gather,
+    pb.SCATTER: _scatter,
+    pb.REDUCE_SCATTER: _reduce_scatter,
+    pb.ALL_TO_ALL: _all_to_all,
+    pb.BARRIER: _barrier,
+}
