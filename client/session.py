@@ -31,6 +31,7 @@ from smddp.wire import (
 
 ENV_OP_CHANNEL = "SMDDP_OP_CHANNEL"
 REGISTER_TIMEOUT_S = 30.0
+RECV_SLICE_S = 1.0  # how often a waiting rank checks its own deadline
 
 _channels: dict[str, grpc.Channel] = {}
 _channels_lock = threading.Lock()
@@ -92,6 +93,9 @@ class DaemonSession:
         if kind != MSG_ATTACH_REPLY or not answer.ok:
             self.close()
             raise ConnectError(f"smddpd at {socket_path} refused the arena: {answer.error}")
+        self._sock.settimeout(RECV_SLICE_S)
+        self._buf = bytearray(MAX_MESSAGE_BYTES)
+        self._view = memoryview(self._buf)
         mode = op_channel or os.environ.get(ENV_OP_CHANNEL, "socket")
         if mode not in ("socket", "grpc"):
             raise ConnectError(f"{ENV_OP_CHANNEL}={mode!r}: expected 'socket' or 'grpc'")
@@ -159,37 +163,39 @@ class DaemonSession:
                     f"smddpd at {self.socket_path} sent no reply within {timeout_s:.0f} s "
                     "(the daemon is stuck or unreachable)"
                 )
-            reply = self._recv(min(remaining, 1.0))
+            reply = self._recv()
             if reply is not None:
                 self._replies[reply.request_id] = reply
         return self._replies.pop(request_id)
 
-    def _recv(self, timeout_s: float) -> pb.OpReply | None:
+    def _recv(self) -> pb.OpReply | None:
+        """One reply, or None after RECV_SLICE_S without one (so callers can check deadlines)."""
         if self._stream_replies is not None:
             try:
-                item = self._stream_replies.get(timeout=timeout_s)
+                item = self._stream_replies.get(timeout=RECV_SLICE_S)
             except queue.Empty:
                 return None
             if isinstance(item, Exception):
                 self._stream_replies.put(item)
                 raise item
             return item
-        self._sock.settimeout(timeout_s)
         try:
-            data = self._sock.recv(MAX_MESSAGE_BYTES)
+            # Into a buffer kept for the session: a fresh 1 MiB bytes object per reply costs
+            # more than the reply's whole round trip.
+            n = self._sock.recv_into(self._buf)
         except TimeoutError:
             return None
         except OSError as exc:
             raise DaemonLostError(f"smddpd at {self.socket_path}: connection broke: {exc}") from None
-        if not data:
+        if not n:
             raise DaemonLostError(
                 f"smddpd at {self.socket_path} closed the connection (the daemon stopped, "
                 "restarted or crashed)"
             )
-        kind, payload = unpack(data)
+        kind = self._buf[0]
         if kind != MSG_OP_REPLY:
             raise DaemonLostError(f"smddpd at {self.socket_path} sent message type {kind}")
-        return pb.OpReply.FromString(payload)
+        return pb.OpReply.FromString(self._view[1:n])
 
     def close(self, deregister: bool = True) -> None:
         """Leaves the communicator (when ``deregister``) and releases socket and arena."""

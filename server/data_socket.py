@@ -107,16 +107,17 @@ class DataSocketServer:
             session = self._attach(conn)
             if session is None:
                 return
+            buf = bytearray(MAX_MESSAGE_BYTES)  # reused: a fresh 1 MiB object per op is costly
+            view = memoryview(buf)
             while True:
-                data = conn.recv(MAX_MESSAGE_BYTES)
-                if not data:
+                n = conn.recv_into(buf)
+                if not n:
                     break
-                msg_type, payload = unpack(data)
-                if msg_type != MSG_OP:
-                    detail = f"unexpected message type {msg_type} on the data socket"
+                if buf[0] != MSG_OP:
+                    detail = f"unexpected message type {buf[0]} on the data socket"
                     break
                 try:
-                    req = pb.OpRequest.FromString(payload)
+                    req = pb.OpRequest.FromString(view[1:n])
                 except DecodeError:
                     detail = "undecodable OpRequest on the data socket"
                     break

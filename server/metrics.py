@@ -55,6 +55,7 @@ class Metrics:
             if name != "error_kind_unspecified":
                 self.errors.labels(name)
         self._job_ranks: dict[str, set[str]] = {}
+        self._children: dict[tuple[int, int], tuple] = {}
 
     def watch(self, registry: Registry) -> None:
         """Makes the gauges read the registry's tables at scrape time."""
@@ -64,12 +65,23 @@ class Metrics:
 
     def op_done(self, comm: Communicator, req: pb.OpRequest, duration: float, last_rank: int, skew: float, nbytes: int) -> None:
         """Records one completed op (called once per op, at its last chunk)."""
-        op = KIND_NAMES.get(req.kind, "unknown")
-        dtype = dtype_name(req.dtype) if req.dtype in NUMPY_DTYPES else "none"
-        self.ops.labels(op, dtype).inc()
-        self.bytes.labels(op, dtype).inc(nbytes)
-        self.duration.labels(op, dtype).observe(duration)
-        self.skew.labels(op).observe(skew)
+        key = (req.kind, req.dtype)
+        children = self._children.get(key)
+        if children is None:  # labels() costs microseconds per call: resolve once per op and dtype
+            op = KIND_NAMES.get(req.kind, "unknown")
+            dtype = dtype_name(req.dtype) if req.dtype in NUMPY_DTYPES else "none"
+            children = (
+                self.ops.labels(op, dtype),
+                self.bytes.labels(op, dtype),
+                self.duration.labels(op, dtype),
+                self.skew.labels(op),
+            )
+            self._children[key] = children
+        ops, nbytes_counter, durations, skews = children
+        ops.inc()
+        nbytes_counter.inc(nbytes)
+        durations.observe(duration)
+        skews.observe(skew)
         if comm.world_size > 1 and req.kind not in (pb.SEND, pb.RECV):
             self.straggler.labels(comm.job_id, str(last_rank)).inc()
             self._job_ranks.setdefault(comm.job_id, set()).add(str(last_rank))
