@@ -23,6 +23,7 @@ from smddp.server.peer_transport import PeerListener, parse_address
 from smddp.server.topology import advertise_address
 from smddp.server.registry import Registry
 from smddp.server.service import NodeService
+from smddp.server.undecodable import RefuseUndecodable
 from smddp.v1 import smddp_pb2 as pb
 from smddp.v1 import smddp_pb2_grpc as pb_grpc
 from smddp.wire import DATA_SOCKET_SUFFIX
@@ -85,6 +86,7 @@ class Daemon:
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=256, thread_name_prefix="smddp-grpc"),
             options=[("grpc.max_receive_message_length", 4 << 20), ("grpc.so_reuseport", 0)],
+            interceptors=[RefuseUndecodable()],
         )
         if cfg.peer_bind and cfg.peer_bind != "off":
             self._peers = PeerListener(cfg.peer_bind, self.registry.find_comm)
@@ -111,6 +113,7 @@ class Daemon:
             tcp = grpc.server(
                 futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="smddp-probe"),
                 options=[("grpc.so_reuseport", 0)],
+                interceptors=[RefuseUndecodable()],
             )
             health_pb2_grpc.add_HealthServicer_to_server(self.health, tcp)
             reflection.enable_server_reflection(
