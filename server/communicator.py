@@ -323,11 +323,12 @@ class Communicator:
                 s.ops_completed += 1
         else:
             self._progress[op_key] = (start, nbytes)
-        for s, r in zip(sessions, reqs):
-            s.reply(pb.OpReply(request_id=r.request_id, ok=True))
+        # Count the op before any rank hears of it, so that a scrape after wait() sees it.
         if final and self._metrics is not None:
             skew = last[2] - pending.first_arrival
             self._metrics.op_done(self, reqs[0], time.monotonic() - start, last[0].rank, skew, nbytes)
+        for s, r in zip(sessions, reqs):
+            s.reply(pb.OpReply(request_id=r.request_id, ok=True))
 
     def _run_p2p(self, sessions: list[Session], reqs: list[pb.OpRequest]) -> None:
         send, recv = (reqs[0], reqs[1]) if reqs[0].kind == pb.SEND else (reqs[1], reqs[0])
