@@ -238,7 +238,8 @@ class CommPeers:
                 sock.sendall(header)
                 for p in payloads:
                     if len(p):
-                        sock.sendall(memoryview(p).cast("B") if isinstance(p, np.ndarray) else p)
+                        # As bytes: a memoryview cannot carry ml_dtypes' bfloat16 ('E').
+                        sock.sendall(memoryview(np.ascontiguousarray(p).view(np.uint8)) if isinstance(p, np.ndarray) else p)
             except OSError as exc:
                 raise PeerError(f"sending to node {self.node_ids[node]} ({self.addresses[node]}) failed: {exc}") from None
         if self._metrics is not None and nbytes:
