@@ -118,7 +118,8 @@ def start_daemon(socket_dir: Path) -> Iterator[Callable[..., DaemonProcess]]:
     """Starts smddpds: ``start_daemon(args=(), command=DAEMON_COMMAND, env=None, name="smddpd")``.
 
     ``env`` replaces the environment (``SMDDP_DAEMON=1`` is added unless it says otherwise);
-    ``command`` is the program before ``--socket PATH --http-bind off`` and ``args``.
+    ``command`` is the program before ``--socket PATH --http-bind off --peer-bind
+    127.0.0.1:0`` (private socket, no HTTP, a free loopback port for peers) and ``args``.
     """
     started: list[DaemonProcess] = []
 

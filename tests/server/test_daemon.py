@@ -60,12 +60,16 @@ def test_daemon_serves_without_torch(daemon_switch, start_daemon, torch_free_pyt
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
-def test_signal_stops_daemon_cleanly(sig, start_daemon):
-    """SIGTERM and SIGINT: exit 0, both sockets gone, a connected rank gets a clear error."""
+def test_signal_stops_daemon_cleanly(sig, start_daemon, monkeypatch):
+    """SIGTERM and SIGINT: exit 0, both sockets gone, connected ranks get a clear error."""
     d = start_daemon()
-    comm = connect("signalled", secrets.token_bytes(16), 0, 1, socket_path=d.socket, arena_bytes=1 << 20)
+    comms = []
+    for channel in ("socket", "grpc"):  # ranks on either op channel must not hold it up
+        monkeypatch.setenv("SMDDP_OP_CHANNEL", channel)
+        comms.append(connect(f"signalled-{channel}", secrets.token_bytes(16), 0, 1, socket_path=d.socket, arena_bytes=1 << 20))
     x = np.ones(10, dtype=np.float32)
-    comm.all_reduce(x).wait()
+    for comm in comms:
+        comm.all_reduce(x).wait()
     assert os.path.exists(d.socket) and os.path.exists(d.socket + DATA_SOCKET_SUFFIX)
 
     assert d.stop(sig) == 0, d.log()
@@ -73,9 +77,10 @@ def test_signal_stops_daemon_cleanly(sig, start_daemon):
     assert not os.path.exists(d.socket + DATA_SOCKET_SUFFIX), "the data socket was left behind"
     assert f"received {sig.name}, shutting down" in d.log()
 
-    with pytest.raises(SmddpError, match="smddpd"):
-        comm.all_reduce(x).wait()
-    comm.close()
+    for comm in comms:
+        with pytest.raises(SmddpError, match="smddpd"):
+            comm.all_reduce(x).wait()
+        comm.close()
 
 
 def job_worker(rank: int, world: int, socket_path: str, job_id: str, token: bytes, scale: float) -> float:
