@@ -67,7 +67,10 @@ class SmddpWork(dist.Work):
         return True
 
     def is_completed(self) -> bool:
-        return self._completed or all(h.done() for h in self._handles)
+        # Polling makes progress; copy-backs run before True, so outputs are ready when it is.
+        if not self._completed and all(h.poll() for h in self._handles):
+            self._complete()
+        return self._completed
 
     def is_success(self) -> bool:
         self._complete()

@@ -23,11 +23,16 @@ import numpy as np
 from smddp.client.arena import ALIGN, RingAllocator
 from smddp.client.errors import SmddpError, UnsupportedError, op_error
 from smddp.client.session import DaemonSession
+from smddp.reduce import reduce_into
 from smddp.v1 import smddp_pb2 as pb
 from smddp.wire import WIRE_DTYPES, reduce_op_check, socket_candidates
 
 DEFAULT_ARENA_BYTES = 64 << 20
 ENV_ARENA_BYTES = "SMDDP_ARENA_BYTES"
+# all_reduce of at least this many bytes on a single-node communicator runs "direct": every
+# rank reduces its own segment straight from the others' arenas. Must be equal on all ranks.
+ENV_DIRECT_MIN_BYTES = "SMDDP_DIRECT_MIN_BYTES"
+DEFAULT_DIRECT_MIN_BYTES = 256 << 10
 # The daemon enforces the op timeout; this is the client's own last resort on top of it.
 REPLY_GRACE_S = 30.0
 
@@ -59,6 +64,10 @@ class Handle:
         """True once every chunk has been retired."""
         return self.pending == 0
 
+    def poll(self) -> bool:
+        """Retires what has completed without blocking; True once the op is done."""
+        return self.comm._poll(self)
+
 
 class _Layout:
     """Offsets of a chunk's regions relative to its block, each aligned."""
@@ -89,13 +98,25 @@ def _flat(array: np.ndarray, what: str, writable: bool = False) -> np.ndarray:
 class Communicator:
     """The numpy collectives of one rank in one communicator."""
 
-    def __init__(self, session: DaemonSession, timeout_s: float) -> None:
+    def __init__(self, session: DaemonSession, timeout_s: float, single_node: bool = True) -> None:
         self.session = session
         self.rank = session.rank
         self.world_size = session.world_size
         self.timeout_s = timeout_s
         self.chunk_bytes = session.chunk_bytes
-        self._ring = RingAllocator(session.arena.nbytes)
+        # The arena's first half is a ring for chunks the daemon moves; the second half holds
+        # two slots for direct ops, at the same offsets in every rank's arena.
+        half = session.arena.nbytes // 2
+        self._ring = RingAllocator(half)
+        self._slots = (half, half + half // 2)
+        self._slot_bytes = half // 2
+        self._direct_count = 0
+        self._direct_min = (
+            int(os.environ.get(ENV_DIRECT_MIN_BYTES, DEFAULT_DIRECT_MIN_BYTES))
+            if single_node and session.world_size > 1
+            else -1
+        )
+        self._peer_maps: list[np.ndarray] | None = None
         self._outstanding: collections.deque[_Chunk] = collections.deque()
         self._seq = 0
         self._p2p_seq: dict[tuple[int, int], int] = {}
@@ -167,6 +188,21 @@ class Communicator:
             while handle.pending > 0 and self._outstanding:
                 self._retire_oldest()
 
+    def _poll(self, handle: Handle) -> bool:
+        # Nobody else makes progress for a rank: without this, polling is_completed() spins forever.
+        if self._lock.acquire(blocking=False):
+            try:
+                while handle.pending > 0 and self._outstanding:
+                    try:
+                        if not self.session.has_reply(self._outstanding[0].request_id):
+                            break
+                    except SmddpError:
+                        pass  # retiring the chunk meets the same error and records it
+                    self._retire_oldest()
+            finally:
+                self._lock.release()
+        return handle.done()
+
     def _begin(self, kind: int, dtype: np.dtype | None, count: int, root: int = 0, reduce_op: int = 0) -> tuple[Handle, pb.OpRequest]:
         self._check_open()
         self._seq += 1
@@ -193,7 +229,72 @@ class Communicator:
         """Reduces ``array`` across ranks in place (rank order, bitwise identical everywhere)."""
         flat = _flat(array, "all_reduce", writable=True)
         self._check_reduce(flat.dtype, reduce_op)
+        if 0 <= self._direct_min <= flat.nbytes:
+            return self._direct_all_reduce(flat, reduce_op)
         return self._elementwise(pb.ALL_REDUCE, flat, 0, reduce_op, send=True, receive=True)
+
+    def _direct_all_reduce(self, flat: np.ndarray, reduce_op: int) -> Handle:
+        """all_reduce with the ranks doing the work: each copies its chunk into its slot; once
+        all have (part 2c), rank r reduces segment r of the chunk from every rank's slot, in
+        rank order, into its own slot; once all have (part 2c+1), each copies the other
+        segments from their owners' slots. The daemon only matches and releases the ranks.
+
+        Slots alternate, so a slot is written again only after every rank has started the
+        next chunk, which it does only after it has finished reading the previous one.
+        """
+        with self._lock:
+            self._check_open()
+            if self._peer_maps is None:
+                while self._outstanding:  # the arenas' reply must be the next message
+                    self._retire_oldest()
+                self._peer_maps = self.session.peer_arenas()
+            maps = self._peer_maps
+            handle, template = self._begin(pb.ALL_REDUCE, flat.dtype, flat.size, 0, reduce_op)
+            template.direct = True
+            s, w, me = flat.dtype.itemsize, self.world_size, self.rank
+            per = max(1, min(self.chunk_bytes, self._slot_bytes) // s)
+            chunks = max(1, -(-flat.size // per))
+            template.parts = 2 * chunks
+            for c in range(chunks):
+                a, b = c * per, min(flat.size, (c + 1) * per)
+                m = b - a
+                base = self._slots[self._direct_count % 2]
+                self._direct_count += 1
+                slots = [pm[base : base + m * s].view(flat.dtype) for pm in maps]
+                lo, hi = m * me // w, m * (me + 1) // w
+                # Only the others read our slot, and only their own segments: ours stays home.
+                np.copyto(slots[me][:lo], flat[a : a + lo])
+                np.copyto(slots[me][hi:], flat[a + hi : b])
+                if not self._release(handle, template, 2 * c):
+                    return handle
+                mine = flat[a + lo : a + hi]
+                inputs = [mine if j == me else x[lo:hi] for j, x in enumerate(slots)]
+                # The result goes to our slot for the others, and into our own tensor.
+                reduce_into([slots[me][lo:hi], mine], inputs, reduce_op, threads=1)
+                if not self._release(handle, template, 2 * c + 1):
+                    return handle
+                for j in range(w):
+                    if j != me:
+                        lo, hi = m * j // w, m * (j + 1) // w
+                        np.copyto(flat[a + lo : a + hi], slots[j][lo:hi])
+            return handle
+
+    def _release(self, handle: Handle, template: pb.OpRequest, part: int) -> bool:
+        """Sends one synchronising part of a direct op and waits for every rank's."""
+        req = pb.OpRequest()
+        req.CopyFrom(template)
+        req.part = part
+        req.request_id = next(self._ids)
+        try:
+            self.session.send(req)
+            reply = self.session.wait_reply(req.request_id, self.timeout_s + REPLY_GRACE_S)
+        except SmddpError as exc:
+            handle.error = handle.error or exc
+            return False
+        if not reply.ok:
+            handle.error = handle.error or op_error(reply.error_kind, reply.error)
+            return False
+        return True
 
     def broadcast(self, array: np.ndarray, root: int) -> Handle:
         """Copies the root's ``array`` into every rank's ``array``."""
@@ -458,7 +559,7 @@ def connect(
         timeout_ms=int(timeout_s * 1000),
         nodes=nodes,
     )
-    return Communicator(DaemonSession(path, register), timeout_s)
+    return Communicator(DaemonSession(path, register), timeout_s, single_node=len(nodes) <= 1)
 
 
 def daemon_info(socket_path: str) -> pb.InfoReply:

@@ -72,7 +72,7 @@ def start_embedded_daemon(tried: list[str] | None = None, peer_host: str | None 
     """
     folder = tempfile.mkdtemp(prefix="smddp-job-")  # mode 0700: only this user reaches it
     path = os.path.join(folder, "smddpd.sock")
-    env = dict(os.environ, SMDDP_DAEMON="1")
+    env = dict(os.environ)
     env.pop("SMDDP_SOCKET", None)
     cmd = [
         sys.executable, "-m", "smddp.server",

@@ -6,6 +6,7 @@ Ops travel on the data socket by default (``SMDDP_OP_CHANNEL=socket``); the gRPC
 
 from __future__ import annotations
 
+import mmap
 import os
 import queue
 import socket
@@ -13,12 +14,15 @@ import threading
 import time
 
 import grpc
+import numpy as np
 
 from smddp.client.arena import ClientArena
 from smddp.client.errors import ConnectError, DaemonLostError
 from smddp.v1 import smddp_pb2 as pb
 from smddp.v1 import smddp_pb2_grpc as pb_grpc
 from smddp.wire import (
+    MSG_PEER_ARENAS,
+    MSG_PEER_ARENAS_REPLY,
     DATA_SOCKET_SUFFIX,
     MAX_MESSAGE_BYTES,
     MSG_ATTACH,
@@ -168,11 +172,24 @@ class DaemonSession:
                 self._replies[reply.request_id] = reply
         return self._replies.pop(request_id)
 
-    def _recv(self) -> pb.OpReply | None:
-        """One reply, or None after RECV_SLICE_S without one (so callers can check deadlines)."""
+    def has_reply(self, request_id: int) -> bool:
+        """True once the reply to ``request_id`` is here; reads what has arrived, never blocks.
+
+        Raises:
+            DaemonLostError: the daemon closed the connection.
+        """
+        while request_id not in self._replies:
+            reply = self._recv(block=False)
+            if reply is None:
+                return False
+            self._replies[reply.request_id] = reply
+        return True
+
+    def _recv(self, block: bool = True) -> pb.OpReply | None:
+        """One reply, or None after RECV_SLICE_S (at once unless ``block``) without one."""
         if self._stream_replies is not None:
             try:
-                item = self._stream_replies.get(timeout=RECV_SLICE_S)
+                item = self._stream_replies.get(timeout=RECV_SLICE_S) if block else self._stream_replies.get_nowait()
             except queue.Empty:
                 return None
             if isinstance(item, Exception):
@@ -182,11 +199,16 @@ class DaemonSession:
         try:
             # Into a buffer kept for the session: a fresh 1 MiB bytes object per reply costs
             # more than the reply's whole round trip.
+            if not block:
+                self._sock.settimeout(0.0)  # with a timeout, recv would first wait that long
             n = self._sock.recv_into(self._buf)
-        except TimeoutError:
+        except (TimeoutError, BlockingIOError):
             return None
         except OSError as exc:
             raise DaemonLostError(f"smddpd at {self.socket_path}: connection broke: {exc}") from None
+        finally:
+            if not block:
+                self._sock.settimeout(RECV_SLICE_S)
         if not n:
             raise DaemonLostError(
                 f"smddpd at {self.socket_path} closed the connection (the daemon stopped, "
@@ -196,6 +218,43 @@ class DaemonSession:
         if kind != MSG_OP_REPLY:
             raise DaemonLostError(f"smddpd at {self.socket_path} sent message type {kind}")
         return pb.OpReply.FromString(self._view[1:n])
+
+    def peer_arenas(self) -> list[np.ndarray]:
+        """Maps the arena of every rank of the communicator (in rank order; our own included).
+
+        Only for single-node communicators, and only with no op in flight: the reply is the
+        next message on the data socket. Blocks until every rank has attached.
+
+        Raises:
+            ConnectError: the daemon refused (e.g. the communicator failed).
+        """
+        try:
+            self._sock.sendall(pack(MSG_PEER_ARENAS, b""))
+            self._sock.settimeout(None)
+            msg, fds, _flags, _addr = socket.recv_fds(self._sock, MAX_MESSAGE_BYTES, self.world_size)
+        except OSError as exc:
+            raise DaemonLostError(f"smddpd at {self.socket_path}: connection broke: {exc}") from None
+        finally:
+            self._sock.settimeout(RECV_SLICE_S)
+        if not msg:
+            raise DaemonLostError(f"smddpd at {self.socket_path} closed the connection")
+        kind, payload = unpack(msg)
+        answer = pb.AttachReply.FromString(payload) if kind == MSG_PEER_ARENAS_REPLY else None
+        try:
+            if answer is None or not answer.ok or len(fds) != self.world_size:
+                raise ConnectError(
+                    f"smddpd at {self.socket_path} gave no peer arenas: "
+                    f"{answer.error if answer is not None else f'message type {kind}'}"
+                )
+            maps = []
+            for fd in fds:
+                size = os.fstat(fd).st_size
+                mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                maps.append(np.frombuffer(mm, dtype=np.uint8))
+            return maps
+        finally:
+            for fd in fds:
+                os.close(fd)
 
     def close(self, deregister: bool = True) -> None:
         """Leaves the communicator (when ``deregister``) and releases socket and arena."""

@@ -20,7 +20,8 @@ class Arena:
     """The mapping of one rank's arena; ``view`` checks every region against its bounds."""
 
     def __init__(self, fd: int, expected_bytes: int, owner: str) -> None:
-        """Maps ``fd`` (which this object closes).
+        """Maps ``fd``, which this object owns: it is handed to the communicator's other ranks
+        for direct ops, and closed by ``close``.
 
         Args:
             fd: the memfd received over the data socket.
@@ -45,8 +46,10 @@ class Arena:
                 )
             self.nbytes = size
             self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        self.fd = fd
 
     def view(self, region: pb.Region, dtype: np.dtype) -> np.ndarray:
         """Returns the region as a 1-D array of ``dtype``.
@@ -71,3 +74,6 @@ class Arena:
             self._mm.close()
         except BufferError:
             pass
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1

@@ -21,7 +21,7 @@ import numpy as np
 
 from smddp.server.arena import Arena
 from smddp.server.errors import InvalidRequest
-from smddp.server.reduce import copy_into, reduce_into
+from smddp.reduce import copy_into, reduce_into
 from smddp.v1 import smddp_pb2 as pb
 from smddp.wire import NUMPY_DTYPES, describe_request
 
@@ -47,7 +47,7 @@ def execute(reqs: Sequence[pb.OpRequest], arenas: Sequence[Arena]) -> None:
     """
     req0 = reqs[0]
     kind = req0.kind
-    if kind == pb.BARRIER:
+    if kind == pb.BARRIER or req0.direct:
         return
     dtype = NUMPY_DTYPES[req0.dtype]
     world = len(reqs)

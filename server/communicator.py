@@ -15,9 +15,11 @@ import time
 from typing import TYPE_CHECKING
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from smddp.server import collectives, multinode
 from smddp.server.peer_transport import FRAME_DATA, CommPeers, Frame, PeerError
-from smddp.server.errors import InvalidRequest, OpMismatch, SmddpError
+from smddp.server.errors import FailedPrecondition, InvalidRequest, OpMismatch, SmddpError
 from smddp.server.session import Session
 from smddp.v1 import smddp_pb2 as pb
 from smddp.wire import (
@@ -47,6 +49,8 @@ class Pending:
     participants: tuple[int, ...]
     first_arrival: float
     arrivals: dict[int, tuple[Session, pb.OpRequest, float]] = field(default_factory=dict)
+    # A send that arrived before its recv: a copy of its data; the sender was answered already.
+    sent: np.ndarray | None = None
 
     def missing(self) -> list[int]:
         return [r for r in self.participants if r not in self.arrivals]
@@ -57,7 +61,7 @@ def _signature(req: pb.OpRequest) -> tuple[int, ...]:
     count = 0 if req.kind == pb.ALL_TO_ALL else req.count
     root = req.root if req.kind in ROOTED_KINDS else -1
     op = req.reduce_op if req.kind in REDUCING_KINDS else 0
-    return (req.kind, req.dtype if req.kind != pb.BARRIER else 0, count, root, op, req.parts)
+    return (req.kind, req.dtype if req.kind != pb.BARRIER else 0, count, root, op, req.parts, req.direct)
 
 
 class Communicator:
@@ -97,6 +101,7 @@ class Communicator:
         self._failed: tuple[int, str] | None = None
         self._left: list[str] = []
         self._lock = threading.Lock()
+        self._attached = threading.Condition(self._lock)
 
     # -- membership -------------------------------------------------------------------------
 
@@ -125,6 +130,34 @@ class Communicator:
             self.fail(kind, why, log_level, culprit=session)
         return empty
 
+    def attached(self) -> None:
+        """Called once a rank has mapped its arena: wakes ``arena_fds`` waiters."""
+        with self._attached:
+            self._attached.notify_all()
+
+    def arena_fds(self) -> list[int]:
+        """The arena memfds of every rank in rank order, once all have attached.
+
+        Raises:
+            FailedPrecondition: the communicator spans nodes, failed, or ranks did not attach
+                within the timeout.
+        """
+        if self.peers is not None:
+            raise FailedPrecondition(f"{self.name()}: direct arena access is for single-node communicators")
+        deadline = time.monotonic() + self.timeout_s
+        with self._attached:
+            while True:
+                if self._failed is not None:
+                    raise FailedPrecondition(self._failed[1])
+                ready = [self.members.get(r) for r in range(self.world_size)]
+                if all(s is not None and s.arena is not None for s in ready):
+                    return [s.arena.fd for s in ready]  # type: ignore[union-attr]
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    missing = [r for r, s in enumerate(ready) if s is None or s.arena is None]
+                    raise FailedPrecondition(f"{self.name()}: {rank_list(missing)} did not attach within {self.timeout_s:.0f} s")
+                self._attached.wait(min(remaining, 0.5))
+
     def failed(self) -> tuple[int, str] | None:
         """The error kind and message that failed the communicator, or None."""
         return self._failed
@@ -144,6 +177,7 @@ class Communicator:
         with self._lock:
             failure = self._failed
             ready = None
+            early = False
             if failure is None:
                 key, participants = self._key(session, req)
                 pending = self._pending.get(key)
@@ -154,10 +188,20 @@ class Communicator:
                 if not pending.missing():
                     del self._pending[key]
                     ready = pending
+                elif req.kind == pb.SEND and len(participants) == 2:
+                    # Eager send: copy the chunk out and let the sender go on. Otherwise two
+                    # ranks that isend to each other before receiving block on full arenas.
+                    try:
+                        pending.sent = session.arena.view(req.input, NUMPY_DTYPES[req.dtype]).copy()  # type: ignore[union-attr]
+                        early = True
+                    except SmddpError:
+                        pass  # a bad region is reported when the recv meets it
         if failure is not None:
             self._reply_error(session, req, *failure)
         elif ready is not None:
             self._run(ready)
+        elif early:
+            session.reply(pb.OpReply(request_id=req.request_id, ok=True))
 
     def _key(self, session: Session, req: pb.OpRequest) -> tuple[tuple, tuple[int, ...]]:
         if req.kind == pb.SEND:
@@ -279,7 +323,7 @@ class Communicator:
         sessions = [a[0] for a in arrivals]
         try:
             if reqs[0].kind in P2P_KINDS:
-                self._run_p2p(sessions, reqs)
+                self._run_p2p(sessions, reqs, pending.sent)
             else:
                 self._check_match(pending, reqs)
                 arenas = [s.arena for s in sessions]
@@ -328,9 +372,10 @@ class Communicator:
             skew = last[2] - pending.first_arrival
             self._metrics.op_done(self, reqs[0], time.monotonic() - start, last[0].rank, skew, nbytes)
         for s, r in zip(sessions, reqs):
-            s.reply(pb.OpReply(request_id=r.request_id, ok=True))
+            if pending.sent is None or r.kind != pb.SEND:
+                s.reply(pb.OpReply(request_id=r.request_id, ok=True))
 
-    def _run_p2p(self, sessions: list[Session], reqs: list[pb.OpRequest]) -> None:
+    def _run_p2p(self, sessions: list[Session], reqs: list[pb.OpRequest], sent: np.ndarray | None = None) -> None:
         send, recv = (reqs[0], reqs[1]) if reqs[0].kind == pb.SEND else (reqs[1], reqs[0])
         s_send, s_recv = (sessions[0], sessions[1]) if reqs[0].kind == pb.SEND else (sessions[1], sessions[0])
         if recv.kind != pb.RECV or send.kind != pb.SEND:
@@ -341,7 +386,13 @@ class Communicator:
                 f"#{send.seq} to rank {s_recv.rank}, which called {describe_request(recv)} "
                 f"(tag {recv.tag})"
             )
-        collectives.execute_p2p(send, recv, s_send.arena, s_recv.arena)  # type: ignore[arg-type]
+        if sent is None:
+            collectives.execute_p2p(send, recv, s_send.arena, s_recv.arena)  # type: ignore[arg-type]
+            return
+        out = s_recv.arena.view(recv.output, sent.dtype)  # type: ignore[union-attr]
+        if out.size != sent.size:
+            raise InvalidRequest(f"send of {sent.size} elements from rank {s_send.rank} meets a recv of {out.size} elements")
+        out[:] = sent
 
     def _check_match(self, pending: Pending, reqs: list[pb.OpRequest]) -> None:
         groups: dict[tuple[int, ...], list[int]] = {}
@@ -396,6 +447,8 @@ class Communicator:
         log.log(logging.WARNING if pending else log_level, "%s", message, extra=self._log_fields(culprit))
         for p in pending:
             for session, req, _ in p.arrivals.values():
+                if p.sent is not None and req.kind == pb.SEND:
+                    continue  # answered when it arrived
                 self._reply_error(session, req, kind, message)
 
     def check_timeouts(self, now: float) -> None:

@@ -21,7 +21,17 @@ from smddp.server.errors import SmddpError
 from smddp.server.registry import Registry
 from smddp.server.session import Session
 from smddp.v1 import smddp_pb2 as pb
-from smddp.wire import MAX_MESSAGE_BYTES, MSG_ATTACH, MSG_ATTACH_REPLY, MSG_OP, MSG_OP_REPLY, pack, unpack
+from smddp.wire import (
+    MAX_MESSAGE_BYTES,
+    MSG_ATTACH,
+    MSG_ATTACH_REPLY,
+    MSG_OP,
+    MSG_OP_REPLY,
+    MSG_PEER_ARENAS,
+    MSG_PEER_ARENAS_REPLY,
+    pack,
+    unpack,
+)
 
 log = logging.getLogger(__name__)
 
@@ -31,11 +41,11 @@ class SocketChannel:
 
     def __init__(self, conn: socket.socket) -> None:
         self._conn = conn
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()
 
     def send_reply(self, reply: pb.OpReply) -> None:
         data = pack(MSG_OP_REPLY, reply.SerializeToString())
-        with self._lock:
+        with self.lock:
             try:
                 self._conn.sendall(data)
             except OSError:
@@ -113,6 +123,9 @@ class DataSocketServer:
                 n = conn.recv_into(buf)
                 if not n:
                     break
+                if buf[0] == MSG_PEER_ARENAS:
+                    self._send_peer_arenas(conn, session)
+                    continue
                 if buf[0] != MSG_OP:
                     detail = f"unexpected message type {buf[0]} on the data socket"
                     break
@@ -162,6 +175,21 @@ class DataSocketServer:
         session.channel = SocketChannel(conn)
         self._send_attach_reply(conn, pb.AttachReply(ok=True))
         return session
+
+    @staticmethod
+    def _send_peer_arenas(conn: socket.socket, session: Session) -> None:
+        try:
+            fds = session.comm.arena_fds()
+            reply, sent = pb.AttachReply(ok=True), fds
+        except SmddpError as exc:
+            reply, sent = pb.AttachReply(ok=False, error=str(exc)), []
+        channel = session.channel
+        lock = channel.lock if isinstance(channel, SocketChannel) else threading.Lock()
+        with lock:
+            try:
+                socket.send_fds(conn, [pack(MSG_PEER_ARENAS_REPLY, reply.SerializeToString())], sent)
+            except OSError:
+                pass
 
     @staticmethod
     def _send_attach_reply(conn: socket.socket, reply: pb.AttachReply) -> None:

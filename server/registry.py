@@ -207,6 +207,7 @@ class Registry:
             raise
         session.uid = uid
         session.arena = Arena(fd, session.arena_bytes, f"{comm.name()} {session.label()}")
+        comm.attached()
 
     # -- leaving ------------------------------------------------------------------------------
 

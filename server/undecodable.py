@@ -46,8 +46,10 @@ class RefuseUndecodable(grpc.ServerInterceptor):
         def tolerant(data: bytes) -> Any:
             try:
                 return parse(data)
-            except Exception as exc:  # whatever the parser raises, the request is bad input
-                return _Undecodable(f"{method}: undecodable request message of {len(data)} bytes ({exc})")
+            except Exception as exc:  # noqa: BLE001  whatever the parser raises, the input is bad
+                return _Undecodable(
+                    f"{method}: undecodable request message of {len(data)} bytes ({exc})"
+                )
 
         if handler.request_streaming:
             kind = "stream_stream" if handler.response_streaming else "stream_unary"

@@ -1,19 +1,54 @@
 """smddp: collectives for PyTorch carried out by a daemon on each node.
 
-``import smddp`` registers the torch.distributed backend ``"smddp"`` when torch is
-installed, so that ``dist.init_process_group(backend="smddp")`` works. The daemon itself
-(``smddp.server``) never needs torch; it sets ``SMDDP_DAEMON=1`` for itself so that
-importing this package there skips the registration.
+``import smddp`` registers the torch.distributed backend ``"smddp"``: at once when torch is
+already imported, else the moment torch finishes importing. So a training script gets the
+backend whatever its import order, while the daemon and ``smddpctl``, which import
+``smddp.*`` but never torch, do not pay for importing torch.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
+import importlib.abc
+import importlib.machinery
+import sys
+from types import ModuleType
 
 __version__ = "0.1.0"
 
-if os.environ.get("SMDDP_DAEMON") != "1" and importlib.util.find_spec("torch") is not None:
-    from smddp.backend import register as _register
+_TRIGGER = "torch"
 
+
+def _register() -> None:
+    backend = sys.modules.get("smddp.backend")
+    if backend is not None and not hasattr(backend, "register"):
+        return  # smddp.backend is importing torch itself; it registers when it is done
+    from smddp.backend import register
+
+    register()
+
+
+class _RegisterAfterImport(importlib.abc.MetaPathFinder):
+    """Registers the backend right after ``torch`` (with torch.distributed) finishes importing."""
+
+    def find_spec(self, fullname: str, path: object, target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname != _TRIGGER:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)  # type: ignore[arg-type]
+        if spec is None or spec.loader is None:
+            return spec
+        loader = spec.loader
+        original = loader.exec_module  # type: ignore[union-attr]
+
+        def exec_module(module: ModuleType) -> None:
+            original(module)
+            _register()
+
+        loader.exec_module = exec_module  # type: ignore[method-assign,union-attr]
+        return spec
+
+
+if _TRIGGER in sys.modules:
     _register()
+elif not any(isinstance(f, _RegisterAfterImport) for f in sys.meta_path):
+    sys.meta_path.insert(0, _RegisterAfterImport())

@@ -20,6 +20,10 @@ MSG_ATTACH = 1
 MSG_ATTACH_REPLY = 2
 MSG_OP = 3
 MSG_OP_REPLY = 4
+# A rank asks for the arena memfds of every rank of its communicator (single node only); the
+# reply carries them as SCM_RIGHTS in rank order, once every rank has attached.
+MSG_PEER_ARENAS = 5
+MSG_PEER_ARENAS_REPLY = 6
 MAX_MESSAGE_BYTES = 1 << 20
 
 DATA_SOCKET_SUFFIX = ".data"

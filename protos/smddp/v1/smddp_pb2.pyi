@@ -228,7 +228,7 @@ class Region(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class OpRequest(_message.Message):
-    __slots__ = ("request_id", "session_id", "session_secret", "seq", "part", "parts", "kind", "dtype", "count", "root", "reduce_op", "tag", "input", "output", "send_blocks", "recv_blocks")
+    __slots__ = ("request_id", "session_id", "session_secret", "seq", "part", "parts", "kind", "dtype", "count", "root", "reduce_op", "tag", "input", "output", "send_blocks", "recv_blocks", "direct")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_SECRET_FIELD_NUMBER: _ClassVar[int]
@@ -245,6 +245,7 @@ class OpRequest(_message.Message):
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     SEND_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     RECV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DIRECT_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     session_id: str
     session_secret: bytes
@@ -261,7 +262,8 @@ class OpRequest(_message.Message):
     output: Region
     send_blocks: _containers.RepeatedCompositeFieldContainer[Region]
     recv_blocks: _containers.RepeatedCompositeFieldContainer[Region]
-    def __init__(self, request_id: _Optional[int] = ..., session_id: _Optional[str] = ..., session_secret: _Optional[bytes] = ..., seq: _Optional[int] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., kind: _Optional[_Union[OpKind, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., count: _Optional[int] = ..., root: _Optional[int] = ..., reduce_op: _Optional[_Union[ReduceOp, str]] = ..., tag: _Optional[int] = ..., input: _Optional[_Union[Region, _Mapping]] = ..., output: _Optional[_Union[Region, _Mapping]] = ..., send_blocks: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., recv_blocks: _Optional[_Iterable[_Union[Region, _Mapping]]] = ...) -> None: ...
+    direct: bool
+    def __init__(self, request_id: _Optional[int] = ..., session_id: _Optional[str] = ..., session_secret: _Optional[bytes] = ..., seq: _Optional[int] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., kind: _Optional[_Union[OpKind, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., count: _Optional[int] = ..., root: _Optional[int] = ..., reduce_op: _Optional[_Union[ReduceOp, str]] = ..., tag: _Optional[int] = ..., input: _Optional[_Union[Region, _Mapping]] = ..., output: _Optional[_Union[Region, _Mapping]] = ..., send_blocks: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., recv_blocks: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., direct: _Optional[bool] = ...) -> None: ...
 
 class OpReply(_message.Message):
     __slots__ = ("request_id", "ok", "error_kind", "error")

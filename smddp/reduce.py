@@ -1,5 +1,9 @@
 """Element-wise reduction and copies over numpy views, split across threads.
 
+Shared by the daemon (which reduces in its arenas) and the client (whose ranks reduce their
+own segment of a large all_reduce straight from each other's arenas): one implementation,
+so both produce the same bits.
+
 The order of a reduction is fixed by rank: ``((x0 op x1) op x2) ...``, every element computed
 the same way whatever the arrival order, so every rank gets the same bits and a rerun too.
 numpy releases the GIL in its inner loops, so the pieces of a large array run in parallel.
@@ -43,9 +47,9 @@ _BOOL_UFUNCS = {
 }
 
 
-def parallel_ranges(n: int, itemsize: int, fn: Callable[[int, int], None]) -> None:
+def parallel_ranges(n: int, itemsize: int, fn: Callable[[int, int], None], threads: int = _THREADS) -> None:
     """Calls ``fn(start, stop)`` over pieces covering ``range(n)``, in parallel when large."""
-    pieces = min(_THREADS, max(1, (n * itemsize) // PARALLEL_MIN_BYTES))
+    pieces = min(threads, _THREADS, max(1, (n * itemsize) // PARALLEL_MIN_BYTES))
     if pieces <= 1:
         fn(0, n)
         return
@@ -61,11 +65,13 @@ def reduce_into(
     inputs: Sequence[np.ndarray],
     reduce_op: int,
     divisor: int | None = None,
+    threads: int = _THREADS,
 ) -> None:
     """Reduces ``inputs`` in order into every array of ``outputs``.
 
     For AVG the sum is divided by ``divisor`` (default: the number of inputs); a partial sum
-    that another step will finish passes ``divisor=1``.
+    that another step will finish passes ``divisor=1``. ``threads`` caps the parallelism (a
+    rank that reduces beside its peers on the same cores takes one).
 
     ``outputs[0]`` may be the same memory as ``inputs[0]`` (an in-place op); any other output
     may alias its own rank's input, which is only overwritten once every input is consumed.
@@ -80,6 +86,10 @@ def reduce_into(
     safe = not any(np.may_share_memory(target, x) for x in inputs[1:])
 
     def piece(a: int, b: int) -> None:
+        with np.errstate(all="ignore"):  # integers wrap around, as in torch
+            _reduce_piece(a, b)
+
+    def _reduce_piece(a: int, b: int) -> None:
         acc = target[a:b] if safe else np.empty(b - a, dtype=first.dtype)
         if world == 1:
             np.copyto(acc, first[a:b])
@@ -92,7 +102,7 @@ def reduce_into(
         for out in outputs if not safe else outputs[1:]:
             np.copyto(out[a:b], acc)
 
-    parallel_ranges(first.size, first.dtype.itemsize, piece)
+    parallel_ranges(first.size, first.dtype.itemsize, piece, threads)
 
 
 def copy_into(outputs: Sequence[np.ndarray], source: np.ndarray) -> None:
