@@ -21,7 +21,6 @@ import os
 import sys
 
 import numpy as np
-
 from smddp.client import connect
 from smddp.v1 import smddp_pb2 as pb
 
@@ -31,14 +30,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rank", type=int, required=True, help="this process's rank")
     parser.add_argument("--world-size", type=int, required=True, help="number of ranks")
-    parser.add_argument("--job-id", default="numpy-demo", help="the job's name, the same on every rank")
+    parser.add_argument(
+        "--job-id", default="numpy-demo", help="the job's name, the same on every rank"
+    )
     parser.add_argument(
         "--job-token",
         default=os.environ.get("SMDDP_JOB_TOKEN"),
         help="the job's secret as hex, the same on every rank (env SMDDP_JOB_TOKEN)",
     )
-    parser.add_argument("--socket", default=None, help="smddpd's socket (default: SMDDP_SOCKET or the standard path)")
-    parser.add_argument("--size", type=int, default=1 << 20, help="elements per array (default 1Mi)")
+    parser.add_argument(
+        "--socket",
+        default=None,
+        help="smddpd's socket (default: SMDDP_SOCKET or the standard path)",
+    )
+    parser.add_argument(
+        "--size", type=int, default=1 << 20, help="elements per array (default 1Mi)"
+    )
     args = parser.parse_args(argv)
     if not args.job_token:
         parser.error("--job-token (or SMDDP_JOB_TOKEN) is required")

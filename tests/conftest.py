@@ -64,7 +64,9 @@ class DaemonProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-            pytest.fail(f"smddpd did not exit within {timeout_s} s of {signal.Signals(sig).name}:\n{self.log()}")
+            pytest.fail(
+                f"smddpd did not exit within {timeout_s} s of {signal.Signals(sig).name}:\n{self.log()}"
+            )
 
 
 def health_status(socket_path: str, timeout_s: float = 1.0) -> int | None:
@@ -73,7 +75,9 @@ def health_status(socket_path: str, timeout_s: float = 1.0) -> int | None:
     with grpc.insecure_channel("unix:" + socket_path, options=options) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
-            reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s, wait_for_ready=True)
+            reply = stub.Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=timeout_s, wait_for_ready=True
+            )
         except grpc.RpcError:
             return None
     return reply.status
@@ -88,20 +92,35 @@ def _launch(
 ) -> DaemonProcess:
     full_env = dict(os.environ if env is None else env)
     full_env.setdefault("SMDDP_DAEMON", "1")
-    cmd = [*command, "--socket", socket_path, "--http-bind", "off", "--peer-bind", "127.0.0.1:0", *args]
+    cmd = [
+        *command,
+        "--socket",
+        socket_path,
+        "--http-bind",
+        "off",
+        "--peer-bind",
+        "127.0.0.1:0",
+        *args,
+    ]
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, env=full_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log)
+        proc = subprocess.Popen(
+            cmd, env=full_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log
+        )
     daemon = DaemonProcess(socket_path, proc, log_path)
     deadline = time.monotonic() + START_TIMEOUT_S
     # Check() with wait_for_ready blocks until the socket accepts, so this loop waits on the
     # daemon rather than on a clock; it only turns to notice a daemon that died.
     while health_status(socket_path) != health_pb2.HealthCheckResponse.SERVING:
         if proc.poll() is not None:
-            pytest.fail(f"smddpd exited with status {proc.returncode} before serving:\n{daemon.log()}")
+            pytest.fail(
+                f"smddpd exited with status {proc.returncode} before serving:\n{daemon.log()}"
+            )
         if time.monotonic() > deadline:
             proc.kill()
             proc.wait()
-            pytest.fail(f"smddpd did not report SERVING within {START_TIMEOUT_S} s:\n{daemon.log()}")
+            pytest.fail(
+                f"smddpd did not report SERVING within {START_TIMEOUT_S} s:\n{daemon.log()}"
+            )
     return daemon
 
 
@@ -129,7 +148,9 @@ def start_daemon(socket_dir: Path) -> Iterator[Callable[..., DaemonProcess]]:
         env: dict[str, str] | None = None,
         name: str = "smddpd",
     ) -> DaemonProcess:
-        d = _launch(str(socket_dir / f"{name}.sock"), args, command, env, socket_dir / f"{name}.log")
+        d = _launch(
+            str(socket_dir / f"{name}.sock"), args, command, env, socket_dir / f"{name}.log"
+        )
         started.append(d)
         return d
 
@@ -269,7 +290,9 @@ class Ranks:
                     line = r.lines.get(timeout=max(0.0, self.deadline - time.monotonic()))
                 except queue.Empty:
                     self.kill()
-                    pytest.fail(f"rank {r.rank} did not print {marker!r} in time:\n{r.stderr()[-4000:]}")
+                    pytest.fail(
+                        f"rank {r.rank} did not print {marker!r} in time:\n{r.stderr()[-4000:]}"
+                    )
                 if line is None:
                     r.proc.wait()
                     self.kill()
@@ -350,13 +373,25 @@ def spawn_ranks(tmp_path: Path) -> Iterator[Callable[..., Ranks]]:
             with open(folder / "args", "wb") as f:
                 pickle.dump(((rank, *args), kwargs), f)
             argv = [
-                sys.executable, "-c", _BOOTSTRAP, fn.__code__.co_filename, fn.__module__, fn.__name__,
-                str(folder / "args"), str(folder / "result"), str(folder / "error"),
+                sys.executable,
+                "-c",
+                _BOOTSTRAP,
+                fn.__code__.co_filename,
+                fn.__module__,
+                fn.__name__,
+                str(folder / "args"),
+                str(folder / "result"),
+                str(folder / "error"),
             ]
             with open(folder / "stderr", "wb") as err:
                 proc = subprocess.Popen(
-                    argv, env=dict(os.environ if env is None else env), stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE, stderr=err, text=True, cwd=folder,
+                    argv,
+                    env=dict(os.environ if env is None else env),
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=err,
+                    text=True,
+                    cwd=folder,
                 )
             r = Rank(rank, proc, folder)
             threading.Thread(target=r.pump, daemon=True).start()

@@ -36,7 +36,9 @@ def train(rank: int, world: int, backend: str, init_file: str, hooks: list[str])
     results = {}
     for hook in ["none", *hooks]:
         torch.manual_seed(1000 + rank)  # ranks start apart; DDP must broadcast rank 0's weights
-        model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1))
+        model = nn.Sequential(
+            nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1)
+        )
         ddp = DDP(model, bucket_cap_mb=0.002)  # several buckets (about 500 floats each)
         if hook == "allreduce_hook":
             ddp.register_comm_hook(None, default_hooks.allreduce_hook)
@@ -57,7 +59,9 @@ def train(rank: int, world: int, backend: str, init_file: str, hooks: list[str])
             opt.step()
             losses.append(loss.item())
         params = [p.detach().clone() for p in model.parameters()]
-        assert any(not torch.equal(a, b) for a, b in zip(initial, params)), f"{hook}: nothing was trained"
+        assert any(not torch.equal(a, b) for a, b in zip(initial, params)), (
+            f"{hook}: nothing was trained"
+        )
         results[hook] = {"params": params, "losses": losses}
     dist.destroy_process_group()
     return results
@@ -74,7 +78,9 @@ def rank_env(daemon) -> dict[str, str]:
 def test_ddp_trains_like_gloo(daemon, spawn_ranks, tmp_path):
     env = rank_env(daemon)
     runs = {
-        backend: spawn_ranks(train, WORLD, WORLD, backend, str(tmp_path / f"{backend}.init"), [], env=env)
+        backend: spawn_ranks(
+            train, WORLD, WORLD, backend, str(tmp_path / f"{backend}.init"), [], env=env
+        )
         for backend in ("smddp", "gloo")
     }
     results = {backend: [r["none"] for r in ranks.join()] for backend, ranks in runs.items()}
@@ -85,18 +91,26 @@ def test_ddp_trains_like_gloo(daemon, spawn_ranks, tmp_path):
         for a, b in zip(smddp_ranks[0]["params"], smddp_ranks[r]["params"]):
             assert torch.equal(a, b)
     for r in range(WORLD):
-        torch.testing.assert_close(smddp_ranks[r]["params"], gloo_ranks[r]["params"], rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(smddp_ranks[r]["losses"], gloo_ranks[r]["losses"], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            smddp_ranks[r]["params"], gloo_ranks[r]["params"], rtol=1e-5, atol=1e-6
+        )
+        torch.testing.assert_close(
+            smddp_ranks[r]["losses"], gloo_ranks[r]["losses"], rtol=1e-5, atol=1e-6
+        )
 
 
 @pytest.mark.timeout(180)
 def test_ddp_comm_hooks(daemon, spawn_ranks, tmp_path):
     """Python hooks and the built-in C++ FP16_COMPRESS hook run, train and agree with no hook."""
-    results = spawn_ranks(train, WORLD, WORLD, "smddp", str(tmp_path / "init"), HOOKS, env=rank_env(daemon)).join()
+    results = spawn_ranks(
+        train, WORLD, WORLD, "smddp", str(tmp_path / "init"), HOOKS, env=rank_env(daemon)
+    ).join()
 
     for rank_results in results:
         plain = rank_results["none"]["params"]
-        torch.testing.assert_close(rank_results["allreduce_hook"]["params"], plain, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(
+            rank_results["allreduce_hook"]["params"], plain, rtol=1e-6, atol=1e-7
+        )
         for hook in ("fp16_compress_hook", "builtin FP16_COMPRESS"):
             # Gradients travel as float16: close to the float32 run, not equal.
             torch.testing.assert_close(rank_results[hook]["params"], plain, rtol=1e-2, atol=1e-2)

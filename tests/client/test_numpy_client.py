@@ -21,11 +21,32 @@ def test_numpy_example_runs_without_torch(daemon, torch_free_python, tmp_path):
     token = secrets.token_hex(16)
     procs = []
     for rank in range(world):
-        env = dict(os.environ, SMDDP_SOCKET=daemon.socket, SMDDP_TEST_TORCH_REPORT=str(tmp_path / f"torch{rank}.json"))
-        env.pop("SMDDP_DAEMON", None)  # a client must not need the daemon's switch to stay torch-free
-        cmd = [*torch_free_python, str(EXAMPLE), "--rank", str(rank), "--world-size", str(world),
-               "--job-id", "numpy-example", "--job-token", token, "--size", "300000"]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        env = dict(
+            os.environ,
+            SMDDP_SOCKET=daemon.socket,
+            SMDDP_TEST_TORCH_REPORT=str(tmp_path / f"torch{rank}.json"),
+        )
+        # A client must not need the daemon's switch to stay torch-free.
+        env.pop("SMDDP_DAEMON", None)
+        cmd = [
+            *torch_free_python,
+            str(EXAMPLE),
+            "--rank",
+            str(rank),
+            "--world-size",
+            str(world),
+            "--job-id",
+            "numpy-example",
+            "--job-token",
+            token,
+            "--size",
+            "300000",
+        ]
+        procs.append(
+            subprocess.Popen(
+                cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        )
     outputs = []
     try:
         for p in procs:

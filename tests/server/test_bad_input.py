@@ -11,10 +11,10 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from smddp.client.arena import ClientArena
 from smddp.v1 import smddp_pb2 as pb
 from smddp.v1 import smddp_pb2_grpc as pb_grpc
+
 from smddp.wire import (
     DATA_SOCKET_SUFFIX,
     MAX_MESSAGE_BYTES,
@@ -33,8 +33,15 @@ RECV_TIMEOUT_S = 10.0
 def register_request(**fields) -> pb.RegisterRequest:
     """A valid RegisterRequest for a one-rank job, with ``fields`` replaced."""
     req = pb.RegisterRequest(
-        job_id="intruder", job_token=b"t" * 16, comm_id="0", rank=0, world_size=1,
-        global_rank=0, node_id="test", pid=os.getpid(), arena_bytes=1 << 20,
+        job_id="intruder",
+        job_token=b"t" * 16,
+        comm_id="0",
+        rank=0,
+        world_size=1,
+        global_rank=0,
+        node_id="test",
+        pid=os.getpid(),
+        arena_bytes=1 << 20,
     )
     for name, value in fields.items():
         setattr(req, name, value)
@@ -72,8 +79,12 @@ def test_register_rejects_absurd_fields(daemon):
                 stub.Register(register_request(**fields), timeout=10)
             err = info.value
             assert err.code() in codes, f"{what}: {err.code()} {err.details()}"
-            assert word in err.details(), f"{what}: the message does not name {word}: {err.details()}"
-        assert stub.Status(pb.StatusRequest(), timeout=10).comms == [], "a refused rank was registered"
+            assert word in err.details(), (
+                f"{what}: the message does not name {word}: {err.details()}"
+            )
+        assert stub.Status(pb.StatusRequest(), timeout=10).comms == [], (
+            "a refused rank was registered"
+        )
 
         # The daemon still registers a sound rank, and refuses a second one in its slot or
         # one with the wrong job token, naming the problem.
@@ -193,7 +204,9 @@ def steady_job(rank: int, world: int, socket_path: str, token: bytes) -> int:
     for step in range(30):
         x = np.arange(50_000 + step, dtype=np.int64) * (rank + 1)
         comm.all_reduce(x).wait()
-        np.testing.assert_array_equal(x, np.arange(50_000 + step, dtype=np.int64) * (world * (world + 1) // 2))
+        np.testing.assert_array_equal(
+            x, np.arange(50_000 + step, dtype=np.int64) * (world * (world + 1) // 2)
+        )
     comm.close()
     return step + 1
 
@@ -220,29 +233,39 @@ def grpc_garbage(path: str) -> None:
     raw_stream(path, b"PRI * HTTP/2.0\r\n\r")  # a truncated preface
 
     with grpc.insecure_channel("unix:" + path) as channel:
-        raw = lambda method: channel.unary_unary(NODE + method)  # noqa: E731  bytes in, bytes out
+        raw = lambda method: channel.unary_unary(NODE + method)
         sound = register_request().SerializeToString()
         for what, payload in [("random bytes", rng.bytes(300)), ("a truncated message", sound[:9])]:
             for method in ("Register", "Deregister"):
                 with pytest.raises(grpc.RpcError) as info:
                     raw(method)(payload, timeout=10)
-                assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, f"{method} with {what}"
+                assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (
+                    f"{method} with {what}"
+                )
                 assert "undecodable" in info.value.details(), f"{method} with {what}"
 
         stub = pb_grpc.NodeStub(channel)
         with pytest.raises(grpc.RpcError) as info:
-            stub.Deregister(pb.DeregisterRequest(session_id="nope", session_secret=b"x"), timeout=10)
+            stub.Deregister(
+                pb.DeregisterRequest(session_id="nope", session_secret=b"x"), timeout=10
+            )
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert "unknown session" in info.value.details()
 
         # An Ops stream that names no valid session is refused, whatever it sends next.
-        reqs = iter([pb.OpRequest(session_id="nope", session_secret=b"x" * 32, kind=pb.BARRIER, parts=1)] * 3)
+        reqs = iter(
+            [pb.OpRequest(session_id="nope", session_secret=b"x" * 32, kind=pb.BARRIER, parts=1)]
+            * 3
+        )
         with pytest.raises(grpc.RpcError) as info:
             list(stub.Ops(reqs, timeout=10))
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
         # Garbage streams: an Ops stream and the reflection service (grpc-python once kept
         # such calls open forever, so that smddpd could not stop; the fixture checks it can).
-        for method in (NODE + "Ops", "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"):
+        for method in (
+            NODE + "Ops",
+            "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+        ):
             with pytest.raises(grpc.RpcError) as info:
                 list(channel.stream_stream(method)(iter([rng.bytes(200)]), timeout=10))
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, method
@@ -254,8 +277,13 @@ def grpc_garbage(path: str) -> None:
         # is refused and the rank dropped from its communicator.
         reg = stub.Register(register_request(job_id="garbled"), timeout=10)
         barrier = pb.OpRequest(
-            request_id=1, session_id=reg.session_id, session_secret=reg.session_secret,
-            seq=1, part=0, parts=1, kind=pb.BARRIER,
+            request_id=1,
+            session_id=reg.session_id,
+            session_secret=reg.session_secret,
+            seq=1,
+            part=0,
+            parts=1,
+            kind=pb.BARRIER,
         )
         replies = channel.stream_stream(NODE + "Ops", response_deserializer=pb.OpReply.FromString)(
             iter([barrier.SerializeToString(), b"\xff" * 64]), timeout=10
@@ -291,8 +319,12 @@ def data_socket_garbage(path: str, grpc_path: str) -> None:
     rng = np.random.default_rng(2)
     with grpc.insecure_channel("unix:" + grpc_path) as channel:
         reg = pb_grpc.NodeStub(channel).Register(register_request(), timeout=10)
-    good = pb.AttachRequest(session_id=reg.session_id, session_secret=reg.session_secret).SerializeToString()
-    wrong = pb.AttachRequest(session_id=reg.session_id, session_secret=b"w" * 32).SerializeToString()
+    good = pb.AttachRequest(
+        session_id=reg.session_id, session_secret=reg.session_secret
+    ).SerializeToString()
+    wrong = pb.AttachRequest(
+        session_id=reg.session_id, session_secret=b"w" * 32
+    ).SerializeToString()
     arena = ClientArena(1 << 20)
     small = ClientArena(1 << 16)
     unsealed = os.memfd_create("unsealed")
@@ -317,8 +349,16 @@ def data_socket_garbage(path: str, grpc_path: str) -> None:
             assert (kind, pb.AttachReply.FromString(payload).ok) == (MSG_ATTACH_REPLY, True)
             assert "already attached" in attach_refused(path, pack(MSG_ATTACH, good), [arena.fd])
             op = pb.OpRequest(
-                request_id=1, seq=1, part=0, parts=1, kind=pb.ALL_REDUCE, dtype=pb.FLOAT32, count=1 << 20,
-                reduce_op=pb.SUM, input=pb.Region(offset=0, nbytes=4 << 20), output=pb.Region(offset=0, nbytes=4 << 20),
+                request_id=1,
+                seq=1,
+                part=0,
+                parts=1,
+                kind=pb.ALL_REDUCE,
+                dtype=pb.FLOAT32,
+                count=1 << 20,
+                reduce_op=pb.SUM,
+                input=pb.Region(offset=0, nbytes=4 << 20),
+                output=pb.Region(offset=0, nbytes=4 << 20),
             )
             s.send(pack(MSG_OP, op.SerializeToString()))
             kind, payload = unpack(s.recv(MAX_MESSAGE_BYTES))
@@ -346,11 +386,15 @@ def test_garbage_on_sockets_leaves_other_jobs_alone(daemon, spawn_ranks):
     with grpc.insecure_channel("unix:" + daemon.socket) as channel:
         st = pb_grpc.NodeStub(channel).Status(pb.StatusRequest(), timeout=10)
     comms = {c.job_id: c for c in st.comms}
-    assert "intruder" not in comms and "garbled" not in comms, "a dropped connection left its rank registered"
+    assert "intruder" not in comms and "garbled" not in comms, (
+        "a dropped connection left its rank registered"
+    )
     assert comms["steady"].failed == "" and len(comms["steady"].ranks) == 2, comms["steady"]
 
     steady.send("go")
     assert steady.join() == [30, 30]
     with grpc.insecure_channel("unix:" + daemon.socket) as channel:
-        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        health = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(), timeout=10
+        )
     assert health.status == health_pb2.HealthCheckResponse.SERVING

@@ -11,10 +11,10 @@ import sys
 import grpc
 import numpy as np
 import pytest
-
 from smddp.client import SmddpError, connect
 from smddp.v1 import smddp_pb2 as pb
 from smddp.v1 import smddp_pb2_grpc as pb_grpc
+
 from smddp.wire import DATA_SOCKET_SUFFIX
 
 
@@ -24,29 +24,38 @@ def status(socket_path: str) -> pb.StatusReply:
         return pb_grpc.NodeStub(channel).Status(pb.StatusRequest(), timeout=10)
 
 
-def allreduce_worker(rank: int, world: int, socket_path: str, job_id: str, token: bytes) -> list[float]:
+def allreduce_worker(
+    rank: int, world: int, socket_path: str, job_id: str, token: bytes
+) -> list[float]:
     """One numpy rank: a single all_reduce of a multi-chunk array; returns a few of its values."""
     comm = connect(job_id, token, rank, world, socket_path=socket_path, arena_bytes=1 << 20)
     x = np.arange(600_000, dtype=np.float32) + rank  # several chunks of a 1 MiB arena
     comm.all_reduce(x).wait()
     comm.close()
-    np.testing.assert_array_equal(x, np.arange(600_000, dtype=np.float32) * world + sum(range(world)))
+    np.testing.assert_array_equal(
+        x, np.arange(600_000, dtype=np.float32) * world + sum(range(world))
+    )
     return x[:3].tolist()
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("daemon_switch", ["SMDDP_DAEMON=1", "no SMDDP_DAEMON"])
-def test_daemon_serves_without_torch(daemon_switch, start_daemon, torch_free_python, spawn_ranks, tmp_path):
+def test_daemon_serves_without_torch(
+    daemon_switch, start_daemon, torch_free_python, spawn_ranks, tmp_path
+):
     """In an interpreter where torch is not installed, smddpd never looks for or loads it."""
     report = tmp_path / "torch.json"
     env = dict(os.environ, SMDDP_TEST_TORCH_REPORT=str(report))
     env["SMDDP_DAEMON"] = "1" if daemon_switch == "SMDDP_DAEMON=1" else "0"
     d = start_daemon(command=[*torch_free_python, "-m", "smddp.server"], env=env)
 
-    results = spawn_ranks(allreduce_worker, 2, 2, d.socket, "torchless", secrets.token_bytes(16)).join()
+    results = spawn_ranks(
+        allreduce_worker, 2, 2, d.socket, "torchless", secrets.token_bytes(16)
+    ).join()
     assert results == [[1.0, 3.0, 5.0]] * 2
 
-    maps = open(f"/proc/{d.proc.pid}/maps").read()
+    with open(f"/proc/{d.proc.pid}/maps") as f:
+        maps = f.read()
     assert "libtorch" not in maps, "smddpd has libtorch mapped"
     assert d.stop(signal.SIGTERM) == 0, d.log()
     seen = json.loads(report.read_text())
@@ -66,7 +75,16 @@ def test_signal_stops_daemon_cleanly(sig, start_daemon, monkeypatch):
     comms = []
     for channel in ("socket", "grpc"):  # ranks on either op channel must not hold it up
         monkeypatch.setenv("SMDDP_OP_CHANNEL", channel)
-        comms.append(connect(f"signalled-{channel}", secrets.token_bytes(16), 0, 1, socket_path=d.socket, arena_bytes=1 << 20))
+        comms.append(
+            connect(
+                f"signalled-{channel}",
+                secrets.token_bytes(16),
+                0,
+                1,
+                socket_path=d.socket,
+                arena_bytes=1 << 20,
+            )
+        )
     x = np.ones(10, dtype=np.float32)
     for comm in comms:
         comm.all_reduce(x).wait()
@@ -83,7 +101,9 @@ def test_signal_stops_daemon_cleanly(sig, start_daemon, monkeypatch):
         comm.close()
 
 
-def job_worker(rank: int, world: int, socket_path: str, job_id: str, token: bytes, scale: float) -> float:
+def job_worker(
+    rank: int, world: int, socket_path: str, job_id: str, token: bytes, scale: float
+) -> float:
     """One numpy rank of a job: registers, says "ready", waits for "go", runs checked ops."""
     comm = connect(job_id, token, rank, world, socket_path=socket_path, arena_bytes=4 << 20)
     first = np.full(1000, (rank + 1) * scale)
@@ -96,7 +116,9 @@ def job_worker(rank: int, world: int, socket_path: str, job_id: str, token: byte
         n = 1000 + 97 * step
         x = np.arange(n, dtype=np.float64) * scale + rank
         comm.all_reduce(x).wait()
-        np.testing.assert_array_equal(x, np.arange(n, dtype=np.float64) * scale * world + sum(range(world)))
+        np.testing.assert_array_equal(
+            x, np.arange(n, dtype=np.float64) * scale * world + sum(range(world))
+        )
         outs = [np.empty(n, dtype=np.int32) for _ in range(world)]
         comm.all_gather(outs, np.full(n, rank * int(scale), dtype=np.int32)).wait()
         for r, out in enumerate(outs):
@@ -112,7 +134,9 @@ def test_two_jobs_share_one_daemon(daemon, spawn_ranks):
     world = 2
     jobs = {"job-a": 1.0, "job-b": 10.0}
     groups = {
-        job_id: spawn_ranks(job_worker, world, world, daemon.socket, job_id, secrets.token_bytes(16), scale)
+        job_id: spawn_ranks(
+            job_worker, world, world, daemon.socket, job_id, secrets.token_bytes(16), scale
+        )
         for job_id, scale in jobs.items()
     }
     for g in groups.values():
@@ -132,7 +156,8 @@ def test_two_jobs_share_one_daemon(daemon, spawn_ranks):
     totals = {job_id: g.join() for job_id, g in groups.items()}
     for job_id, scale in jobs.items():
         expected = sum(
-            float((np.arange(n, dtype=np.float64) * scale * world + 1).sum()) for n in (1000 + 97 * s for s in range(20))
+            float((np.arange(n, dtype=np.float64) * scale * world + 1).sum())
+            for n in (1000 + 97 * s for s in range(20))
         )
         assert totals[job_id] == [expected] * world
     assert status(daemon.socket).comms == []
