@@ -174,25 +174,22 @@ def daemon(start_daemon: Callable[..., DaemonProcess]) -> Iterator[DaemonProcess
 
 # -- an interpreter without torch -------------------------------------------------------------
 
-# Replaces the import system's PathFinder with one to which torch (and its sibling packages)
-# does not exist, exactly as in an environment where it is not installed, and records every
-# lookup of it. Then runs ``-m MODULE ARGS`` or ``SCRIPT ARGS`` as __main__. At exit, it writes
-# {"lookups": [...], "loaded": [...]} to the file named by SMDDP_TEST_TORCH_REPORT, if set.
+# Makes the path-based importer (importlib.machinery.PathFinder, which every finder that
+# looks at sys.path ends in) blind to torch and its sibling packages, exactly as where they
+# are not installed, and records every lookup of them. Then runs ``-m MODULE ARGS`` or
+# ``SCRIPT ARGS`` as __main__. At exit, it writes {"lookups": [...], "loaded": [...]} to the
+# file named by SMDDP_TEST_TORCH_REPORT, if set.
 _TORCH_FREE = """
 import atexit, importlib.machinery, json, os, runpy, sys
 HIDDEN = {"torch", "functorch", "torchgen"}
 lookups = []
-class HideTorch:
-    @classmethod
-    def find_spec(cls, name, path=None, target=None):
-        if name.partition(".")[0] in HIDDEN:
-            lookups.append(name)
-            return None
-        return importlib.machinery.PathFinder.find_spec(name, path, target)
-    @classmethod
-    def invalidate_caches(cls):
-        importlib.machinery.PathFinder.invalidate_caches()
-sys.meta_path[sys.meta_path.index(importlib.machinery.PathFinder)] = HideTorch
+find_on_path = importlib.machinery.PathFinder.find_spec
+def find_spec(name, path=None, target=None):
+    if name.partition(".")[0] in HIDDEN:
+        lookups.append(name)
+        return None
+    return find_on_path(name, path, target)
+importlib.machinery.PathFinder.find_spec = staticmethod(find_spec)
 report = os.environ.get("SMDDP_TEST_TORCH_REPORT")
 def write_report():
     loaded = sorted(m for m in sys.modules if m.partition(".")[0] in HIDDEN)
