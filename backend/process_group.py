@@ -95,7 +95,8 @@ class SmddpProcessGroup(dist.ProcessGroup):
 
     # -- collectives --------------------------------------------------------------------------
 
-    def allreduce(self, tensors: list[torch.Tensor], opts: c10d.AllreduceOptions) -> SmddpWork:
+    def allreduce(self, tensors: list[torch.Tensor], opts: c10d.AllreduceOptions | None = None) -> SmddpWork:
+        opts = opts if opts is not None else c10d.AllreduceOptions()
         t = _one(tensors, "all_reduce")
         op = reduce_op(opts.reduceOp, "all_reduce")
         stage = _Staging()
@@ -103,21 +104,24 @@ class SmddpProcessGroup(dist.ProcessGroup):
         handle = self.comm.all_reduce(as_numpy(buf, "all_reduce"), op)
         return SmddpWork([handle], [t], stage.finish())
 
-    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: c10d.AllreduceCoalescedOptions) -> SmddpWork:
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: c10d.AllreduceCoalescedOptions | None = None) -> SmddpWork:
+        opts = opts if opts is not None else c10d.AllreduceCoalescedOptions()
         op = reduce_op(opts.reduceOp, "all_reduce_coalesced")
         stage = _Staging()
         bufs = [stage.out(t, "all_reduce_coalesced") for t in tensors]
         handles = [self.comm.all_reduce(as_numpy(b, "all_reduce_coalesced"), op) for b in bufs]
         return SmddpWork(handles, list(tensors), stage.finish())
 
-    def broadcast(self, tensors: list[torch.Tensor], opts: c10d.BroadcastOptions) -> SmddpWork:
+    def broadcast(self, tensors: list[torch.Tensor], opts: c10d.BroadcastOptions | None = None) -> SmddpWork:
+        opts = opts if opts is not None else c10d.BroadcastOptions()
         t = _one(tensors, "broadcast")
         stage = _Staging()
         buf = stage.out(t, "broadcast")
         handle = self.comm.broadcast(as_numpy(buf, "broadcast"), opts.rootRank)
         return SmddpWork([handle], [t], stage.finish())
 
-    def reduce(self, tensors: list[torch.Tensor], opts: c10d.ReduceOptions) -> SmddpWork:
+    def reduce(self, tensors: list[torch.Tensor], opts: c10d.ReduceOptions | None = None) -> SmddpWork:
+        opts = opts if opts is not None else c10d.ReduceOptions()
         t = _one(tensors, "reduce")
         op = reduce_op(opts.reduceOp, "reduce")
         stage = _Staging()
@@ -136,7 +140,8 @@ class SmddpProcessGroup(dist.ProcessGroup):
         handle = self.comm.all_gather([as_numpy(b, "all_gather") for b in bufs], as_numpy(src, "all_gather"))
         return SmddpWork([handle], list(outs), stage.finish())
 
-    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: c10d.AllgatherOptions) -> SmddpWork:
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: c10d.AllgatherOptions | None = None) -> SmddpWork:
+        opts = opts if opts is not None else c10d.AllgatherOptions()
         what = "all_gather_into_tensor"
         check(input, what)
         stage = _Staging()
@@ -183,7 +188,8 @@ class SmddpProcessGroup(dist.ProcessGroup):
 
     _reduce_scatter_base = reduce_scatter_single
 
-    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: c10d.AllToAllOptions) -> SmddpWork:
+    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: c10d.AllToAllOptions | None = None) -> SmddpWork:
+        opts = opts if opts is not None else c10d.AllToAllOptions()
         stage = _Staging()
         bufs = [stage.out(o, "all_to_all") for o in outputs]
         handle = self.comm.all_to_all([as_numpy(b, "all_to_all") for b in bufs], [as_numpy(x, "all_to_all") for x in inputs])
@@ -195,8 +201,9 @@ class SmddpProcessGroup(dist.ProcessGroup):
         input: torch.Tensor,
         output_split_sizes: list[int],
         input_split_sizes: list[int],
-        opts: c10d.AllToAllOptions,
+        opts: c10d.AllToAllOptions | None = None,
     ) -> SmddpWork:
+        opts = opts if opts is not None else c10d.AllToAllOptions()
         what = "all_to_all_single"
         check(input, what)
         stage = _Staging()
@@ -218,7 +225,8 @@ class SmddpProcessGroup(dist.ProcessGroup):
             raise UnsupportedError(f"{what}: {which} split sizes {list(sizes)} do not split dim 0 of {tuple(t.shape)} into {w} parts")
         return list(torch.split(t, sizes, dim=0))
 
-    def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: c10d.GatherOptions) -> SmddpWork:
+    def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: c10d.GatherOptions | None = None) -> SmddpWork:
+        opts = opts if opts is not None else c10d.GatherOptions()
         src = _one(inputs, "gather")
         root = opts.rootRank
         stage = _Staging()
@@ -232,7 +240,8 @@ class SmddpProcessGroup(dist.ProcessGroup):
         handle = self.comm.gather([as_numpy(o, "gather") for o in outs] if outs is not None else None, as_numpy(src, "gather"), root)
         return SmddpWork([handle], result, stage.finish())
 
-    def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: c10d.ScatterOptions) -> SmddpWork:
+    def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: c10d.ScatterOptions | None = None) -> SmddpWork:
+        opts = opts if opts is not None else c10d.ScatterOptions()
         out = _one(outputs, "scatter")
         root = opts.rootRank
         stage = _Staging()
@@ -244,7 +253,8 @@ class SmddpProcessGroup(dist.ProcessGroup):
         handle = self.comm.scatter(as_numpy(buf, "scatter"), [as_numpy(x, "scatter") for x in ins] if ins is not None else None, root)
         return SmddpWork([handle], [out], stage.finish())
 
-    def barrier(self, opts: c10d.BarrierOptions) -> SmddpWork:
+    def barrier(self, opts: c10d.BarrierOptions | None = None) -> SmddpWork:
+        opts = opts if opts is not None else c10d.BarrierOptions()
         return SmddpWork([self.comm.barrier()], [])
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> SmddpWork:

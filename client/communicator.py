@@ -15,7 +15,7 @@ import itertools
 import os
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -233,14 +233,26 @@ class Communicator:
             return self._direct_all_reduce(flat, reduce_op)
         return self._elementwise(pb.ALL_REDUCE, flat, 0, reduce_op, send=True, receive=True)
 
-    def _direct_all_reduce(self, flat: np.ndarray, reduce_op: int) -> Handle:
-        """all_reduce with the ranks doing the work: each copies its chunk into its slot; once
-        all have (part 2c), rank r reduces segment r of the chunk from every rank's slot, in
-        rank order, into its own slot; once all have (part 2c+1), each copies the other
-        segments from their owners' slots. The daemon only matches and releases the ranks.
+    def _direct(
+        self,
+        kind: int,
+        dtype: np.dtype,
+        count: int,
+        root: int,
+        reduce_op: int,
+        n: int,
+        phases: int,
+        work: Callable[[int, int, list[np.ndarray]], Iterator[None]],
+    ) -> Handle:
+        """Runs an op "direct": the ranks move the data between their arenas themselves.
 
-        Slots alternate, so a slot is written again only after every rank has started the
-        next chunk, which it does only after it has finished reading the previous one.
+        The op's ``n`` elements per rank are cut into chunks that fit a slot. For each chunk,
+        ``work(a, b, slots)`` gets the chunk's element range and every rank's slot (mapped
+        from the peers' arenas, rank order) and yields ``phases`` times; at each yield every
+        rank waits until all have reached that point (one part per phase, which the daemon
+        matches like any op). Slots alternate, so a slot is written again only after every
+        rank has passed the next chunk's first release, by which time it has finished
+        reading this one.
         """
         with self._lock:
             self._check_open()
@@ -249,35 +261,70 @@ class Communicator:
                     self._retire_oldest()
                 self._peer_maps = self.session.peer_arenas()
             maps = self._peer_maps
-            handle, template = self._begin(pb.ALL_REDUCE, flat.dtype, flat.size, 0, reduce_op)
+            handle, template = self._begin(kind, dtype, count, root, reduce_op)
             template.direct = True
-            s, w, me = flat.dtype.itemsize, self.world_size, self.rank
+            s = dtype.itemsize
             per = max(1, min(self.chunk_bytes, self._slot_bytes) // s)
-            chunks = max(1, -(-flat.size // per))
-            template.parts = 2 * chunks
+            chunks = max(1, -(-n // per))
+            template.parts = phases * chunks
             for c in range(chunks):
-                a, b = c * per, min(flat.size, (c + 1) * per)
-                m = b - a
+                a, b = c * per, min(n, (c + 1) * per)
                 base = self._slots[self._direct_count % 2]
                 self._direct_count += 1
-                slots = [pm[base : base + m * s].view(flat.dtype) for pm in maps]
-                lo, hi = m * me // w, m * (me + 1) // w
-                # Only the others read our slot, and only their own segments: ours stays home.
-                np.copyto(slots[me][:lo], flat[a : a + lo])
-                np.copyto(slots[me][hi:], flat[a + hi : b])
-                if not self._release(handle, template, 2 * c):
-                    return handle
-                mine = flat[a + lo : a + hi]
-                inputs = [mine if j == me else x[lo:hi] for j, x in enumerate(slots)]
-                # The result goes to our slot for the others, and into our own tensor.
-                reduce_into([slots[me][lo:hi], mine], inputs, reduce_op, threads=1)
-                if not self._release(handle, template, 2 * c + 1):
-                    return handle
-                for j in range(w):
-                    if j != me:
-                        lo, hi = m * j // w, m * (j + 1) // w
-                        np.copyto(flat[a + lo : a + hi], slots[j][lo:hi])
+                slots = [pm[base : base + (b - a) * s].view(dtype) for pm in maps]
+                for phase, _ in enumerate(work(a, b, slots)):
+                    if not self._release(handle, template, phases * c + phase):
+                        return handle
             return handle
+
+    def _direct_all_reduce(self, flat: np.ndarray, reduce_op: int) -> Handle:
+        """all_reduce, direct: rank r reduces segment r of each chunk from every rank's slot,
+        in rank order, then everyone copies the other segments from their owners' slots."""
+        w, me = self.world_size, self.rank
+
+        def work(a: int, b: int, slots: list[np.ndarray]) -> Iterator[None]:
+            m = b - a
+            lo, hi = m * me // w, m * (me + 1) // w
+            # Only the others read our slot, and only their own segments: ours stays home.
+            np.copyto(slots[me][:lo], flat[a : a + lo])
+            np.copyto(slots[me][hi:], flat[a + hi : b])
+            yield
+            mine = flat[a + lo : a + hi]
+            inputs = [mine if j == me else x[lo:hi] for j, x in enumerate(slots)]
+            # The result goes to our slot for the others, and into our own tensor.
+            reduce_into([slots[me][lo:hi], mine], inputs, reduce_op, threads=1)
+            yield
+            for j in range(w):
+                if j != me:
+                    lo_j, hi_j = m * j // w, m * (j + 1) // w
+                    np.copyto(flat[a + lo_j : a + hi_j], slots[j][lo_j:hi_j])
+
+        return self._direct(pb.ALL_REDUCE, flat.dtype, flat.size, 0, reduce_op, flat.size, 2, work)
+
+    def _direct_broadcast(self, flat: np.ndarray, root: int) -> Handle:
+        """broadcast, direct: the root fills its slot, the others copy from it."""
+        me = self.rank
+
+        def work(a: int, b: int, slots: list[np.ndarray]) -> Iterator[None]:
+            if me == root:
+                np.copyto(slots[me], flat[a:b])
+            yield
+            if me != root:
+                np.copyto(flat[a:b], slots[root])
+
+        return self._direct(pb.BROADCAST, flat.dtype, flat.size, root, 0, flat.size, 1, work)
+
+    def _direct_all_gather(self, outs: list[np.ndarray], src: np.ndarray) -> Handle:
+        """all_gather, direct: each rank fills its slot, then copies every other rank's."""
+        me = self.rank
+
+        def work(a: int, b: int, slots: list[np.ndarray]) -> Iterator[None]:
+            np.copyto(slots[me], src[a:b])
+            yield
+            for j, out in enumerate(outs):
+                np.copyto(out[a:b], src[a:b] if j == me else slots[j])
+
+        return self._direct(pb.ALL_GATHER, src.dtype, src.size, 0, 0, src.size, 1, work)
 
     def _release(self, handle: Handle, template: pb.OpRequest, part: int) -> bool:
         """Sends one synchronising part of a direct op and waits for every rank's."""
@@ -300,6 +347,8 @@ class Communicator:
         """Copies the root's ``array`` into every rank's ``array``."""
         flat = _flat(array, "broadcast", writable=True)
         self._check_root(root, "broadcast")
+        if 0 <= self._direct_min <= flat.nbytes:
+            return self._direct_broadcast(flat, root)
         is_root = self.rank == root
         return self._elementwise(pb.BROADCAST, flat, root, 0, send=is_root, receive=not is_root)
 
@@ -342,6 +391,8 @@ class Communicator:
     def _gather_like(self, kind: int, outputs: Sequence[np.ndarray] | None, array: np.ndarray, root: int, what: str) -> Handle:
         src = _flat(array, what)
         outs = self._per_rank(outputs, src.size, src.dtype, what, writable=True)
+        if kind == pb.ALL_GATHER and outs is not None and 0 <= self._direct_min <= src.nbytes:
+            return self._direct_all_gather(outs, src)
         with self._lock:
             handle, template = self._begin(kind, src.dtype, src.size, root)
             s, w = src.dtype.itemsize, self.world_size
