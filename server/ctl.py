@@ -1,4 +1,4 @@
-"""``smddpctl``: health, status and metrics of a node's smddpd, for people and scripts."""
+"""``smddpctl``: health, status, topology and metrics of a node's smddpd, for people and scripts."""
 
 from __future__ import annotations
 
@@ -73,6 +73,29 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_topology(args: argparse.Namespace) -> int:
+    target = _target(args)
+    stub = pb_grpc.NodeStub(grpc.insecure_channel(target))
+    try:
+        topo = stub.Topology(pb.TopologyRequest(), timeout=TIMEOUT_S)
+    except grpc.RpcError as exc:
+        raise SystemExit(f"smddpctl: {target}: {exc.code().name}: {exc.details()}") from None
+    if args.json:
+        print(json.dumps(MessageToDict(topo, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)))
+        return 0
+    peers = f"peers at {topo.peer_address}" if topo.peer_address else "no peer listener (--peer-bind off)"
+    print(f"node {topo.node_id}  {peers}  CPUs {topo.cpu_count}")
+    for d in topo.devices:
+        print(f"  {d.kind} {d.index}: {d.name}")
+    for job in topo.jobs:
+        local = ", ".join(map(str, job.local_ranks))
+        print(f"  job {job.job_id} comm {job.comm_id}: {len(job.nodes)} node(s), local ranks {local}")
+        for n in job.nodes:
+            here = "  (this node)" if set(n.ranks) == set(job.local_ranks) else ""
+            print(f"    {n.node_id}  {n.peer_address or '-'}  ranks {', '.join(map(str, n.ranks))}{here}")
+    return 0
+
+
 def cmd_metrics(args: argparse.Namespace) -> int:
     url = f"http://{args.http}/metrics"
     try:
@@ -109,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     h.add_argument("--service", default="", help="service name ('' for the whole daemon)")
     h.set_defaults(func=cmd_health)
     sub.add_parser("status", help="jobs, ranks and ops in flight").set_defaults(func=cmd_status)
+    sub.add_parser("topology", help="this node, its devices and the node layout of every communicator").set_defaults(
+        func=cmd_topology
+    )
     m = sub.add_parser("metrics", help="the Prometheus metrics")
     m.add_argument("--http", default="127.0.0.1:9464", help="the daemon's --http-bind address")
     m.set_defaults(func=cmd_metrics)
