@@ -21,14 +21,14 @@ from smddp.client.errors import ConnectError, DaemonLostError
 from smddp.v1 import smddp_pb2 as pb
 from smddp.v1 import smddp_pb2_grpc as pb_grpc
 from smddp.wire import (
-    MSG_PEER_ARENAS,
-    MSG_PEER_ARENAS_REPLY,
     DATA_SOCKET_SUFFIX,
     MAX_MESSAGE_BYTES,
     MSG_ATTACH,
     MSG_ATTACH_REPLY,
     MSG_OP,
     MSG_OP_REPLY,
+    MSG_PEER_ARENAS,
+    MSG_PEER_ARENAS_REPLY,
     pack,
     unpack,
 )

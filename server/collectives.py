@@ -19,9 +19,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from smddp.reduce import copy_into, reduce_into
 from smddp.server.arena import Arena
 from smddp.server.errors import InvalidRequest
-from smddp.reduce import copy_into, reduce_into
 from smddp.v1 import smddp_pb2 as pb
 from smddp.wire import NUMPY_DTYPES, describe_request
 

@@ -12,24 +12,24 @@ import logging
 import queue
 import threading
 import time
-from typing import TYPE_CHECKING
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from smddp.server import collectives, multinode
-from smddp.server.peer_transport import FRAME_DATA, CommPeers, Frame, PeerError
 from smddp.server.errors import FailedPrecondition, InvalidRequest, OpMismatch, SmddpError
+from smddp.server.peer_transport import FRAME_DATA, CommPeers, Frame, PeerError
 from smddp.server.session import Session
 from smddp.v1 import smddp_pb2 as pb
 from smddp.wire import (
     KIND_NAMES,
     NUMPY_DTYPES,
-    dtype_name,
     P2P_KINDS,
     REDUCING_KINDS,
     ROOTED_KINDS,
     describe_request,
+    dtype_name,
     rank_list,
     reduce_op_check,
 )
@@ -167,6 +167,12 @@ class Communicator:
     def submit(self, session: Session, req: pb.OpRequest) -> None:
         """Takes one chunk from one rank; runs it when it is the last rank to arrive."""
         now = time.monotonic()
+        failure = self._failed
+        if failure is not None:
+            # Once failed, every op gets the cause; a rank that gave up on an op midway
+            # (a direct all_reduce) would otherwise be told its next op is out of order.
+            self._reply_error(session, req, *failure)
+            return
         try:
             self._validate(session, req)
         except SmddpError as exc:
@@ -220,11 +226,10 @@ class Communicator:
             raise InvalidRequest(f"unknown dtype {req.dtype} in {KIND_NAMES[req.kind]}")
         if req.parts < 1 or req.part >= req.parts:
             raise InvalidRequest(f"chunk {req.part} of {req.parts} is impossible")
-        if req.kind in ROOTED_KINDS or req.kind in P2P_KINDS:
-            if not 0 <= req.root < self.world_size:
-                raise InvalidRequest(
-                    f"{describe_request(req)}: rank {req.root} is outside a world of {self.world_size}"
-                )
+        if (req.kind in ROOTED_KINDS or req.kind in P2P_KINDS) and not 0 <= req.root < self.world_size:
+            raise InvalidRequest(
+                f"{describe_request(req)}: rank {req.root} is outside a world of {self.world_size}"
+            )
         if req.kind in P2P_KINDS and req.root == session.rank:
             raise InvalidRequest(f"{describe_request(req)}: a rank cannot send to or receive from itself")
         if req.kind in REDUCING_KINDS:

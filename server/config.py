@@ -7,10 +7,11 @@ import dataclasses
 import logging
 import os
 import socket
-import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from smddp.wire import default_socket_path
 
@@ -114,7 +115,7 @@ def load(argv: list[str] | None = None, environ: dict[str, str] | None = None) -
             if isinstance(value, bool) or not isinstance(value, accepted):
                 parser.error(f"config file {config_file}: {key} = {value!r} is not a valid {kind.__name__}")
             values[name] = value
-    for name, f in names.items():
+    for name in names:
         raw = env.get(ENV_PREFIX + name.upper())
         if raw is not None:
             values[name] = raw

@@ -20,9 +20,9 @@ from smddp.server.data_socket import DataSocketServer
 from smddp.server.http import HttpServer
 from smddp.server.metrics import Metrics
 from smddp.server.peer_transport import PeerListener, parse_address
-from smddp.server.topology import advertise_address
 from smddp.server.registry import Registry
 from smddp.server.service import NodeService
+from smddp.server.topology import advertise_address
 from smddp.server.undecodable import RefuseUndecodable
 from smddp.v1 import smddp_pb2 as pb
 from smddp.v1 import smddp_pb2_grpc as pb_grpc

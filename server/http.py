@@ -34,7 +34,7 @@ class HttpServer:
         host, port = parse_bind(bind)
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            def do_GET(self) -> None:
                 path = self.path.split("?", 1)[0]
                 if path == "/metrics":
                     self._send(200, generate_latest(registry), CONTENT_TYPE_LATEST)

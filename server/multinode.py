@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from smddp.reduce import copy_into, reduce_into
 from smddp.server.arena import Arena
 from smddp.server.errors import InvalidRequest, OpMismatch
 from smddp.server.peer_transport import FRAME_DATA, CommPeers, Frame
-from smddp.reduce import copy_into, reduce_into
 from smddp.v1 import smddp_pb2 as pb
 from smddp.wire import NUMPY_DTYPES, describe, describe_request, rank_list
 

@@ -146,7 +146,7 @@ class CommPeers:
     def _connect(self, node: int) -> None:
         host, port = parse_address(self.addresses[node])
         deadline = time.monotonic() + self.comm.timeout_s
-        for index in range(SOCKETS_PER_PEER):
+        for _ in range(SOCKETS_PER_PEER):
             while not self._closed:
                 try:
                     sock = socket.create_connection((host, port), timeout=HEARTBEAT_TIMEOUT_S)

@@ -90,7 +90,9 @@ class Registry:
                 raise Unauthenticated(f"{where} rank {req.rank}: wrong job token")
             comm = self._comms.get(key)
             if comm is None:
-                chunk = max(4096, min(cfg.chunk_bytes, req.arena_bytes // 2) // 64 * 64)
+                # The client keeps half its arena for direct ops; the other half, its ring,
+                # must hold two chunks (plus alignment) for them to pipeline.
+                chunk = max(4096, min(cfg.chunk_bytes, req.arena_bytes // 4) // 64 * 64)
                 comm = Communicator(
                     req.job_id, req.comm_id, req.world_size, req.job_token, timeout_s, chunk, self.metrics,
                     nodes=nodes, my_node=my_node,
@@ -115,10 +117,10 @@ class Registry:
                 if req.rank in comm.members:
                     other = comm.members[req.rank]
                     raise FailedPrecondition(f"{where}: rank {req.rank} is already registered ({other.label()})")
-                if req.arena_bytes < comm.chunk_bytes:
+                if req.arena_bytes // 4 < comm.chunk_bytes:
                     raise InvalidRequest(
                         f"{where} rank {req.rank}: arena of {req.arena_bytes} bytes is smaller than "
-                        f"the communicator's chunk of {comm.chunk_bytes} bytes"
+                        f"4 x the communicator's chunk of {comm.chunk_bytes} bytes"
                     )
             session = Session(
                 session_id=secrets.token_hex(16),

@@ -46,7 +46,7 @@ class RefuseUndecodable(grpc.ServerInterceptor):
         def tolerant(data: bytes) -> Any:
             try:
                 return parse(data)
-            except Exception as exc:  # noqa: BLE001  whatever the parser raises, the input is bad
+            except Exception as exc:
                 return _Undecodable(
                     f"{method}: undecodable request message of {len(data)} bytes ({exc})"
                 )

@@ -100,9 +100,7 @@ def describe(kind: int, dtype: int, count: int, root: int, reduce_op: int) -> st
         args.append(REDUCE_NAMES.get(reduce_op, f"op#{reduce_op}"))
     if kind in (pb.BROADCAST, pb.SCATTER):
         args.append(f"src={root}")
-    elif kind in (pb.REDUCE, pb.GATHER):
-        args.append(f"dst={root}")
-    elif kind == pb.SEND:
+    elif kind in (pb.REDUCE, pb.GATHER) or kind == pb.SEND:
         args.append(f"dst={root}")
     elif kind == pb.RECV:
         args.append(f"src={root}")
