@@ -1,0 +1,88 @@
+"""Fixtures of the failure tests: a system daemon whose socket the test knows, rank
+environments, ``smddpctl status --json``, and the multi-node fixtures reused from
+``tests/multinode/conftest.py`` (``loopback_nodes``, ``netns_nodes``, ``netns_cluster``,
+``launch_world``), loaded here under a name of their own.
+
+- ``system_daemon``: an smddpd on a private socket, as a system daemon would be (the ranks
+  find it through SMDDP_SOCKET and never start an embedded one); SIGTERM at the end must
+  make it exit 0.
+- ``rank_env(socket, node_id)``: the environment of a rank that uses that daemon.
+- ``ctl_status(socket)``: what ``smddpctl status --json`` prints, parsed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+NODE_ID = "node-a"  # SMDDP_NODE_ID of the single-node tests' ranks; messages name it
+
+
+def _load_multinode() -> Any:
+    path = REPO / "tests" / "multinode" / "conftest.py"
+    spec = importlib.util.spec_from_file_location("smddp_tests_multinode_fixtures", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+multinode = _load_multinode()
+loopback_nodes = multinode.loopback_nodes
+netns_cluster = multinode.netns_cluster
+netns_nodes = multinode.netns_nodes
+launch_world = multinode.launch_world
+
+
+def make_rank_env(socket_path: str, node_id: str = NODE_ID, **extra: str) -> dict[str, str]:
+    """A rank's environment: the daemon at ``socket_path``, no embedded fallback."""
+    env = dict(os.environ, SMDDP_SOCKET=socket_path, SMDDP_EMBEDDED="0", SMDDP_NODE_ID=node_id)
+    env.pop("SMDDP_DAEMON", None)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))
+    env.update(extra)
+    return env
+
+
+def smddpctl_status(socket_path: str) -> dict[str, Any]:
+    """``SMDDP_SOCKET=socket_path smddpctl status --json``, parsed."""
+    env = dict(os.environ, SMDDP_SOCKET=socket_path)
+    proc = subprocess.run(
+        [sys.executable, "-m", "smddp.server.ctl", "--json", "status"],
+        env=env, capture_output=True, text=True, timeout=30, check=False,
+    )
+    assert proc.returncode == 0, f"smddpctl status failed ({proc.returncode}): {proc.stderr}"
+    return json.loads(proc.stdout)
+
+
+@pytest.fixture
+def rank_env() -> Callable[..., dict[str, str]]:
+    """``rank_env(socket, node_id="node-a", **extra)``: a rank's environment."""
+    return make_rank_env
+
+
+@pytest.fixture
+def ctl_status() -> Callable[[str], dict[str, Any]]:
+    """``ctl_status(socket)``: ``smddpctl status --json`` against that daemon, parsed."""
+    return smddpctl_status
+
+
+@pytest.fixture
+def system_daemon(start_daemon: Callable[..., Any]) -> Iterator[Any]:
+    """An smddpd on a private socket that the ranks reach through SMDDP_SOCKET."""
+    d = start_daemon(name="system")
+    yield d
+    if d.proc.poll() is None:
+        rc = d.stop(signal.SIGTERM)
+        assert rc == 0, f"smddpd exited with status {rc} after SIGTERM:\n{d.log()}"
