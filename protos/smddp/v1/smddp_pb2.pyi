@@ -228,7 +228,7 @@ class Region(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class OpRequest(_message.Message):
-    __slots__ = ("request_id", "session_id", "session_secret", "seq", "part", "parts", "kind", "dtype", "count", "root", "reduce_op", "tag", "input", "output", "send_blocks", "recv_blocks", "direct")
+    __slots__ = ("request_id", "session_id", "session_secret", "seq", "part", "parts", "kind", "dtype", "count", "root", "reduce_op", "tag", "input", "output", "send_blocks", "recv_blocks", "direct", "cuda")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_SECRET_FIELD_NUMBER: _ClassVar[int]
@@ -246,6 +246,7 @@ class OpRequest(_message.Message):
     SEND_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     RECV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DIRECT_FIELD_NUMBER: _ClassVar[int]
+    CUDA_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     session_id: str
     session_secret: bytes
@@ -263,7 +264,36 @@ class OpRequest(_message.Message):
     send_blocks: _containers.RepeatedCompositeFieldContainer[Region]
     recv_blocks: _containers.RepeatedCompositeFieldContainer[Region]
     direct: bool
-    def __init__(self, request_id: _Optional[int] = ..., session_id: _Optional[str] = ..., session_secret: _Optional[bytes] = ..., seq: _Optional[int] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., kind: _Optional[_Union[OpKind, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., count: _Optional[int] = ..., root: _Optional[int] = ..., reduce_op: _Optional[_Union[ReduceOp, str]] = ..., tag: _Optional[int] = ..., input: _Optional[_Union[Region, _Mapping]] = ..., output: _Optional[_Union[Region, _Mapping]] = ..., send_blocks: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., recv_blocks: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., direct: _Optional[bool] = ...) -> None: ...
+    cuda: CudaOp
+    def __init__(self, request_id: _Optional[int] = ..., session_id: _Optional[str] = ..., session_secret: _Optional[bytes] = ..., seq: _Optional[int] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., kind: _Optional[_Union[OpKind, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., count: _Optional[int] = ..., root: _Optional[int] = ..., reduce_op: _Optional[_Union[ReduceOp, str]] = ..., tag: _Optional[int] = ..., input: _Optional[_Union[Region, _Mapping]] = ..., output: _Optional[_Union[Region, _Mapping]] = ..., send_blocks: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., recv_blocks: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., direct: _Optional[bool] = ..., cuda: _Optional[_Union[CudaOp, _Mapping]] = ...) -> None: ...
+
+class CudaBuffer(_message.Message):
+    __slots__ = ("ipc_handle", "alloc_base", "alloc_bytes", "offset", "nbytes")
+    IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    ALLOC_BASE_FIELD_NUMBER: _ClassVar[int]
+    ALLOC_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    ipc_handle: bytes
+    alloc_base: int
+    alloc_bytes: int
+    offset: int
+    nbytes: int
+    def __init__(self, ipc_handle: _Optional[bytes] = ..., alloc_base: _Optional[int] = ..., alloc_bytes: _Optional[int] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class CudaOp(_message.Message):
+    __slots__ = ("device_uuid", "ready_event", "done_event", "inputs", "outputs")
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    READY_EVENT_FIELD_NUMBER: _ClassVar[int]
+    DONE_EVENT_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    device_uuid: bytes
+    ready_event: bytes
+    done_event: bytes
+    inputs: _containers.RepeatedCompositeFieldContainer[CudaBuffer]
+    outputs: _containers.RepeatedCompositeFieldContainer[CudaBuffer]
+    def __init__(self, device_uuid: _Optional[bytes] = ..., ready_event: _Optional[bytes] = ..., done_event: _Optional[bytes] = ..., inputs: _Optional[_Iterable[_Union[CudaBuffer, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[CudaBuffer, _Mapping]]] = ...) -> None: ...
 
 class OpReply(_message.Message):
     __slots__ = ("request_id", "ok", "error_kind", "error")
