@@ -47,10 +47,17 @@ class TimeoutError(OpError, builtins.TimeoutError):
     kind = pb.TIMEOUT
 
 
+class DaemonStoppingError(OpError, DaemonLostError):
+    """The daemon failed the op because it is shutting down (it stops or restarts)."""
+
+    kind = pb.SHUTDOWN
+
+
 _BY_KIND: dict[int, type[OpError]] = {
     pb.MISMATCH: MismatchError,
     pb.RANK_FAILED: RankFailedError,
     pb.TIMEOUT: TimeoutError,
+    pb.SHUTDOWN: DaemonStoppingError,
 }
 
 
