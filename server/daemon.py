@@ -36,6 +36,21 @@ WATCHDOG_PERIOD_S = 0.2
 ORPHAN_GRACE_S = 30.0
 
 
+def _zombie(pid: int) -> bool:
+    """True when ``pid`` has exited and only waits to be reaped.
+
+    Its parent may be waiting for us: ``subprocess.run(..., capture_output=True)`` reaps the
+    job only at EOF on the pipes that we, started by the job, inherited.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    end = stat.rfind(b")")  # the command name may contain spaces and parentheses
+    return stat[end + 2 : end + 3] == b"Z"
+
+
 def _answers(data_socket: str) -> bool:
     """True when a live daemon accepts connections on ``data_socket``."""
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -194,7 +209,8 @@ class Daemon:
     def _owner_gone(self, now: float) -> bool:
         try:
             os.kill(self.config.owner_pid, 0)
-            return False
+            if not _zombie(self.config.owner_pid):
+                return False
         except ProcessLookupError:
             pass
         except PermissionError:
