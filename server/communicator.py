@@ -114,8 +114,13 @@ class Communicator:
         with self._lock:
             self.members[session.rank] = session
 
-    def remove(self, session: Session, why: str, kind: int, log_level: int = logging.WARNING) -> bool:
+    def remove(
+        self, session: Session, why: str, kind: int, log_level: int = logging.WARNING, fail: bool = True
+    ) -> bool:
         """Removes a rank. Others' pending and later ops fail, since they can no longer complete.
+
+        Args:
+            fail: False for a rank that never took part (refused at attach): nobody fails.
 
         Returns:
             True when no rank is left and the communicator can be forgotten.
@@ -124,9 +129,9 @@ class Communicator:
             if self.members.get(session.rank) is session:
                 del self.members[session.rank]
             empty = not self.members
-            if not empty:
+            if not empty and fail:
                 self._left.append(why)
-        if not empty:
+        if not empty and fail:
             self.fail(kind, why, log_level, culprit=session)
         return empty
 

@@ -93,7 +93,13 @@ class Daemon:
         gid = grp.getgrnam(cfg.socket_group).gr_gid if cfg.socket_group else None
         mode = 0o660 if gid is not None else 0o600
         folder = os.path.dirname(cfg.socket) or "."
-        os.makedirs(folder, mode=0o750 if gid is not None else 0o700, exist_ok=True)
+        if not os.path.isdir(folder):
+            # A folder we create must let the socket group reach the socket: its group, and
+            # its mode whatever the umask (systemd's UMask=0077 would make it 0700).
+            os.makedirs(folder, exist_ok=True)
+            if gid is not None:
+                os.chown(folder, -1, gid)
+            os.chmod(folder, 0o750 if gid is not None else 0o700)
         if _answers(self.data_socket_path):
             raise RuntimeError(f"another smddpd is already serving on {cfg.socket}")
         if os.path.exists(cfg.socket):

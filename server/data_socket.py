@@ -120,8 +120,12 @@ class DataSocketServer:
             buf = bytearray(MAX_MESSAGE_BYTES)  # reused: a fresh 1 MiB object per op is costly
             view = memoryview(buf)
             while True:
-                n = conn.recv_into(buf)
+                n, _anc, flags, _addr = conn.recvmsg_into([buf])
                 if not n:
+                    break
+                if flags & socket.MSG_TRUNC:
+                    # The kernel cut it to fit: parsing the rest could even succeed.
+                    detail = f"a message of more than {MAX_MESSAGE_BYTES} bytes on the data socket"
                     break
                 if buf[0] == MSG_PEER_ARENAS:
                     self._send_peer_arenas(conn, session)

@@ -201,9 +201,10 @@ class Registry:
             with self._lock:
                 owner = self._job_owner.setdefault(comm.job_id, uid)
             if owner != uid:
-                raise PermissionDenied(
-                    f"{comm.name()}: uid {uid} may not join job {comm.job_id}, which belongs to uid {owner}"
-                )
+                refusal = f"{comm.name()}: uid {uid} may not join job {comm.job_id}, which belongs to uid {owner}"
+                # The rank never took part: forget it (its slot frees) without failing the job.
+                self._drop(session, refusal, pb.UNAUTHENTICATED, logging.INFO, fail=False)
+                raise PermissionDenied(refusal)
         except Exception:
             os.close(fd)
             raise
@@ -226,14 +227,16 @@ class Registry:
         )
         self._drop(session, why, pb.RANK_FAILED)
 
-    def _drop(self, session: Session, why: str, kind: int, log_level: int = logging.WARNING) -> None:
+    def _drop(
+        self, session: Session, why: str, kind: int, log_level: int = logging.WARNING, fail: bool = True
+    ) -> None:
         with self._lock:
             if session.closed:
                 return
             session.closed = True
             self._sessions.pop(session.session_id, None)
         comm = session.comm
-        empty = comm.remove(session, why, kind, log_level)
+        empty = comm.remove(session, why, kind, log_level, fail)
         if empty:
             # The communicator logs a departure only when it fails others; the last one, here.
             log.log(log_level, "%s", why, extra=session.log_fields())

@@ -8,6 +8,9 @@ environments, ``smddpctl status --json``, and the multi-node fixtures reused fro
   make it exit 0.
 - ``rank_env(socket, node_id)``: the environment of a rank that uses that daemon.
 - ``ctl_status(socket)``: what ``smddpctl status --json`` prints, parsed.
+- ``daemon_at(socket, args=())``: an smddpd on a socket path of the test's choosing (the
+  shared ``start_daemon`` picks its own), ready once health says SERVING; SIGTERM at the
+  end must make it exit 0.
 """
 
 from __future__ import annotations
@@ -29,9 +32,8 @@ REPO = HERE.parents[1]
 NODE_ID = "node-a"  # SMDDP_NODE_ID of the single-node tests' ranks; messages name it
 
 
-def _load_multinode() -> Any:
-    path = REPO / "tests" / "multinode" / "conftest.py"
-    spec = importlib.util.spec_from_file_location("smddp_tests_multinode_fixtures", path)
+def _load(relative: str, name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(name, REPO / relative)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
@@ -39,7 +41,8 @@ def _load_multinode() -> Any:
     return module
 
 
-multinode = _load_multinode()
+shared = _load("tests/conftest.py", "smddp_tests_shared_fixtures")
+multinode = _load("tests/multinode/conftest.py", "smddp_tests_multinode_fixtures")
 loopback_nodes = multinode.loopback_nodes
 netns_cluster = multinode.netns_cluster
 netns_nodes = multinode.netns_nodes
@@ -76,6 +79,28 @@ def rank_env() -> Callable[..., dict[str, str]]:
 def ctl_status() -> Callable[[str], dict[str, Any]]:
     """``ctl_status(socket)``: ``smddpctl status --json`` against that daemon, parsed."""
     return smddpctl_status
+
+
+@pytest.fixture
+def daemon_at(tmp_path: Path) -> Iterator[Callable[..., Any]]:
+    """``daemon_at(socket, args=())``: starts smddpd on ``socket`` and waits for SERVING."""
+    started: list[Any] = []
+
+    def start(socket_path: str, args: tuple[str, ...] = (), name: str = "smddpd") -> Any:
+        d = shared._launch(socket_path, args, shared.DAEMON_COMMAND, None, tmp_path / f"{name}.log")
+        started.append(d)
+        return d
+
+    yield start
+    bad = []
+    for d in started:
+        if d.proc.poll() is None:
+            rc = d.stop(signal.SIGTERM)
+            if rc != 0:
+                bad.append(f"smddpd on {d.socket} exited {rc} after SIGTERM:\n{d.log()}")
+        if d.proc.stdout is not None:
+            d.proc.stdout.close()
+    assert not bad, "\n".join(bad)
 
 
 @pytest.fixture
