@@ -8,6 +8,8 @@ environments, ``smddpctl status --json``, and the multi-node fixtures reused fro
   make it exit 0.
 - ``rank_env(socket, node_id)``: the environment of a rank that uses that daemon.
 - ``ctl_status(socket)``: what ``smddpctl status --json`` prints, parsed.
+- ``launch_failure_world``: ``launch_world`` of the multi-node fixtures running
+  ``failure_rank.py`` (programs ``until_failure``, ``until_stopped``) instead of theirs.
 - ``daemon_at(socket, args=())``: an smddpd on a socket path of the test's choosing (the
   shared ``start_daemon`` picks its own), ready once health says SERVING; SIGTERM at the
   end must make it exit 0.
@@ -67,6 +69,13 @@ def smddpctl_status(socket_path: str) -> dict[str, Any]:
     )
     assert proc.returncode == 0, f"smddpctl status failed ({proc.returncode}): {proc.stderr}"
     return json.loads(proc.stdout)
+
+
+@pytest.fixture
+def launch_failure_world(launch_world: Callable[..., Any], monkeypatch: pytest.MonkeyPatch) -> Callable[..., Any]:
+    """``launch_world`` with this folder's ``failure_rank.py`` as the ranks' program."""
+    monkeypatch.setattr(multinode, "RANK_MAIN", HERE / "failure_rank.py")
+    return launch_world
 
 
 @pytest.fixture

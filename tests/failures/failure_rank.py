@@ -1,0 +1,99 @@
+"""What one rank of a multi-node failure test runs: ``python failure_rank.py PROGRAM SPEC OUT``.
+
+Started by ``launch_world`` of ``tests/multinode/conftest.py`` in place of its
+``rank_main.py`` (same command line, same environment, same result file).
+
+Programs:
+- ``until_failure``: all_reduces (checked) until one fails; prints ``ready`` after the
+  first; returns the error's class and message and the wall-clock time it was raised.
+- ``until_stopped``: all_reduces (checked) until the parent writes a line to stdin;
+  prints ``ready`` after the first; returns how many ran and when each one ended.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import sys
+import threading
+import time
+import traceback
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+N = 65_536  # 256 KiB of float32: one chunk, crossing nodes on every op
+
+
+def _checked_all_reduce(step: int) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    t = torch.full((N,), float(rank + step))
+    dist.all_reduce(t)
+    want = float(sum(range(world)) + world * step)
+    if not torch.equal(t, torch.full((N,), want)):
+        raise AssertionError(f"op {step}: wrong result {t[:4].tolist()} instead of {want}")
+
+
+def until_failure(spec: dict[str, Any]) -> dict[str, Any]:
+    from smddp.backend.errors import SmddpBackendError
+
+    _checked_all_reduce(0)
+    print("ready", flush=True)
+    step = 1
+    deadline = time.monotonic() + spec.get("run_s", 60)
+    try:
+        while time.monotonic() < deadline:
+            _checked_all_reduce(step)
+            step += 1
+    except SmddpBackendError as exc:
+        return {"type": type(exc).__name__, "message": str(exc), "failed_at": time.time(), "ops": step,
+                "dist_backend_error": isinstance(exc, dist.DistBackendError)}
+    return {"type": None, "ops": step}
+
+
+def until_stopped(spec: dict[str, Any]) -> dict[str, Any]:
+    stop = threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.readline(), stop.set()), daemon=True).start()
+    _checked_all_reduce(0)
+    print("ready", flush=True)
+    ends = []
+    step = 1
+    while True:
+        _checked_all_reduce(step)
+        ends.append(time.time())
+        step += 1
+        # Every rank stops after the same op: once any of them has read its line.
+        flag = torch.tensor([float(stop.is_set())])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item():
+            return {"ops": step, "ends": ends}
+
+
+PROGRAMS = {"until_failure": until_failure, "until_stopped": until_stopped}
+
+
+def main() -> None:
+    program, spec_path, out_path = sys.argv[1:4]
+    with open(spec_path) as f:
+        spec = json.load(f)
+    try:
+        import smddp  # noqa: F401  (registers the backend)
+
+        torch.set_num_threads(1)
+        dist.init_process_group("smddp", timeout=timedelta(seconds=spec.get("pg_timeout_s", 60)))
+        result = PROGRAMS[program](spec)
+        started = time.monotonic()
+        dist.destroy_process_group()
+        result["destroy_s"] = time.monotonic() - started
+    except BaseException:  # noqa: BLE001  (the parent must see every failure)
+        with open(out_path, "wb") as f:
+            pickle.dump({"error": traceback.format_exc()}, f)
+        sys.exit(1)
+    with open(out_path, "wb") as f:
+        pickle.dump({"result": result}, f)
+
+
+if __name__ == "__main__":
+    main()
