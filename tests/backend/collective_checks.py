@@ -1033,3 +1033,17 @@ def grpc_main(rank: int, world_size: int) -> dict[str, Any]:
     _redirected(c, "grpc", check_async, world, 100_003, "grpc-async")
     dist.barrier()
     return c.report()
+
+
+def p2p_receive_first_main(rank: int, world_size: int) -> dict[str, Any]:
+    """Two ranks each irecv, then isend, more than their arena holds (torch allows any order)."""
+    c = Checks(rank)
+    peer = 1 - rank
+    n = CHUNKED_ARENA_BYTES // 4 + 1  # float32: just over the whole arena
+    out = junk(torch.float32, n)
+    received = dist.irecv(out, src=peer)
+    sent = dist.isend(make(torch.float32, n, "first", rank), dst=peer)
+    received.wait()
+    sent.wait()
+    c.equal("p2p_receive_first", "irecv before isend", out, make(torch.float32, n, "first", peer))
+    return c.report()

@@ -44,6 +44,7 @@ def _entry(
     fn: Callable[[int, int], Any],
     env: Mapping[str, str],
     results: Any,
+    pg_timeout_s: float,
 ) -> None:
     try:
         os.environ.update(env)
@@ -57,7 +58,7 @@ def _entry(
         import smddp  # noqa: F401  (registers the backend)
 
         dist.init_process_group(
-            "smddp", rank=rank, world_size=world_size, timeout=timedelta(seconds=PG_TIMEOUT_S)
+            "smddp", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s)
         )
         value = fn(rank, world_size)
         dist.destroy_process_group()
@@ -71,6 +72,7 @@ def run_world(
     fn: Callable[[int, int], Any],
     env: Mapping[str, str] | None = None,
     timeout_s: float = 120.0,
+    pg_timeout_s: float = PG_TIMEOUT_S,
 ) -> list[Any]:
     """Runs ``fn(rank, world_size)`` on every rank of a new smddp world.
 
@@ -79,6 +81,7 @@ def run_world(
         fn: a module-level function (it is pickled by name into the spawned processes).
         env: extra environment variables for the ranks.
         timeout_s: the whole run's deadline.
+        pg_timeout_s: the default process group's timeout.
 
     Returns:
         The ranks' return values, indexed by rank.
@@ -94,7 +97,11 @@ def run_world(
     nowhere = os.path.join(tempfile.mkdtemp(prefix="smddp-test-"), "absent.sock")
     full_env = {"SMDDP_SOCKET": nowhere, **(env or {})}
     procs = [
-        ctx.Process(target=_entry, args=(r, world_size, port, fn, full_env, results), daemon=True)
+        ctx.Process(
+            target=_entry,
+            args=(r, world_size, port, fn, full_env, results, pg_timeout_s),
+            daemon=True,
+        )
         for r in range(world_size)
     ]
     for p in procs:
