@@ -37,7 +37,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 
-from netns_cluster import NetnsCluster, unavailable_reason
+from netns_cluster import NetnsCluster, unavailable_reason  # noqa: E402  (after sys.path)
 
 RANK_MAIN = HERE / "rank_main.py"
 DAEMON = (sys.executable, "-m", "smddp.server")

@@ -469,13 +469,20 @@ def main() -> None:
         import smddp  # noqa: F401  (registers the backend)
 
         torch.set_num_threads(1)  # many ranks share two cores
+        t0 = time.monotonic()
         dist.init_process_group(
             spec.get("backend", "smddp"),
             timeout=timedelta(seconds=spec.get("pg_timeout_s", PG_TIMEOUT_S)),
         )
+        t1 = time.monotonic()
         result = PROGRAMS[program](spec)
+        print(
+            f"TIMING init {t1 - t0:.2f} program {time.monotonic() - t1:.2f}",
+            file=sys.stderr,
+            flush=True,
+        )
         dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001  (the parent must see every failure)
+    except BaseException:  # the parent must see every failure
         with open(out_path, "wb") as f:
             pickle.dump({"error": traceback.format_exc()}, f)
         sys.exit(1)
