@@ -38,6 +38,9 @@ class DaemonConfig:
     max_jobs: int = 64
     max_ranks_per_job: int = 4096
     max_arena_bytes: int = 16 << 30
+    tls_cert: str = ""  # PEM certificate this daemon shows other daemons; "" = no TLS
+    tls_key: str = ""  # PEM private key of tls_cert
+    tls_ca: str = ""  # PEM CA bundle that other daemons' certificates must chain to
 
     def __post_init__(self) -> None:
         if not self.socket:
@@ -63,6 +66,10 @@ _HELP = {
     "max_jobs": "most jobs served at once",
     "max_ranks_per_job": "largest world size of a communicator",
     "max_arena_bytes": "largest arena a rank may attach",
+    "tls_cert": "PEM certificate for mutual TLS with other nodes' daemons (with --tls-key and "
+    "--tls-ca; every node must use TLS, and any certificate the CA signed is accepted)",
+    "tls_key": "PEM private key of --tls-cert",
+    "tls_ca": "PEM CA certificates that other daemons' certificates must be signed by",
 }
 
 
@@ -130,6 +137,9 @@ def load(argv: list[str] | None = None, environ: dict[str, str] | None = None) -
             parser.error(f"{name}: {value!r} is not a valid {kind.__name__}")
     if values.get("log_format", "text") not in ("text", "json"):
         parser.error("log_format must be 'text' or 'json'")
+    tls = [values.get(name, "") for name in ("tls_cert", "tls_key", "tls_ca")]
+    if any(tls) and not all(tls):
+        parser.error("tls_cert, tls_key and tls_ca go together: set all three or none")
     level = values.get("log_level", "INFO")
     if not isinstance(logging.getLevelName(level.upper()), int):
         parser.error(f"log_level: {level!r} is not one of DEBUG, INFO, WARNING, ERROR")

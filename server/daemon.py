@@ -14,7 +14,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from smddp.server import notify
+from smddp.server import notify, tls
 from smddp.server.config import DaemonConfig
 from smddp.server.data_socket import DataSocketServer
 from smddp.server.http import HttpServer
@@ -109,8 +109,11 @@ class Daemon:
             options=[("grpc.max_receive_message_length", 4 << 20), ("grpc.so_reuseport", 0)],
             interceptors=[RefuseUndecodable()],
         )
+        server_tls = None
+        if cfg.tls_cert:
+            server_tls, self.registry.peer_tls = tls.contexts(cfg.tls_cert, cfg.tls_key, cfg.tls_ca)
         if cfg.peer_bind and cfg.peer_bind != "off":
-            self._peers = PeerListener(cfg.peer_bind, self.registry.find_comm)
+            self._peers = PeerListener(cfg.peer_bind, self.registry.find_comm, tls=server_tls)
             self._peers.start()
             host = parse_address(cfg.peer_bind)[0]
             self.registry.peer_address = advertise_address(host, self._peers.port, cfg.advertise)

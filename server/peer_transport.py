@@ -18,6 +18,7 @@ import hmac
 import itertools
 import logging
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from smddp.server.tls import TlsSocket
 from smddp.v1 import smddp_pb2 as pb
 
 if TYPE_CHECKING:
@@ -117,8 +119,10 @@ class CommPeers:
         node_ids: Sequence[str],
         addresses: Sequence[str],
         metrics: Metrics | None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.comm = comm
+        self._tls = tls
         self.my_node = my_node
         self.node_ids = list(node_ids)
         self.addresses = list(addresses)
@@ -132,7 +136,8 @@ class CommPeers:
         self._cond = threading.Condition()
         self._closed = False
         self._failure: str | None = None
-        self._gone: set[int] = set()  # nodes that said BYE
+        self._gone: set[int] = set()  # nodes that said BYE on every connection
+        self._byes: dict[int, int] = {}  # BYEs received per node
         for node in range(len(node_ids)):
             if node > my_node:
                 threading.Thread(target=self._connect, args=(node,), name="smddp-peer-connect", daemon=True).start()
@@ -150,11 +155,20 @@ class CommPeers:
             while not self._closed:
                 try:
                     sock = socket.create_connection((host, port), timeout=HEARTBEAT_TIMEOUT_S)
+                    if self._tls is not None:
+                        sock = TlsSocket(sock, self._tls, server_side=False)  # type: ignore[assignment]
+                        sock.handshake()
                     job, comm = self.comm.job_id.encode(), self.comm.comm_id.encode()
                     sock.sendall(HELLO.pack(HELLO_MAGIC, len(job), len(comm), self.my_node) + job + comm + self._proof)
                     status = _recv_exact(sock, 1)[0]
                     (n,) = struct.unpack("!H", _recv_exact(sock, 2))
                     message = _recv_exact(sock, n).decode(errors="replace")
+                except ssl.SSLError as exc:
+                    # Certificates do not change by retrying; TLS on one side only does not either.
+                    hint = "" if isinstance(exc, ssl.SSLCertVerificationError) else (
+                        " (do both daemons run with --tls-cert, --tls-key and --tls-ca of the same CA?)"
+                    )
+                    status, message = HELLO_REFUSED, f"TLS handshake failed: {exc}{hint}"
                 except OSError as exc:
                     status, message = HELLO_RETRY, str(exc)
                     sock = None  # type: ignore[assignment]
@@ -279,6 +293,7 @@ class CommPeers:
     # -- receiving ----------------------------------------------------------------------------
 
     def _receive(self, node: int, sock: socket.socket) -> None:
+        said_bye = False  # this connection's end, announced: its EOF is no failure
         try:
             while True:
                 fields = HEADER.unpack(_recv_exact(sock, HEADER.size))
@@ -297,8 +312,13 @@ class CommPeers:
                 if ftype == FRAME_HEARTBEAT:
                     continue
                 if ftype == FRAME_BYE:
+                    said_bye = True
                     with self._cond:
-                        self._gone.add(node)
+                        # The node's last frames may still travel on its other connections;
+                        # it is gone once each of them has brought its BYE.
+                        self._byes[node] = self._byes.get(node, 0) + 1
+                        if self._byes[node] >= len(self._socks.get(node, ())):
+                            self._gone.add(node)
                         self._cond.notify_all()
                     continue
                 if self._metrics is not None and nbytes:
@@ -310,9 +330,11 @@ class CommPeers:
                               count, root, reduce_op, src_node, payload)
                 self._deliver(frame)
         except TimeoutError:
-            self._lost(node, f"silent for {HEARTBEAT_TIMEOUT_S:.0f} s (no heartbeat: partitioned or hung)")
+            if not said_bye:
+                self._lost(node, f"silent for {HEARTBEAT_TIMEOUT_S:.0f} s (no heartbeat: partitioned or hung)")
         except (OSError, ConnectionError, struct.error) as exc:
-            self._lost(node, f"connection broke ({exc})")
+            if not said_bye:
+                self._lost(node, f"connection broke ({exc})")
         finally:
             sock.close()
 
@@ -399,7 +421,9 @@ class CommPeers:
 class PeerListener:
     """Accepts other daemons' connections and hands them to their communicators."""
 
-    def __init__(self, bind: str, find_comm: Callable[[str, str], Communicator | None]) -> None:
+    def __init__(
+        self, bind: str, find_comm: Callable[[str, str], Communicator | None], tls: ssl.SSLContext | None = None
+    ) -> None:
         host, port = parse_address(bind)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
@@ -408,6 +432,7 @@ class PeerListener:
         self._sock.listen(256)
         self.port = self._sock.getsockname()[1]
         self._find = find_comm
+        self._tls = tls
         self._stopping = False
 
     def start(self) -> None:
@@ -436,9 +461,17 @@ class PeerListener:
 
         try:
             sock.settimeout(HEARTBEAT_TIMEOUT_S)
+            if self._tls is not None:
+                if sock.recv(len(HELLO_MAGIC), socket.MSG_PEEK | socket.MSG_WAITALL) == HELLO_MAGIC:
+                    answer(HELLO_REFUSED, "this daemon takes peer connections over TLS only (--tls-cert)")
+                    sock.close()
+                    return
+                sock = TlsSocket(sock, self._tls, server_side=True)  # type: ignore[assignment]
+                sock.handshake()
             magic, job_len, comm_len, node = HELLO.unpack(_recv_exact(sock, HELLO.size))
             if magic != HELLO_MAGIC:
-                raise ConnectionError("not an smddp peer")
+                tls_hint = " (it speaks TLS: this daemon has no --tls-cert)" if magic[:2] == b"\x16\x03" else ""
+                raise ConnectionError(f"not an smddp peer{tls_hint}")
             job_id = _recv_exact(sock, job_len).decode()
             comm_id = _recv_exact(sock, comm_len).decode()
             proof = _recv_exact(sock, 32)

@@ -6,6 +6,7 @@ import logging
 import os
 import re
 import secrets
+import ssl
 import threading
 import time
 
@@ -47,6 +48,8 @@ class Registry:
         self._job_owner: dict[str, int] = {}
         # HOST:PORT other daemons reach this one at; "" when the peer listener is off.
         self.peer_address = ""
+        # Client side of mutual TLS toward other daemons (--tls-cert); None: plain TCP.
+        self.peer_tls: ssl.SSLContext | None = None
         self._lock = threading.Lock()
 
     # -- joining ------------------------------------------------------------------------------
@@ -99,7 +102,10 @@ class Registry:
                 )
                 if len(comm.nodes) > 1:
                     comm.attach_peers(
-                        CommPeers(comm, my_node, [n.node_id for n in req.nodes], [n.peer_address for n in req.nodes], self.metrics)
+                        CommPeers(
+                            comm, my_node, [n.node_id for n in req.nodes], [n.peer_address for n in req.nodes],
+                            self.metrics, tls=self.peer_tls,
+                        )
                     )
                 self._comms[key] = comm
                 self._job_tokens[req.job_id] = req.job_token

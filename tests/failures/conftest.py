@@ -10,6 +10,8 @@ environments, ``smddpctl status --json``, and the multi-node fixtures reused fro
 - ``ctl_status(socket)``: what ``smddpctl status --json`` prints, parsed.
 - ``launch_failure_world``: ``launch_world`` of the multi-node fixtures running
   ``failure_rank.py`` (programs ``until_failure``, ``until_stopped``) instead of theirs.
+- ``loopback_daemons([args0, args1, ...])``: like ``loopback_nodes``, with extra daemon
+  arguments per node (TLS certificates, say).
 - ``daemon_at(socket, args=())``: an smddpd on a socket path of the test's choosing (the
   shared ``start_daemon`` picks its own), ready once health says SERVING; SIGTERM at the
   end must make it exit 0.
@@ -76,6 +78,23 @@ def launch_failure_world(launch_world: Callable[..., Any], monkeypatch: pytest.M
     """``launch_world`` with this folder's ``failure_rank.py`` as the ranks' program."""
     monkeypatch.setattr(multinode, "RANK_MAIN", HERE / "failure_rank.py")
     return launch_world
+
+
+@pytest.fixture
+def loopback_daemons(start_daemon: Callable[..., Any]) -> Iterator[Callable[..., list[Any]]]:
+    """``loopback_daemons(per_node_args)``: one smddpd per entry, node ids ``node0..``."""
+    started: list[Any] = []
+
+    def start(per_node_args: list[tuple[str, ...]]) -> list[Any]:
+        nodes = []
+        for i, extra in enumerate(per_node_args):
+            d = start_daemon(args=("--node-id", f"node{i}", *extra), name=f"node{i}")
+            nodes.append(multinode.Node(f"node{i}", "127.0.0.1", [], d))
+        started.extend(nodes)
+        return nodes
+
+    yield start
+    multinode._stop_daemons(started)
 
 
 @pytest.fixture

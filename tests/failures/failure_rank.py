@@ -6,6 +6,7 @@ Started by ``launch_world`` of ``tests/multinode/conftest.py`` in place of its
 Programs:
 - ``until_failure``: all_reduces (checked) until one fails; prints ``ready`` after the
   first; returns the error's class and message and the wall-clock time it was raised.
+- ``checked_ops``: a few all_reduces and a broadcast, checked; returns how many ran.
 - ``until_stopped``: all_reduces (checked) until the parent writes a line to stdin;
   prints ``ready`` after the first; returns how many ran and when each one ended.
 """
@@ -27,23 +28,24 @@ import torch.distributed as dist
 N = 65_536  # 256 KiB of float32: one chunk, crossing nodes on every op
 
 
-def _checked_all_reduce(step: int) -> None:
+def _checked_all_reduce(step: int, n: int = N, dtype: torch.dtype = torch.float32) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
-    t = torch.full((N,), float(rank + step))
+    t = torch.full((n,), float(rank + step), dtype=dtype)
     dist.all_reduce(t)
     want = float(sum(range(world)) + world * step)
-    if not torch.equal(t, torch.full((N,), want)):
+    if not torch.equal(t, torch.full((n,), want, dtype=dtype)):
         raise AssertionError(f"op {step}: wrong result {t[:4].tolist()} instead of {want}")
 
 
 def until_failure(spec: dict[str, Any]) -> dict[str, Any]:
     from smddp.backend.errors import SmddpBackendError
 
-    _checked_all_reduce(0)
-    print("ready", flush=True)
-    step = 1
+    step = 0
     deadline = time.monotonic() + spec.get("run_s", 60)
     try:
+        _checked_all_reduce(step)
+        print("ready", flush=True)
+        step = 1
         while time.monotonic() < deadline:
             _checked_all_reduce(step)
             step += 1
@@ -71,7 +73,20 @@ def until_stopped(spec: dict[str, Any]) -> dict[str, Any]:
             return {"ops": step, "ends": ends}
 
 
-PROGRAMS = {"until_failure": until_failure, "until_stopped": until_stopped}
+def checked_ops(spec: dict[str, Any]) -> dict[str, Any]:
+    """all_reduces of a few sizes (one crossing several 512 KiB chunks) and dtypes, and a
+    broadcast; every result checked."""
+    sizes = [7, N, (1 << 20) + 3]
+    for step, (n, dtype) in enumerate((n, d) for n in sizes for d in (torch.float32, torch.bfloat16)):
+        _checked_all_reduce(step, n, dtype)
+    t = torch.arange(1000, dtype=torch.float64) * (dist.get_rank() + 1)
+    dist.broadcast(t, src=dist.get_world_size() - 1)
+    if not torch.equal(t, torch.arange(1000, dtype=torch.float64) * dist.get_world_size()):
+        raise AssertionError("broadcast: wrong result")
+    return {"ops": 2 * len(sizes) + 1}
+
+
+PROGRAMS = {"until_failure": until_failure, "until_stopped": until_stopped, "checked_ops": checked_ops}
 
 
 def main() -> None:
@@ -87,7 +102,7 @@ def main() -> None:
         started = time.monotonic()
         dist.destroy_process_group()
         result["destroy_s"] = time.monotonic() - started
-    except BaseException:  # noqa: BLE001  (the parent must see every failure)
+    except BaseException:
         with open(out_path, "wb") as f:
             pickle.dump({"error": traceback.format_exc()}, f)
         sys.exit(1)

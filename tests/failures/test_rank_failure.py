@@ -92,7 +92,7 @@ def survivors_results(ranks: Any, survivors: list[int], timeout_s: float = 30.0)
     for r in (ranks.ranks[i] for i in survivors):
         try:
             r.proc.wait(timeout=timeout_s)
-        except Exception:  # noqa: BLE001
+        except Exception:
             ranks.kill()
             pytest.fail(f"rank {r.rank} did not end within {timeout_s} s of the kill:\n{r.stderr()[-4000:]}")
         assert r.proc.returncode == 0, r.failure()
