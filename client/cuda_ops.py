@@ -1,0 +1,259 @@
+"""Collectives on GPU memory: one ``CudaOp`` request per op, no arena, no host copies.
+
+Framework-neutral: a tensor is a ``DeviceArray`` (address, element count, wire dtype), and
+the framework supplies the op's two interprocess CUDA events (``OpEvents``): "ready",
+already recorded on the stream that wrote the inputs, and "done", which the daemon records
+once its work is complete. Each call checks its arguments, exports the buffers' CUDA IPC
+handles (``cuda_ipc``), sends the op and returns a Handle at once; when the reply is retired
+``events.finish(ok)`` runs, and the framework makes its stream wait on "done" there. The
+host never waits for the GPU.
+
+Only single-node communicators: across nodes GPU tensors are refused (UnsupportedError).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from smddp.client.cuda_ipc import IpcExporter
+from smddp.client.errors import UnsupportedError
+from smddp.v1 import smddp_pb2 as pb
+from smddp.wire import NUMPY_DTYPES, dtype_name, reduce_op_check
+
+if TYPE_CHECKING:
+    from smddp.client.communicator import Communicator, Handle
+
+
+@dataclass(frozen=True)
+class DeviceArray:
+    """``count`` contiguous elements of wire dtype ``dtype`` at address ``ptr`` of this
+    process's GPU ``device`` (its ordinal here)."""
+
+    ptr: int
+    count: int
+    dtype: int
+    device: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * NUMPY_DTYPES[self.dtype].itemsize
+
+
+class OpEvents(Protocol):
+    """The interprocess CUDA events of one GPU op, owned by the framework."""
+
+    ready: bytes  # cudaIpcEventHandle of an event recorded after the inputs were written
+    done: bytes  # cudaIpcEventHandle of an event the daemon records when it is finished
+
+    def finish(self, ok: bool) -> None:
+        """The reply is in (``ok``: the daemon queued the work): wait on ``done`` if ok, and
+        release the events. Must not raise."""
+
+
+# The process's exporter: handles are per allocation, whatever communicator uses them.
+_exporter = IpcExporter()
+
+
+class CudaCollectives:
+    """The GPU collectives of one Communicator (``comm.cuda``)."""
+
+    def __init__(self, comm: Communicator, exporter: IpcExporter | None = None) -> None:
+        self.comm = comm
+        self.exporter = exporter or _exporter
+
+    # -- building one request -------------------------------------------------------------------
+
+    def _op(
+        self,
+        what: str,
+        kind: int,
+        dtype: int,
+        count: int,
+        inputs: Sequence[DeviceArray],
+        outputs: Sequence[DeviceArray],
+        events: OpEvents,
+        root: int = 0,
+        reduce_op: int = 0,
+        tag: int = 0,
+    ) -> Handle:
+        if not self.comm.single_node:
+            raise UnsupportedError(
+                f"{what}: GPU tensors are not supported yet in a process group spanning nodes; "
+                "move them to the CPU first"
+            )
+        arrays = [*inputs, *outputs]
+        for a in arrays:
+            if a.dtype != dtype:
+                raise UnsupportedError(
+                    f"{what}: every tensor must be {dtype_name(dtype)}, got one of {dtype_name(a.dtype)}"
+                )
+        devices = {a.device for a in arrays}
+        if len(devices) != 1:
+            raise UnsupportedError(
+                f"{what}: one call's tensors must be on one GPU, got GPUs {sorted(devices)}"
+            )
+        device = devices.pop()
+        cuda = pb.CudaOp(
+            device_uuid=self.exporter.device_uuid(device, what),
+            ready_event=events.ready,
+            done_event=events.done,
+        )
+        for target, group in ((cuda.inputs, inputs), (cuda.outputs, outputs)):
+            for a in group:
+                target.append(self.exporter.export(a.ptr, a.nbytes, device, what))
+        req = pb.OpRequest(
+            kind=kind, dtype=dtype, count=count, root=root, reduce_op=reduce_op, tag=tag, cuda=cuda
+        )
+        return self.comm.submit_gpu(req, events.finish, what)
+
+    def _check_root(self, root: int, what: str) -> None:
+        if not 0 <= root < self.comm.world_size:
+            raise UnsupportedError(
+                f"{what}: rank {root} is outside a world of {self.comm.world_size}"
+            )
+
+    def _check_reduce(self, dtype: int, reduce_op: int) -> None:
+        problem = reduce_op_check(dtype, reduce_op)
+        if problem:
+            raise UnsupportedError(problem)
+
+    def _per_rank(self, arrays: Sequence[DeviceArray], n: int, what: str) -> None:
+        w = self.comm.world_size
+        if len(arrays) != w:
+            raise UnsupportedError(
+                f"{what}: expected {w} tensors (one per rank), got {len(arrays)}"
+            )
+        for r, a in enumerate(arrays):
+            if a.count != n:
+                raise UnsupportedError(
+                    f"{what}: tensor {r} has {a.count} elements where {n} were expected"
+                )
+
+    # -- collectives --------------------------------------------------------------------------
+
+    def all_reduce(self, array: DeviceArray, reduce_op: int, events: OpEvents) -> Handle:
+        """Reduces ``array`` across ranks in place (rank order, the host path's bits)."""
+        self._check_reduce(array.dtype, reduce_op)
+        return self._op(
+            "all_reduce",
+            pb.ALL_REDUCE,
+            array.dtype,
+            array.count,
+            [array],
+            [array],
+            events,
+            reduce_op=reduce_op,
+        )
+
+    def broadcast(self, array: DeviceArray, root: int, events: OpEvents) -> Handle:
+        """Copies the root's ``array`` into every rank's."""
+        self._check_root(root, "broadcast")
+        return self._op(
+            "broadcast", pb.BROADCAST, array.dtype, array.count, [array], [array], events, root=root
+        )
+
+    def reduce(self, array: DeviceArray, root: int, reduce_op: int, events: OpEvents) -> Handle:
+        """Reduces ``array`` across ranks into the root's."""
+        self._check_root(root, "reduce")
+        self._check_reduce(array.dtype, reduce_op)
+        return self._op(
+            "reduce",
+            pb.REDUCE,
+            array.dtype,
+            array.count,
+            [array],
+            [array],
+            events,
+            root=root,
+            reduce_op=reduce_op,
+        )
+
+    def all_gather(
+        self, outputs: Sequence[DeviceArray], array: DeviceArray, events: OpEvents
+    ) -> Handle:
+        """Gathers every rank's ``array`` into ``outputs[r]`` on every rank."""
+        self._per_rank(outputs, array.count, "all_gather")
+        return self._op(
+            "all_gather", pb.ALL_GATHER, array.dtype, array.count, [array], outputs, events
+        )
+
+    def gather(
+        self, outputs: Sequence[DeviceArray] | None, array: DeviceArray, root: int, events: OpEvents
+    ) -> Handle:
+        """Gathers every rank's ``array`` into the root's ``outputs[r]`` (None elsewhere)."""
+        self._check_root(root, "gather")
+        outs = list(outputs) if self.comm.rank == root and outputs is not None else []
+        if self.comm.rank == root:
+            self._per_rank(outs, array.count, "gather")
+        return self._op(
+            "gather", pb.GATHER, array.dtype, array.count, [array], outs, events, root=root
+        )
+
+    def reduce_scatter(
+        self, output: DeviceArray, inputs: Sequence[DeviceArray], reduce_op: int, events: OpEvents
+    ) -> Handle:
+        """Rank r's ``output`` becomes the reduction over ranks of their ``inputs[r]``."""
+        self._check_reduce(output.dtype, reduce_op)
+        self._per_rank(inputs, output.count, "reduce_scatter")
+        return self._op(
+            "reduce_scatter",
+            pb.REDUCE_SCATTER,
+            output.dtype,
+            output.count,
+            inputs,
+            [output],
+            events,
+            reduce_op=reduce_op,
+        )
+
+    def scatter(
+        self, output: DeviceArray, inputs: Sequence[DeviceArray] | None, root: int, events: OpEvents
+    ) -> Handle:
+        """Rank r's ``output`` becomes the root's ``inputs[r]``."""
+        self._check_root(root, "scatter")
+        ins = list(inputs) if self.comm.rank == root and inputs is not None else []
+        if self.comm.rank == root:
+            self._per_rank(ins, output.count, "scatter")
+        return self._op(
+            "scatter", pb.SCATTER, output.dtype, output.count, ins, [output], events, root=root
+        )
+
+    def all_to_all(
+        self, outputs: Sequence[DeviceArray], inputs: Sequence[DeviceArray], events: OpEvents
+    ) -> Handle:
+        """Sends ``inputs[d]`` to rank d and receives rank s's block into ``outputs[s]``
+        (uneven sizes allowed; the daemon checks that they agree pairwise)."""
+        w = self.comm.world_size
+        if len(inputs) != w or len(outputs) != w:
+            raise UnsupportedError(f"all_to_all: expected {w} input and {w} output tensors")
+        dtype = inputs[0].dtype
+        return self._op(
+            "all_to_all",
+            pb.ALL_TO_ALL,
+            dtype,
+            sum(x.count for x in inputs),
+            inputs,
+            outputs,
+            events,
+        )
+
+    def send(self, array: DeviceArray, dst: int, tag: int, events: OpEvents) -> Handle:
+        """Sends ``array`` to rank ``dst`` (which calls ``recv`` with the same size)."""
+        self._check_peer(dst, "send")
+        return self._op(
+            "send", pb.SEND, array.dtype, array.count, [array], [], events, root=dst, tag=tag
+        )
+
+    def recv(self, array: DeviceArray, src: int, tag: int, events: OpEvents) -> Handle:
+        """Receives into ``array`` from rank ``src``."""
+        self._check_peer(src, "recv")
+        return self._op(
+            "recv", pb.RECV, array.dtype, array.count, [], [array], events, root=src, tag=tag
+        )
+
+    def _check_peer(self, peer: int, what: str) -> None:
+        self._check_root(peer, what)
+        if peer == self.comm.rank:
+            raise UnsupportedError(f"{what}: rank {peer} cannot {what} to or from itself")

@@ -1,0 +1,679 @@
+"""GPU collectives in the daemon: CUDA IPC handles of the ranks, their events, and the work.
+
+A GPU op names, per rank, CUDA IPC handles of its buffers' allocations (with offsets), an
+interprocess "ready" event the rank recorded on its stream after writing its inputs, and a
+"done" event for the daemon to record (``CudaOp`` in the proto). For one matched op this
+module, on the communicator's own streams (one per GPU involved):
+
+1. makes every stream wait on every rank's ready event (no host blocking);
+2. reduces with the kernels of ``gpu_kernels`` (in rank order, so every rank gets the same
+   bits as on the host path), or moves bytes with device-to-device copies;
+3. records every rank's done event after all of it, which the rank's stream then waits on.
+
+The daemon replies once the work is queued; the GPU does it later, ordered by the events.
+Handles are opened once per rank and cached by allocation base; events by handle. When a
+rank leaves, its mappings are closed once the communicator's queued work has finished.
+
+CuPy is imported on the first GPU op (``ops()``), never before: the daemon runs without it
+and answers a GPU op there with a clear error. All CUDA calls go through ``Runtime``, so the
+logic here is tested with a fake runtime on machines without a GPU.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from smddp.server import gpu_kernels
+from smddp.server.errors import FailedPrecondition, InvalidRequest
+from smddp.v1 import smddp_pb2 as pb
+from smddp.wire import KIND_NAMES, REDUCING_KINDS, ROOTED_KINDS, describe_request, rank_list
+
+if TYPE_CHECKING:
+    from smddp.server.communicator import Communicator
+    from smddp.server.session import Session
+
+log = logging.getLogger(__name__)
+
+# Largest part of an op one kernel launch covers: a communicator's launches are queued one
+# after another, so other jobs' work on the same GPU can run between them.
+LAUNCH_CHUNK_BYTES = 256 << 20
+# Mappings kept open per rank (least recently used closed first) and events per rank.
+MAX_MAPPINGS_PER_RANK = 4096
+MAX_EVENTS_PER_RANK = 1024
+
+
+class CudaCallError(RuntimeError):
+    """A CUDA call of the runtime failed; the message names the call and the CUDA error."""
+
+
+class Runtime(Protocol):
+    """The CUDA calls the daemon makes. Streams and events are opaque to the callers."""
+
+    def device_of(self, uuid: bytes) -> int:
+        """This process's ordinal of the GPU with ``uuid``; CudaCallError if it is not visible."""
+
+    def open_memory(self, handle: bytes, device: int) -> int:
+        """Maps a cudaIpcMemHandle (opened on ``device``); returns its address here."""
+
+    def close_memory(self, address: int, device: int) -> None:
+        """Unmaps what ``open_memory`` returned."""
+
+    def mapped_size(self, address: int) -> int:
+        """Size in bytes of the mapped allocation starting at ``address``."""
+
+    def open_event(self, handle: bytes, device: int) -> Any:
+        """Opens a cudaIpcEventHandle on ``device``."""
+
+    def destroy_event(self, event: Any, device: int) -> None:
+        """Releases an event (opened or created)."""
+
+    def new_event(self, device: int) -> Any:
+        """A local event on ``device`` (timing disabled)."""
+
+    def event_done(self, event: Any, device: int) -> bool:
+        """True once the work before the event's last record has finished."""
+
+    def new_stream(self, device: int) -> Any:
+        """A non-blocking stream on ``device``."""
+
+    def destroy_stream(self, stream: Any, device: int) -> None:
+        """Releases a stream from ``new_stream``."""
+
+    def wait_event(self, stream: Any, event: Any, device: int) -> None:
+        """Makes ``stream`` (on ``device``) wait for ``event``'s last record."""
+
+    def record_event(self, event: Any, stream: Any, device: int) -> None:
+        """Records ``event`` on ``stream`` (on ``device``)."""
+
+    def synchronize(self, stream: Any, device: int) -> None:
+        """Blocks until ``stream`` has finished its work."""
+
+    def enable_peer(self, device: int, peer: int) -> None:
+        """Lets kernels on ``device`` access memory of ``peer``; CudaCallError if they cannot."""
+
+    def max_grid(self, device: int) -> int:
+        """Blocks per launch worth running at once on ``device``."""
+
+    def reduce(
+        self,
+        stream: Any,
+        device: int,
+        dtype: int,
+        reduce_op: int,
+        inputs: Sequence[int],
+        outputs: Sequence[int],
+        launch: gpu_kernels.Launch,
+    ) -> None:
+        """Launches the reduction kernel over ``launch`` (addresses are of element 0)."""
+
+    def copy(self, stream: Any, device: int, dst: int, src: int, nbytes: int) -> None:
+        """Queues a device-to-device copy on ``stream``."""
+
+
+# -- per-rank handles ---------------------------------------------------------------------------
+
+
+@dataclass
+class _Mapping:
+    handle: bytes
+    address: int
+    device: int
+    size: int
+
+
+@dataclass
+class _RankHandles:
+    """The open mappings (by the rank's allocation base) and events (by handle) of one rank."""
+
+    mappings: collections.OrderedDict[int, _Mapping] = field(
+        default_factory=collections.OrderedDict
+    )
+    events: collections.OrderedDict[bytes, tuple[Any, int]] = field(
+        default_factory=collections.OrderedDict
+    )
+
+
+@dataclass
+class _Resolved:
+    """One rank's op with its handles opened: device, events and buffer addresses."""
+
+    rank: int
+    session: Session
+    req: pb.OpRequest
+    device: int
+    ready: Any
+    done: Any
+    inputs: list[int]
+    outputs: list[int]
+    in_bytes: list[int]
+    out_bytes: list[int]
+
+
+class _CommStreams:
+    """A communicator's stream on each GPU it uses, and an event per GPU to join them.
+
+    One stream per communicator and GPU: its ops run in order, and a stream stuck on a dead
+    rank's event holds up that communicator only (it fails anyway), not other jobs.
+    """
+
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+        self.streams: dict[int, Any] = {}
+        self.joins: dict[int, Any] = {}
+
+    def stream(self, device: int) -> Any:
+        if device not in self.streams:
+            self.streams[device] = self.rt.new_stream(device)
+        return self.streams[device]
+
+    def join(self, device: int) -> Any:
+        # Reused by every op: a wait captures the record just before it, never a later one.
+        if device not in self.joins:
+            self.joins[device] = self.rt.new_event(device)
+        return self.joins[device]
+
+
+class GpuOps:
+    """The daemon's GPU side: handle caches, the communicators' streams, and the work."""
+
+    def __init__(self, runtime: Runtime, chunk_bytes: int = LAUNCH_CHUNK_BYTES) -> None:
+        self.rt = runtime
+        self.chunk_bytes = chunk_bytes
+        self._lock = threading.RLock()
+        self._ranks: weakref.WeakKeyDictionary[Session, _RankHandles] = weakref.WeakKeyDictionary()
+        # Per communicator: its stream (and a join event) on each GPU it has used.
+        self._streams: weakref.WeakKeyDictionary[Communicator, _CommStreams] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._devices: dict[bytes, int] = {}
+        self._peers: set[tuple[int, int]] = set()
+        # What to release once the work queued before it has finished: (events marking that
+        # point on every stream, with their devices; the release).
+        self._graveyard: list[tuple[list[tuple[Any, int]], Callable[[], None]]] = []
+
+    # -- resolving a rank's request -------------------------------------------------------------
+
+    def _device(self, session: Session, uuid: bytes) -> int:
+        device = self._devices.get(uuid)
+        if device is None:
+            try:
+                device = self.rt.device_of(uuid)
+            except CudaCallError as exc:
+                raise FailedPrecondition(
+                    f"{session.label()} has its tensors on a GPU smddpd cannot see ({exc}); "
+                    "give the daemon every GPU of the node (CUDA_VISIBLE_DEVICES, or "
+                    "NVIDIA_VISIBLE_DEVICES=all in a container)"
+                ) from None
+            self._devices[uuid] = device
+        return device
+
+    def _event(
+        self, session: Session, handles: _RankHandles, handle: bytes, device: int, what: str
+    ) -> Any:
+        if len(handle) != 64:
+            raise InvalidRequest(
+                f"{session.label()}: the {what} event handle has {len(handle)} bytes, not 64"
+            )
+        cached = handles.events.get(handle)
+        if cached is not None:
+            handles.events.move_to_end(handle)
+            return cached[0]
+        try:
+            event = self.rt.open_event(handle, device)
+        except CudaCallError as exc:
+            raise InvalidRequest(
+                f"{session.label()}: cannot open its {what} event: {exc}"
+            ) from None
+        handles.events[handle] = (event, device)
+        while len(handles.events) > MAX_EVENTS_PER_RANK:
+            _, (old, old_device) = handles.events.popitem(last=False)
+            self._bury(lambda e=old, d=old_device: self.rt.destroy_event(e, d))
+        return event
+
+    def _map(self, session: Session, handles: _RankHandles, buf: pb.CudaBuffer, device: int) -> int:
+        """The daemon's address of ``buf``'s first byte, opening the allocation if needed
+        (0 for an empty range, which names no allocation)."""
+        if buf.nbytes == 0:
+            return 0
+        if len(buf.ipc_handle) != 64:
+            raise InvalidRequest(
+                f"{session.label()}: a CUDA IPC memory handle has {len(buf.ipc_handle)} bytes, not 64"
+            )
+        mapping = handles.mappings.get(buf.alloc_base)
+        if mapping is not None and mapping.handle != buf.ipc_handle:
+            # The rank freed that allocation and got a new one at the same address.
+            del handles.mappings[buf.alloc_base]
+            self._bury_mapping(mapping)
+            mapping = None
+        if mapping is None:
+            try:
+                address = self.rt.open_memory(buf.ipc_handle, device)
+            except CudaCallError as exc:
+                raise InvalidRequest(
+                    f"{session.label()}: cannot open the CUDA IPC handle of its allocation at "
+                    f"0x{buf.alloc_base:x}: {exc}"
+                ) from None
+            try:
+                size = self.rt.mapped_size(address)
+            except CudaCallError:
+                size = buf.alloc_bytes
+            mapping = _Mapping(buf.ipc_handle, address, device, size)
+            handles.mappings[buf.alloc_base] = mapping
+            while len(handles.mappings) > MAX_MAPPINGS_PER_RANK:
+                _, old = handles.mappings.popitem(last=False)
+                self._bury_mapping(old)
+        else:
+            handles.mappings.move_to_end(buf.alloc_base)
+        if buf.offset + buf.nbytes > mapping.size:
+            raise InvalidRequest(
+                f"{session.label()}: GPU range [{buf.offset}, {buf.offset + buf.nbytes}) lies outside "
+                f"its allocation of {mapping.size} bytes at 0x{buf.alloc_base:x}"
+            )
+        return mapping.address + buf.offset
+
+    def _resolve(self, rank: int, session: Session, req: pb.OpRequest) -> _Resolved:
+        cuda = req.cuda
+        device = self._device(session, cuda.device_uuid)
+        handles = self._ranks.get(session)
+        if handles is None:
+            handles = _RankHandles()
+            self._ranks[session] = handles
+        ready = self._event(session, handles, cuda.ready_event, device, "ready")
+        done = self._event(session, handles, cuda.done_event, device, "done")
+        return _Resolved(
+            rank=rank,
+            session=session,
+            req=req,
+            device=device,
+            ready=ready,
+            done=done,
+            inputs=[self._map(session, handles, b, device) for b in cuda.inputs],
+            outputs=[self._map(session, handles, b, device) for b in cuda.outputs],
+            in_bytes=[b.nbytes for b in cuda.inputs],
+            out_bytes=[b.nbytes for b in cuda.outputs],
+        )
+
+    # -- releasing ----------------------------------------------------------------------------
+
+    def _bury_mapping(self, mapping: _Mapping) -> None:
+        self._bury(lambda: self.rt.close_memory(mapping.address, mapping.device))
+
+    def _bury(self, release: Callable[[], None]) -> None:
+        """Runs ``release`` (in ``collect``) once all work queued so far on every
+        communicator's streams has finished: queued kernels may still use what it frees."""
+        marks = []
+        for cs in list(self._streams.values()):
+            for device, stream in cs.streams.items():
+                event = self.rt.new_event(device)
+                self.rt.record_event(event, stream, device)
+                marks.append((event, device))
+        self._graveyard.append((marks, release))
+
+    def collect(self) -> None:
+        """Releases what ``_bury`` set aside whose work has finished (never blocks)."""
+        with self._lock:
+            keep = []
+            for marks, release in self._graveyard:
+                try:
+                    finished = all(self.rt.event_done(e, d) for e, d in marks)
+                except CudaCallError:
+                    finished = True  # a failed query will not succeed later: release now
+                if not finished:
+                    keep.append((marks, release))
+                    continue
+                for e, d in marks:
+                    self._quietly(lambda e=e, d=d: self.rt.destroy_event(e, d))
+                self._quietly(release)
+            self._graveyard = keep
+
+    @staticmethod
+    def _quietly(fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except CudaCallError as exc:
+            log.warning("releasing a CUDA resource failed: %s", exc)
+
+    def release_rank(self, session: Session) -> None:
+        """Closes a departed rank's mappings and events once queued work no longer needs them."""
+        with self._lock:
+            handles = self._ranks.pop(session, None)
+            if handles is None:
+                return
+            for mapping in handles.mappings.values():
+                self._bury_mapping(mapping)
+            for event, device in handles.events.values():
+                self._bury(lambda e=event, d=device: self.rt.destroy_event(e, d))
+        self.collect()
+
+    def release_comm(self, comm: Communicator) -> None:
+        """Destroys the communicator's streams once their work has finished (in the background:
+        a stream waiting on a dead rank's event may take long)."""
+        with self._lock:
+            cs = self._streams.pop(comm, None)
+        if cs is None:
+            return
+
+        def drain() -> None:
+            for device, stream in cs.streams.items():
+                self._quietly(lambda s=stream, d=device: self.rt.synchronize(s, d))
+                self._quietly(lambda s=stream, d=device: self.rt.destroy_stream(s, d))
+            for device, event in cs.joins.items():
+                self._quietly(lambda e=event, d=device: self.rt.destroy_event(e, d))
+            self.collect()
+
+        threading.Thread(target=drain, name="smddp-gpu-drain", daemon=True).start()
+
+    # -- running ops --------------------------------------------------------------------------
+
+    def _comm_streams(self, comm: Communicator) -> _CommStreams:
+        cs = self._streams.get(comm)
+        if cs is None:
+            cs = _CommStreams(self.rt)
+            self._streams[comm] = cs
+        return cs
+
+    def _peer(self, device: int, peer: int, who: str) -> None:
+        if device == peer or (device, peer) in self._peers:
+            return
+        try:
+            self.rt.enable_peer(device, peer)
+        except CudaCallError as exc:
+            raise FailedPrecondition(
+                f"{who}: GPU {device} cannot access the memory of GPU {peer} ({exc}); smddp "
+                "needs peer access (NVLink or PCIe P2P) between the GPUs of a communicator"
+            ) from None
+        self._peers.add((device, peer))
+
+    def execute(
+        self,
+        comm: Communicator,
+        ranks: Sequence[int],
+        sessions: Sequence[Session],
+        reqs: Sequence[pb.OpRequest],
+    ) -> None:
+        """Queues one matched GPU collective; ``reqs[i]`` is rank ``ranks[i]``'s request.
+
+        Raises:
+            InvalidRequest: buffers that do not fit the op, handles that do not open.
+            FailedPrecondition: a GPU the daemon cannot see or reach.
+        """
+        _check_all_gpu(ranks, reqs)
+        with self._lock:
+            self.collect()
+            resolved = [self._resolve(r, s, q) for r, s, q in zip(ranks, sessions, reqs)]
+            work = _Work(self, comm, resolved)
+            work.plan()
+            work.run()
+
+    def execute_p2p(
+        self,
+        comm: Communicator,
+        sender: tuple[Session, pb.OpRequest],
+        receiver: tuple[Session, pb.OpRequest],
+    ) -> None:
+        """Queues one matched send/recv pair (the receiver's stream copies).
+
+        Raises:
+            InvalidRequest: sizes that disagree or handles that do not open.
+        """
+        (s_send, send), (s_recv, recv) = sender, receiver
+        _check_all_gpu([s_send.rank, s_recv.rank], [send, recv])
+        with self._lock:
+            self.collect()
+            a = self._resolve(s_send.rank, s_send, send)
+            b = self._resolve(s_recv.rank, s_recv, recv)
+            if len(a.inputs) != 1 or len(b.outputs) != 1:
+                raise InvalidRequest("a GPU send names one input and a GPU recv one output")
+            if a.in_bytes[0] != b.out_bytes[0]:
+                raise InvalidRequest(
+                    f"send of {a.in_bytes[0]} bytes from rank {a.rank} meets a recv of {b.out_bytes[0]} bytes"
+                )
+            work = _Work(self, comm, [a, b])
+            work.copy(b.device, b.outputs[0], a.inputs[0], a.in_bytes[0])
+            work.run()
+
+
+def _check_all_gpu(ranks: Sequence[int], reqs: Sequence[pb.OpRequest]) -> None:
+    gpu = [r for r, q in zip(ranks, reqs) if q.HasField("cuda")]
+    if len(gpu) != len(reqs):
+        host = [r for r in ranks if r not in gpu]
+        raise InvalidRequest(
+            f"{describe_request(reqs[0])} mixes GPU and host tensors: {rank_list(gpu)} on GPUs, "
+            f"{rank_list(host)} in host memory (every rank must pass tensors on the same kind of device)"
+        )
+
+
+@dataclass
+class _Step:
+    device: int
+    run: Callable[[Any], None]  # given the device's stream
+
+
+class _Work:
+    """The steps of one op, placed on devices, then queued between the events."""
+
+    def __init__(self, ops: GpuOps, comm: Communicator, ranks: list[_Resolved]) -> None:
+        self.ops = ops
+        self.rt = ops.rt
+        self.comm = comm
+        self.ranks = ranks
+        self.req = ranks[0].req
+        self.steps: list[_Step] = []
+        self.who = f"{comm.name()}: {describe_request(self.req)}"
+        spec = gpu_kernels.SPECS.get(self.req.dtype)
+        self.itemsize = spec.itemsize if spec is not None else 1
+
+    # -- building blocks ------------------------------------------------------------------------
+
+    def _need(self, r: _Resolved, inputs: int | None, outputs: int | None) -> None:
+        got = (len(r.inputs), len(r.outputs))
+        want = (
+            len(r.inputs) if inputs is None else inputs,
+            len(r.outputs) if outputs is None else outputs,
+        )
+        if got != want:
+            raise InvalidRequest(
+                f"{self.who}: rank {r.rank} names {got[0]} input and {got[1]} output GPU buffers "
+                f"where {want[0]} and {want[1]} were expected"
+            )
+
+    def _size(self, nbytes: int, want_elements: int, r: _Resolved, what: str) -> None:
+        if nbytes != want_elements * self.itemsize:
+            raise InvalidRequest(
+                f"{self.who}: rank {r.rank}'s {what} holds {nbytes} bytes where "
+                f"{want_elements} x {self.itemsize} were expected (tensors of mismatched sizes?)"
+            )
+
+    def copy(self, device: int, dst: int, src: int, nbytes: int) -> None:
+        """A device-to-device copy on ``device``'s stream (skipped when in place or empty)."""
+        if dst == src or nbytes == 0:
+            return
+        self.steps.append(_Step(device, lambda s: self.rt.copy(s, device, dst, src, nbytes)))
+
+    def reduce(
+        self, device: int, inputs: list[int], outputs: list[int], count: int, touches: set[int]
+    ) -> None:
+        """Reduces ``count`` elements of ``inputs`` (rank order) into every output, on
+        ``device``, whose kernels must reach the memory of the GPUs in ``touches``."""
+        req = self.req
+        for other in sorted(touches):
+            self.ops._peer(device, other, self.who)
+        max_grid = self.rt.max_grid(device)
+        for a, b in gpu_kernels.chunks(count, self.itemsize, self.ops.chunk_bytes):
+            for launch in gpu_kernels.plan_launches(
+                a, b, self.itemsize, inputs + outputs, max_grid
+            ):
+                self.steps.append(
+                    _Step(
+                        device,
+                        lambda s, launch=launch: self.rt.reduce(
+                            s, device, req.dtype, req.reduce_op, inputs, outputs, launch
+                        ),
+                    )
+                )
+
+    # -- the op kinds -------------------------------------------------------------------------
+
+    def plan(self) -> None:
+        """Turns the op into steps; checks every rank's buffers against the op first."""
+        req, ranks, w = self.req, self.ranks, len(self.ranks)
+        kind, n = req.kind, req.count
+        root = req.root if kind in ROOTED_KINDS else -1
+        if kind == pb.BARRIER:
+            return
+        if kind in (pb.ALL_REDUCE, pb.BROADCAST, pb.REDUCE):
+            for r in ranks:
+                self._need(r, 1, 1)
+                if kind != pb.BROADCAST or r.rank == root:
+                    self._size(r.in_bytes[0], n, r, "input")
+                self._size(r.out_bytes[0], n, r, "output")
+        elif kind in (pb.ALL_GATHER, pb.GATHER):
+            for r in ranks:
+                gets = kind == pb.ALL_GATHER or r.rank == root
+                self._need(r, 1, w if gets else 0)
+                self._size(r.in_bytes[0], n, r, "input")
+                for size in r.out_bytes:
+                    self._size(size, n, r, "output")
+        elif kind in (pb.REDUCE_SCATTER, pb.SCATTER):
+            for r in ranks:
+                gives = kind == pb.REDUCE_SCATTER or r.rank == root
+                self._need(r, w if gives else 0, 1)
+                self._size(r.out_bytes[0], n, r, "output")
+                for size in r.in_bytes:
+                    self._size(size, n, r, "input")
+        elif kind == pb.ALL_TO_ALL:
+            for r in ranks:
+                self._need(r, w, w)
+            for s in ranks:
+                for d in ranks:
+                    if s.in_bytes[d.rank] != d.out_bytes[s.rank]:
+                        raise InvalidRequest(
+                            f"{self.who}: rank {s.rank} sends {s.in_bytes[d.rank]} bytes to rank {d.rank} "
+                            f"but rank {d.rank} expects {d.out_bytes[s.rank]} from rank {s.rank} "
+                            "(input and output split sizes disagree)"
+                        )
+        else:
+            raise InvalidRequest(
+                f"{self.who}: op kind {KIND_NAMES.get(kind, kind)} cannot run as a GPU collective"
+            )
+        if kind in REDUCING_KINDS:
+            self._plan_reduction(kind, n, root)
+        elif kind == pb.BROADCAST:
+            src = ranks[root]
+            for r in ranks:
+                self.copy(r.device, r.outputs[0], src.inputs[0], n * self.itemsize)
+        elif kind in (pb.ALL_GATHER, pb.GATHER):
+            for t in ranks:
+                for r in ranks[: len(t.outputs)]:
+                    self.copy(t.device, t.outputs[r.rank], r.inputs[0], n * self.itemsize)
+        elif kind == pb.SCATTER:
+            src = ranks[root]
+            for d in ranks:
+                self.copy(d.device, d.outputs[0], src.inputs[d.rank], n * self.itemsize)
+        elif kind == pb.ALL_TO_ALL:
+            for d in ranks:
+                for s in ranks:
+                    self.copy(d.device, d.outputs[s.rank], s.inputs[d.rank], s.in_bytes[d.rank])
+
+    def _plan_reduction(self, kind: int, n: int, root: int) -> None:
+        ranks = self.ranks
+        everywhere = {r.device for r in ranks}
+        if kind == pb.REDUCE_SCATTER:
+            # Rank d's output is reduced on d's GPU from every rank's block d.
+            for d in ranks:
+                self.reduce(
+                    d.device, [r.inputs[d.rank] for r in ranks], [d.outputs[0]], n, everywhere
+                )
+            return
+        inputs = [r.inputs[0] for r in ranks]
+        if kind == pb.REDUCE:
+            self.reduce(ranks[root].device, inputs, [ranks[root].outputs[0]], n, everywhere)
+            return
+        # all_reduce: one segment per GPU (in rank order of first use), each reduced once and
+        # written to every rank's output; on one GPU this is a single pass.
+        devices = list(dict.fromkeys(r.device for r in ranks))
+        outputs = [r.outputs[0] for r in ranks]
+        align = max(1, gpu_kernels.VECTOR_BYTES // self.itemsize)
+        for device, (a, b) in zip(devices, gpu_kernels.split(n, len(devices), align)):
+            if b > a:
+                off = a * self.itemsize
+                self.reduce(
+                    device, [x + off for x in inputs], [x + off for x in outputs], b - a, everywhere
+                )
+
+    # -- queueing -----------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Queues the steps between the ranks' ready and done events.
+
+        Every stream involved (of a GPU that works or holds a rank) waits on every rank's
+        ready event first; then the steps go to their GPUs' streams; then, with several GPUs,
+        every stream waits for every working one (join events); then each rank's done event
+        is recorded on the stream of its GPU. So no rank's stream passes its done event before
+        all inputs were written and all outputs are complete.
+        """
+        ranks = self.ranks
+        working = list(dict.fromkeys(step.device for step in self.steps))
+        involved = list(dict.fromkeys(working + [r.device for r in ranks]))
+        cs = self.ops._comm_streams(self.comm)
+        try:
+            streams = {d: cs.stream(d) for d in involved}
+            for device in involved:
+                for r in ranks:
+                    self.rt.wait_event(streams[device], r.ready, device)
+            for step in self.steps:
+                step.run(streams[step.device])
+            if len(involved) > 1:
+                for device in working:
+                    self.rt.record_event(cs.join(device), streams[device], device)
+                for device in involved:
+                    for other in working:
+                        if other != device:
+                            self.rt.wait_event(streams[device], cs.join(other), device)
+            for r in ranks:
+                self.rt.record_event(r.done, streams[r.device], r.device)
+        except CudaCallError as exc:
+            raise FailedPrecondition(
+                f"{self.who}: a CUDA call failed while queueing the op: {exc}"
+            ) from None
+
+
+# -- the process's instance ---------------------------------------------------------------------
+
+_ops: GpuOps | None = None
+_ops_lock = threading.Lock()
+
+
+def ops(node_id: str = "") -> GpuOps:
+    """The daemon's GpuOps, creating it (and importing CuPy) on the first GPU op.
+
+    Raises:
+        FailedPrecondition: CuPy is not installed or no GPU is usable.
+    """
+    global _ops
+    with _ops_lock:
+        if _ops is None:
+            from smddp.server.gpu_runtime import CupyRuntime, GpuUnavailable
+
+            try:
+                _ops = GpuOps(CupyRuntime())
+            except GpuUnavailable as exc:
+                where = f"smddpd on node {node_id}" if node_id else "smddpd"
+                raise FailedPrecondition(f"{where} cannot carry GPU tensors: {exc}") from None
+        return _ops
+
+
+def active() -> GpuOps | None:
+    """The GpuOps if a GPU op has run in this daemon, else None (nothing is imported)."""
+    return _ops
+
+
+def request_bytes(req: pb.OpRequest) -> int:
+    """Bytes a rank's GPU request contributes (inputs), for the metrics."""
+    return sum(b.nbytes for b in req.cuda.inputs)
