@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
+from smddp.backend.cuda import CudaCollectives, on_cuda
 from smddp.backend.tensors import as_numpy, check, reduce_op
 from smddp.backend.work import SmddpWork
 from smddp.client import Communicator
@@ -59,6 +60,7 @@ class SmddpProcessGroup(dist.ProcessGroup):
     def __init__(self, comm: Communicator, rank: int, size: int) -> None:
         super().__init__(rank, size)
         self.comm = comm
+        self._cuda: CudaCollectives | None = None
         self._group_name = ""
         self._group_desc = ""
 
@@ -97,6 +99,8 @@ class SmddpProcessGroup(dist.ProcessGroup):
 
     def allreduce(self, tensors: list[torch.Tensor], opts: c10d.AllreduceOptions | None = None) -> SmddpWork:
         opts = opts if opts is not None else c10d.AllreduceOptions()
+        if on_cuda(tensors):
+            return self._gpu().allreduce([_one(tensors, "all_reduce")], opts)
         t = _one(tensors, "all_reduce")
         op = reduce_op(opts.reduceOp, "all_reduce")
         stage = _Staging()
@@ -106,6 +110,8 @@ class SmddpProcessGroup(dist.ProcessGroup):
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: c10d.AllreduceCoalescedOptions | None = None) -> SmddpWork:
         opts = opts if opts is not None else c10d.AllreduceCoalescedOptions()
+        if on_cuda(tensors):
+            return self._gpu().allreduce(list(tensors), opts, "all_reduce_coalesced")  # type: ignore[arg-type]
         op = reduce_op(opts.reduceOp, "all_reduce_coalesced")
         stage = _Staging()
         bufs = [stage.out(t, "all_reduce_coalesced") for t in tensors]
@@ -115,6 +121,8 @@ class SmddpProcessGroup(dist.ProcessGroup):
     def broadcast(self, tensors: list[torch.Tensor], opts: c10d.BroadcastOptions | None = None) -> SmddpWork:
         opts = opts if opts is not None else c10d.BroadcastOptions()
         t = _one(tensors, "broadcast")
+        if on_cuda(t):
+            return self._gpu().broadcast([t], opts)
         stage = _Staging()
         buf = stage.out(t, "broadcast")
         handle = self.comm.broadcast(as_numpy(buf, "broadcast"), opts.rootRank)
@@ -123,6 +131,8 @@ class SmddpProcessGroup(dist.ProcessGroup):
     def reduce(self, tensors: list[torch.Tensor], opts: c10d.ReduceOptions | None = None) -> SmddpWork:
         opts = opts if opts is not None else c10d.ReduceOptions()
         t = _one(tensors, "reduce")
+        if on_cuda(t):
+            return self._gpu().reduce([t], opts)
         op = reduce_op(opts.reduceOp, "reduce")
         stage = _Staging()
         buf = stage.out(t, "reduce")
@@ -134,6 +144,8 @@ class SmddpProcessGroup(dist.ProcessGroup):
     ) -> SmddpWork:
         src = _one(input_list, "all_gather")
         outs = _one(output_lists, "all_gather")  # type: ignore[arg-type]
+        if on_cuda(src, outs):
+            return self._gpu().allgather(list(outs), src)
         stage = _Staging()
         bufs = [stage.out(o, "all_gather") for o in outs]
         self._same(src, bufs, "all_gather")
@@ -143,6 +155,8 @@ class SmddpProcessGroup(dist.ProcessGroup):
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: c10d.AllgatherOptions | None = None) -> SmddpWork:
         opts = opts if opts is not None else c10d.AllgatherOptions()
         what = "all_gather_into_tensor"
+        if on_cuda(output, input):
+            return self._gpu().all_gather_single(output, input)
         check(input, what)
         stage = _Staging()
         buf = stage.out(output, what)
@@ -162,6 +176,8 @@ class SmddpProcessGroup(dist.ProcessGroup):
     ) -> SmddpWork:
         out = _one(outputs, "reduce_scatter")
         ins = _one(input_lists, "reduce_scatter")  # type: ignore[arg-type]
+        if on_cuda(out, ins):
+            return self._gpu().reduce_scatter(out, list(ins), opts)
         op = reduce_op(opts.reduceOp, "reduce_scatter")
         stage = _Staging()
         buf = stage.out(out, "reduce_scatter")
@@ -173,6 +189,8 @@ class SmddpProcessGroup(dist.ProcessGroup):
         self, output: torch.Tensor, input: torch.Tensor, opts: c10d.ReduceScatterOptions
     ) -> SmddpWork:
         what = "reduce_scatter_tensor"
+        if on_cuda(output, input):
+            return self._gpu().reduce_scatter_single(output, input, opts)
         op = reduce_op(opts.reduceOp, what)
         check(input, what)
         stage = _Staging()
@@ -190,6 +208,8 @@ class SmddpProcessGroup(dist.ProcessGroup):
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: c10d.AllToAllOptions | None = None) -> SmddpWork:
         opts = opts if opts is not None else c10d.AllToAllOptions()
+        if on_cuda(outputs, inputs):
+            return self._gpu().alltoall(list(outputs), list(inputs))
         stage = _Staging()
         bufs = [stage.out(o, "all_to_all") for o in outputs]
         handle = self.comm.all_to_all([as_numpy(b, "all_to_all") for b in bufs], [as_numpy(x, "all_to_all") for x in inputs])
@@ -205,6 +225,8 @@ class SmddpProcessGroup(dist.ProcessGroup):
     ) -> SmddpWork:
         opts = opts if opts is not None else c10d.AllToAllOptions()
         what = "all_to_all_single"
+        if on_cuda(output, input):
+            return self._gpu().all_to_all_single(output, input, output_split_sizes, input_split_sizes, self._split)
         check(input, what)
         stage = _Staging()
         buf = stage.out(output, what)
@@ -229,6 +251,8 @@ class SmddpProcessGroup(dist.ProcessGroup):
         opts = opts if opts is not None else c10d.GatherOptions()
         src = _one(inputs, "gather")
         root = opts.rootRank
+        if on_cuda(src, output_lists if self.rank() == root else []):
+            return self._gpu().gather(list(_one(output_lists, "gather")) if self.rank() == root else None, src, root)  # type: ignore[arg-type]
         stage = _Staging()
         outs = None
         result = [src]
@@ -244,6 +268,8 @@ class SmddpProcessGroup(dist.ProcessGroup):
         opts = opts if opts is not None else c10d.ScatterOptions()
         out = _one(outputs, "scatter")
         root = opts.rootRank
+        if on_cuda(out, input_lists if self.rank() == root else []):
+            return self._gpu().scatter(out, list(_one(input_lists, "scatter")) if self.rank() == root else None, root)  # type: ignore[arg-type]
         stage = _Staging()
         buf = stage.out(out, "scatter")
         ins = None
@@ -259,11 +285,15 @@ class SmddpProcessGroup(dist.ProcessGroup):
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> SmddpWork:
         t = _one(tensors, "send")
+        if on_cuda(t):
+            return self._gpu().send(t, dst, tag)
         handle = self.comm.send(as_numpy(t.contiguous(), "send"), dst, tag)
         return SmddpWork([handle], [t])
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> SmddpWork:
         t = _one(tensors, "recv")
+        if on_cuda(t):
+            return self._gpu().recv(t, src, tag)
         stage = _Staging()
         buf = stage.out(t, "recv")
         handle = self.comm.recv(as_numpy(buf, "recv"), src, tag)
@@ -271,6 +301,12 @@ class SmddpProcessGroup(dist.ProcessGroup):
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> SmddpWork:
         raise UnsupportedError("recv: smddp needs the source rank (recv from any source is not supported)")
+
+    def _gpu(self) -> CudaCollectives:
+        """The GPU path (backend/cuda.py), for collectives on CUDA tensors."""
+        if self._cuda is None:
+            self._cuda = CudaCollectives(self.comm, self.rank(), self.size())
+        return self._cuda
 
     @staticmethod
     def _same(ref: torch.Tensor, others: list[torch.Tensor], what: str) -> None:

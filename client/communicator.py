@@ -17,6 +17,7 @@ import socket
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -25,7 +26,10 @@ from smddp.client.errors import SmddpError, UnsupportedError, op_error
 from smddp.client.session import DaemonSession
 from smddp.reduce import reduce_into
 from smddp.v1 import smddp_pb2 as pb
-from smddp.wire import WIRE_DTYPES, reduce_op_check, socket_candidates
+from smddp.wire import P2P_KINDS, WIRE_DTYPES, reduce_op_check, socket_candidates
+
+if TYPE_CHECKING:
+    from smddp.client.cuda_ops import CudaCollectives
 
 DEFAULT_ARENA_BYTES = 64 << 20
 ENV_ARENA_BYTES = "SMDDP_ARENA_BYTES"
@@ -42,6 +46,8 @@ class _Chunk:
     handle: Handle
     request_id: int
     copy_out: list[tuple[np.ndarray, int]]  # (destination, arena offset)
+    # A GPU op's chunk holds no arena block; after(ok) runs when its reply is retired.
+    after: Callable[[bool], None] | None = None
 
 
 @dataclass(eq=False)
@@ -104,6 +110,8 @@ class Communicator:
         self.world_size = session.world_size
         self.timeout_s = timeout_s
         self.chunk_bytes = session.chunk_bytes
+        self.single_node = single_node
+        self._cuda: CudaCollectives | None = None
         # The arena's first half is a ring for chunks the daemon moves; the second half holds
         # two slots for direct ops, at the same offsets in every rank's arena.
         half = session.arena.nbytes // 2
@@ -165,19 +173,24 @@ class Communicator:
 
     def _retire_oldest(self) -> None:
         chunk = self._outstanding.popleft()
+        ok = False
         try:
             reply = self.session.wait_reply(chunk.request_id, self.timeout_s + REPLY_GRACE_S)
         except SmddpError as exc:
             chunk.handle.error = chunk.handle.error or exc
         else:
             if reply.ok:
+                ok = True
                 arena = self.session.arena
                 for dst, off in chunk.copy_out:
                     np.copyto(dst, arena.view(off, dst.size, dst.dtype))
             elif chunk.handle.error is None:
                 chunk.handle.error = op_error(reply.error_kind, reply.error)
         finally:
-            self._ring.free_oldest()
+            if chunk.after is None:
+                self._ring.free_oldest()
+            else:
+                chunk.after(ok)
             chunk.handle.pending -= 1
             if chunk.handle.pending == 0:
                 for cb in chunk.handle.callbacks:
@@ -222,6 +235,41 @@ class Communicator:
         problem = reduce_op_check(WIRE_DTYPES[dtype], reduce_op)
         if problem:
             raise UnsupportedError(problem)
+
+    def submit_gpu(self, req: pb.OpRequest, after: Callable[[bool], None], what: str) -> Handle:
+        """Numbers and sends one GPU op (``req.cuda`` set; one part, no arena).
+
+        ``after(ok)`` runs once, when the op's reply is retired (``ok``: it succeeded), in
+        order with the other ops. GPU ops are built by ``self.cuda``.
+        """
+        with self._lock:
+            self._check_open()
+            if req.kind in P2P_KINDS:
+                slot = (req.root, req.kind)
+                req.seq = self._p2p_seq.get(slot, 0) + 1
+                self._p2p_seq[slot] = req.seq
+            else:
+                self._seq += 1
+                req.seq = self._seq
+            req.part, req.parts = 0, 1
+            req.request_id = next(self._ids)
+            handle = Handle(self, f"{what} #{req.seq}")
+            handle.pending += 1
+            self._outstanding.append(_Chunk(handle, req.request_id, [], after))
+            try:
+                self.session.send(req)
+            except SmddpError as exc:
+                handle.error = handle.error or exc  # retiring the chunk meets it again
+            return handle
+
+    @property
+    def cuda(self) -> CudaCollectives:
+        """The collectives on GPU memory (CUDA IPC), set up on first use."""
+        if self._cuda is None:
+            from smddp.client.cuda_ops import CudaCollectives
+
+            self._cuda = CudaCollectives(self)
+        return self._cuda
 
     # -- collectives --------------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from smddp.server import collectives, multinode
+from smddp.server import collectives, gpu, multinode
 from smddp.server.errors import FailedPrecondition, InvalidRequest, OpMismatch, SmddpError
 from smddp.server.peer_transport import FRAME_DATA, CommPeers, Frame, PeerError
 from smddp.server.session import Session
@@ -131,6 +131,9 @@ class Communicator:
             empty = not self.members
             if not empty and fail:
                 self._left.append(why)
+        gpu_ops = gpu.active()
+        if gpu_ops is not None:
+            gpu_ops.release_rank(session)  # its CUDA IPC mappings and events
         if not empty and fail:
             self.fail(kind, why, log_level, culprit=session)
         return empty
@@ -199,7 +202,7 @@ class Communicator:
                 if not pending.missing():
                     del self._pending[key]
                     ready = pending
-                elif req.kind == pb.SEND and len(participants) == 2:
+                elif req.kind == pb.SEND and len(participants) == 2 and not req.HasField("cuda"):
                     # Eager send: copy the chunk out and let the sender go on. Otherwise two
                     # ranks that isend to each other before receiving block on full arenas.
                     try:
@@ -243,6 +246,11 @@ class Communicator:
                 raise InvalidRequest(problem)
         if session.arena is None and req.kind != pb.BARRIER:
             raise InvalidRequest("the rank has not attached its arena")
+        if req.HasField("cuda") and len(self.nodes) > 1:
+            raise InvalidRequest(
+                f"{describe_request(req)}: GPU tensors are not supported yet in a communicator "
+                f"spanning nodes ({len(self.nodes)} nodes); move them to the CPU first"
+            )
         # Chunks come in order; anything else is a client bug that would desynchronise ranks.
         with session.lock:
             if req.kind in P2P_KINDS:
@@ -337,7 +345,9 @@ class Communicator:
             else:
                 self._check_match(pending, reqs)
                 arenas = [s.arena for s in sessions]
-                if self.peers is None:
+                if any(r.HasField("cuda") for r in reqs):
+                    gpu.ops(sessions[0].node_id).execute(self, pending.participants, sessions, reqs)
+                elif self.peers is None:
                     collectives.execute(reqs, arenas)  # type: ignore[arg-type]
                 else:
                     by_rank = dict(zip(pending.participants, reqs))
@@ -368,7 +378,7 @@ class Communicator:
         last = max(arrivals, key=lambda a: a[2])
         op_key = pending.key[:-1]
         start, nbytes = self._progress.pop(op_key, (pending.first_arrival, 0))
-        nbytes += sum(r.input.nbytes + sum(b.nbytes for b in r.send_blocks) for r in reqs)
+        nbytes += sum(r.input.nbytes + sum(b.nbytes for b in r.send_blocks) + gpu.request_bytes(r) for r in reqs)
         final = reqs[0].part + 1 == reqs[0].parts
         if final:
             with self._lock:
@@ -396,6 +406,9 @@ class Communicator:
                 f"#{send.seq} to rank {s_recv.rank}, which called {describe_request(recv)} "
                 f"(tag {recv.tag})"
             )
+        if send.HasField("cuda") or recv.HasField("cuda"):
+            gpu.ops(s_send.node_id).execute_p2p(self, (s_send, send), (s_recv, recv))
+            return
         if sent is None:
             collectives.execute_p2p(send, recv, s_send.arena, s_recv.arena)  # type: ignore[arg-type]
             return
@@ -486,6 +499,9 @@ class Communicator:
 
     def close(self) -> None:
         """Stops the worker and closes the peer connections (the last local rank left)."""
+        gpu_ops = gpu.active()
+        if gpu_ops is not None:
+            gpu_ops.release_comm(self)  # its CUDA streams, once their work is done
         if self._work is not None:
             self._work.put(None)
         if self.peers is not None:

@@ -112,8 +112,9 @@ def describe(kind: int, dtype: int, count: int, root: int, reduce_op: int) -> st
 
 
 def describe_request(req: pb.OpRequest) -> str:
-    """``describe`` applied to an OpRequest."""
-    return describe(req.kind, req.dtype, req.count, req.root, req.reduce_op)
+    """``describe`` applied to an OpRequest; a GPU op says so: ``all_reduce(SUM, 8 x float32 on GPU)``."""
+    text = describe(req.kind, req.dtype, req.count, req.root, req.reduce_op)
+    return text[:-1] + " on GPU)" if req.HasField("cuda") else text
 
 
 def pack(msg_type: int, message: bytes) -> bytes:
