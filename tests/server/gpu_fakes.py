@@ -1,0 +1,271 @@
+"""A fake ``gpu.Runtime`` for tests without a GPU: host memory stands in for GPU memory.
+
+Ranks' allocations are numpy byte buffers named by fake CUDA IPC handles; the daemon's
+mappings get addresses of their own. Kernels and copies run at once on the host (with the
+host path's ``reduce_into``), and every call is logged, so tests check both the bytes and
+the order of waits, work and records on each stream.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from smddp.reduce import reduce_into
+from smddp.server import gpu_kernels
+from smddp.server.gpu import CudaCallError
+from smddp.v1 import smddp_pb2 as pb
+from smddp.wire import NUMPY_DTYPES
+
+CLIENT_BASE = 0x7F00_0000_0000  # where fake ranks' allocations start (their address space)
+DAEMON_BASE = 0x1000_0000_0000  # where the daemon's fake mappings start
+
+
+@dataclass(eq=False)
+class FakeEvent:
+    name: str
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+@dataclass(frozen=True)
+class FakeStream:
+    device: int
+    number: int
+
+    def __repr__(self) -> str:
+        return f"stream{self.number}@gpu{self.device}"
+
+
+@dataclass
+class Allocation:
+    """A rank's GPU allocation: its bytes, device, client address and IPC handle."""
+
+    data: np.ndarray
+    device: int
+    base: int
+    handle: bytes
+
+
+@dataclass
+class FakeRuntime:
+    """Implements ``server.gpu.Runtime`` on host memory, logging every call."""
+
+    devices: dict[bytes, int] = field(default_factory=lambda: {uuid(0): 0})
+    log: list[tuple] = field(default_factory=list)
+    no_peer: set[tuple[int, int]] = field(default_factory=set)
+    pending_marks: bool = False  # event_done answers False while set
+    allocations: dict[bytes, Allocation] = field(default_factory=dict)
+    mapped: dict[int, Allocation] = field(default_factory=dict)
+    opened_events: dict[bytes, int] = field(default_factory=dict)
+    _next_map: itertools.count = field(default_factory=lambda: itertools.count(0))
+    _next_stream: itertools.count = field(default_factory=lambda: itertools.count(0))
+    _next_event: itertools.count = field(default_factory=lambda: itertools.count(0))
+
+    # -- what the tests call --------------------------------------------------------------------
+
+    def allocate(self, nbytes: int, device: int = 0) -> Allocation:
+        k = len(self.allocations)
+        handle = f"mem{k}".encode().ljust(64, b"\0")
+        alloc = Allocation(
+            np.zeros(nbytes, dtype=np.uint8), device, CLIENT_BASE + (k << 32), handle
+        )
+        self.allocations[handle] = alloc
+        return alloc
+
+    def calls(self, name: str) -> list[tuple]:
+        return [c for c in self.log if c[0] == name]
+
+    def _resolve(self, address: int, nbytes: int) -> np.ndarray:
+        for base, alloc in self.mapped.items():
+            if base <= address and address + nbytes <= base + alloc.data.size:
+                return alloc.data[address - base : address - base + nbytes]
+        raise AssertionError(f"address 0x{address:x} (+{nbytes}) is not mapped by the daemon")
+
+    # -- gpu.Runtime ----------------------------------------------------------------------------
+
+    def device_of(self, uuid_: bytes) -> int:
+        if uuid_ not in self.devices:
+            raise CudaCallError("cudaErrorInvalidDevice")
+        return self.devices[uuid_]
+
+    def open_memory(self, handle: bytes, device: int) -> int:
+        alloc = self.allocations.get(handle)
+        if alloc is None:
+            raise CudaCallError("cudaIpcOpenMemHandle: cudaErrorInvalidValue")
+        address = DAEMON_BASE + (next(self._next_map) << 32)
+        self.mapped[address] = alloc
+        self.log.append(("open_memory", handle, device, address))
+        return address
+
+    def close_memory(self, address: int, device: int) -> None:
+        del self.mapped[address]
+        self.log.append(("close_memory", address, device))
+
+    def mapped_size(self, address: int) -> int:
+        return self.mapped[address].data.size
+
+    def open_event(self, handle: bytes, device: int) -> Any:
+        self.opened_events[handle] = self.opened_events.get(handle, 0) + 1
+        self.log.append(("open_event", handle, device))
+        return FakeEvent(handle.rstrip(b"\0").decode())
+
+    def destroy_event(self, event: Any, device: int) -> None:
+        self.log.append(("destroy_event", event, device))
+
+    def new_event(self, device: int) -> Any:
+        event = FakeEvent(f"local{next(self._next_event)}@gpu{device}")
+        self.log.append(("new_event", event, device))
+        return event
+
+    def event_done(self, event: Any, device: int) -> bool:
+        return not self.pending_marks
+
+    def new_stream(self, device: int) -> Any:
+        stream = FakeStream(device, next(self._next_stream))
+        self.log.append(("new_stream", stream))
+        return stream
+
+    def destroy_stream(self, stream: Any, device: int) -> None:
+        self.log.append(("destroy_stream", stream))
+
+    def wait_event(self, stream: Any, event: Any, device: int) -> None:
+        assert stream.device == device
+        self.log.append(("wait", stream, event))
+
+    def record_event(self, event: Any, stream: Any, device: int) -> None:
+        assert stream.device == device
+        self.log.append(("record", event, stream))
+
+    def synchronize(self, stream: Any, device: int) -> None:
+        self.log.append(("synchronize", stream))
+
+    def enable_peer(self, device: int, peer: int) -> None:
+        if (device, peer) in self.no_peer:
+            raise CudaCallError(f"cudaDeviceCanAccessPeer({device}, {peer}) is false")
+        self.log.append(("enable_peer", device, peer))
+
+    def max_grid(self, device: int) -> int:
+        return 132 * 8
+
+    def reduce(
+        self,
+        stream: Any,
+        device: int,
+        dtype: int,
+        reduce_op: int,
+        inputs: Sequence[int],
+        outputs: Sequence[int],
+        launch: gpu_kernels.Launch,
+    ) -> None:
+        assert stream.device == device
+        np_dtype = NUMPY_DTYPES[dtype]
+        nbytes = launch.count * np_dtype.itemsize
+        off = launch.start * np_dtype.itemsize
+        if launch.vectorized:
+            assert all((a + off) % gpu_kernels.VECTOR_BYTES == 0 for a in [*inputs, *outputs])
+        ins = [self._resolve(a + off, nbytes).view(np_dtype) for a in inputs]
+        outs = [self._resolve(a + off, nbytes).view(np_dtype) for a in outputs]
+        self.log.append(("reduce", stream, dtype, reduce_op, len(inputs), len(outputs), launch))
+        # What the kernel computes: every input read before any output is written.
+        result = np.empty(launch.count, dtype=np_dtype)
+        reduce_into([result], [x.copy() for x in ins], reduce_op)
+        for o in outs:
+            o[...] = result
+
+    def copy(self, stream: Any, device: int, dst: int, src: int, nbytes: int) -> None:
+        assert stream.device == device
+        self.log.append(("copy", stream, dst, src, nbytes))
+        self._resolve(dst, nbytes)[...] = self._resolve(src, nbytes)
+
+
+def uuid(device: int) -> bytes:
+    """A fake 16-byte GPU UUID."""
+    return bytes([0xA0 + device]) * 16
+
+
+@dataclass(eq=False)
+class FakeSession:
+    """What server.gpu needs of a daemon Session."""
+
+    rank: int
+    node_id: str = "n1"
+
+    def label(self) -> str:
+        return f"rank {self.rank} (pid {1000 + self.rank}, node {self.node_id})"
+
+
+class FakeComm:
+    """What server.gpu needs of a daemon Communicator."""
+
+    def __init__(self, name: str = "job j comm 0") -> None:
+        self._name = name
+
+    def name(self) -> str:
+        return self._name
+
+
+@dataclass
+class Buffer:
+    """A range of a fake allocation as a rank's tensor."""
+
+    alloc: Allocation
+    offset: int
+    count: int
+    dtype: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * NUMPY_DTYPES[self.dtype].itemsize
+
+    def array(self) -> np.ndarray:
+        return self.alloc.data[self.offset : self.offset + self.nbytes].view(
+            NUMPY_DTYPES[self.dtype]
+        )
+
+    def message(self) -> pb.CudaBuffer:
+        return pb.CudaBuffer(
+            ipc_handle=self.alloc.handle,
+            alloc_base=self.alloc.base,
+            alloc_bytes=self.alloc.data.size,
+            offset=self.offset,
+            nbytes=self.nbytes,
+        )
+
+
+def request(
+    kind: int,
+    dtype: int,
+    count: int,
+    rank: int,
+    inputs: Sequence[Buffer],
+    outputs: Sequence[Buffer],
+    device: int = 0,
+    root: int = 0,
+    reduce_op: int = 0,
+    seq: int = 1,
+) -> pb.OpRequest:
+    """Rank ``rank``'s OpRequest naming the fake buffers (events "ready<r>", "done<r>")."""
+    cuda = pb.CudaOp(
+        device_uuid=uuid(device),
+        ready_event=f"ready{rank}".encode().ljust(64, b"\0"),
+        done_event=f"done{rank}".encode().ljust(64, b"\0"),
+        inputs=[b.message() for b in inputs],
+        outputs=[b.message() for b in outputs],
+    )
+    return pb.OpRequest(
+        seq=seq,
+        part=0,
+        parts=1,
+        kind=kind,
+        dtype=dtype,
+        count=count,
+        root=root,
+        reduce_op=reduce_op,
+        cuda=cuda,
+    )

@@ -1,0 +1,539 @@
+"""The daemon's GPU ops (server/gpu.py) on a fake CUDA runtime: bytes, order, caches, errors.
+
+The fake runtime (``gpu_fakes``) keeps "GPU memory" in host buffers and runs kernels and
+copies at once, logging every call. So these tests check, without a GPU: every collective's
+result against the host path; that each stream waits on every rank's ready event before any
+work and records the done events after all of it (across GPUs too); that handles and events
+are opened once and released only after the work queued before has finished; and the errors.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from gpu_fakes import Buffer, FakeComm, FakeRuntime, FakeSession, request, uuid
+
+from smddp.reduce import reduce_into
+from smddp.server import gpu
+from smddp.server.errors import FailedPrecondition, InvalidRequest
+from smddp.v1 import smddp_pb2 as pb
+from smddp.wire import NUMPY_DTYPES, dtype_name
+
+
+def fill(buf: Buffer, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    dt = NUMPY_DTYPES[buf.dtype]
+    if dt == np.bool_:
+        values = rng.integers(0, 2, buf.count).astype(np.bool_)
+    elif dt.kind in "iu":
+        values = rng.integers(
+            np.iinfo(dt).min, np.iinfo(dt).max, buf.count, endpoint=True, dtype=dt
+        )
+    else:
+        values = (rng.standard_normal(buf.count) * 100).astype(np.float32).astype(dt)
+    buf.array()[...] = values
+    return values.copy()
+
+
+def host_reduce(inputs: list[np.ndarray], op: int) -> np.ndarray:
+    out = np.empty_like(inputs[0])
+    reduce_into([out], inputs, op)
+    return out
+
+
+def bits(x: np.ndarray) -> bytes:
+    return x.tobytes()
+
+
+class World:
+    """W fake ranks on given devices, with a GpuOps over one FakeRuntime."""
+
+    def __init__(self, devices: list[int], rt: FakeRuntime | None = None) -> None:
+        self.rt = rt or FakeRuntime(devices={uuid(d): d for d in set(devices)})
+        self.ops = gpu.GpuOps(self.rt)
+        self.devices = devices
+        self.sessions = [FakeSession(r) for r in range(len(devices))]
+        self.comm = FakeComm()
+
+    def run(self, reqs: list[pb.OpRequest]) -> None:
+        self.ops.execute(self.comm, list(range(len(reqs))), self.sessions, reqs)
+
+    def buffer(
+        self, rank: int, count: int, dtype: int, alloc_bytes: int | None = None, offset: int = 0
+    ) -> Buffer:
+        nbytes = count * NUMPY_DTYPES[dtype].itemsize
+        alloc = self.rt.allocate(alloc_bytes or nbytes + offset, self.devices[rank])
+        return Buffer(alloc, offset, count, dtype)
+
+
+# -- results ----------------------------------------------------------------------------------
+
+DTYPES = [pb.FLOAT32, pb.BFLOAT16, pb.FLOAT16, pb.INT8, pb.INT64, pb.BOOL]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_all_reduce_in_place_matches_host_path(dtype: int, world: int) -> None:
+    w = World([0] * world)
+    n = 1000 + 13  # not a whole number of vectors: scalar tail after the vector body
+    op = pb.MAX if dtype == pb.BOOL else pb.SUM
+    bufs = [w.buffer(r, n, dtype, offset=64 * r) for r in range(world)]
+    inputs = [fill(b, seed=r) for r, b in enumerate(bufs)]
+    w.run([request(pb.ALL_REDUCE, dtype, n, r, [b], [b], reduce_op=op) for r, b in enumerate(bufs)])
+    want = host_reduce(inputs, op)
+    for b in bufs:
+        assert bits(b.array()) == bits(want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_collective_matches_host_path(dtype: int, world: int) -> None:
+    n = 77
+    op = pb.BXOR if NUMPY_DTYPES[dtype].kind in "biu" else pb.PRODUCT
+    root = world - 1
+
+    # broadcast
+    w = World([0] * world)
+    bufs = [w.buffer(r, n, dtype) for r in range(world)]
+    vals = [fill(b, r) for r, b in enumerate(bufs)]
+    w.run([request(pb.BROADCAST, dtype, n, r, [b], [b], root=root) for r, b in enumerate(bufs)])
+    assert all(bits(b.array()) == bits(vals[root]) for b in bufs)
+
+    # reduce: only the root's tensor changes
+    w = World([0] * world)
+    bufs = [w.buffer(r, n, dtype) for r in range(world)]
+    vals = [fill(b, r) for r, b in enumerate(bufs)]
+    w.run(
+        [
+            request(pb.REDUCE, dtype, n, r, [b], [b], root=root, reduce_op=op)
+            for r, b in enumerate(bufs)
+        ]
+    )
+    assert bits(bufs[root].array()) == bits(host_reduce(vals, op))
+    assert all(bits(bufs[r].array()) == bits(vals[r]) for r in range(world) if r != root)
+
+    # all_gather into separate tensors of one allocation (offsets)
+    w = World([0] * world)
+    srcs = [w.buffer(r, n, dtype) for r in range(world)]
+    vals = [fill(b, r) for r, b in enumerate(srcs)]
+    outs = []
+    for _ in range(world):
+        size = NUMPY_DTYPES[dtype].itemsize * n
+        alloc = w.rt.allocate(world * size + 100, 0)
+        outs.append([Buffer(alloc, 100 + s * size, n, dtype) for s in range(world)])
+    w.run([request(pb.ALL_GATHER, dtype, n, r, [srcs[r]], outs[r]) for r in range(world)])
+    for r in range(world):
+        for s in range(world):
+            assert bits(outs[r][s].array()) == bits(vals[s])
+
+    # gather: outputs on the root only
+    w = World([0] * world)
+    srcs = [w.buffer(r, n, dtype) for r in range(world)]
+    vals = [fill(b, r) for r, b in enumerate(srcs)]
+    gouts = [w.buffer(root, n, dtype) for _ in range(world)]
+    w.run(
+        [
+            request(pb.GATHER, dtype, n, r, [srcs[r]], gouts if r == root else [], root=root)
+            for r in range(world)
+        ]
+    )
+    assert all(bits(gouts[s].array()) == bits(vals[s]) for s in range(world))
+
+    # reduce_scatter: rank d gets the reduction of every rank's block d
+    w = World([0] * world)
+    ins = [[w.buffer(r, n, dtype) for _ in range(world)] for r in range(world)]
+    vals2 = [[fill(b, 10 * r + d) for d, b in enumerate(ins[r])] for r in range(world)]
+    outs1 = [w.buffer(r, n, dtype) for r in range(world)]
+    w.run(
+        [
+            request(pb.REDUCE_SCATTER, dtype, n, r, ins[r], [outs1[r]], reduce_op=op)
+            for r in range(world)
+        ]
+    )
+    for d in range(world):
+        assert bits(outs1[d].array()) == bits(host_reduce([vals2[r][d] for r in range(world)], op))
+
+    # scatter: the root's block d to rank d
+    w = World([0] * world)
+    blocks = [w.buffer(root, n, dtype) for _ in range(world)]
+    bvals = [fill(b, 50 + d) for d, b in enumerate(blocks)]
+    outs1 = [w.buffer(r, n, dtype) for r in range(world)]
+    w.run(
+        [
+            request(pb.SCATTER, dtype, n, r, blocks if r == root else [], [outs1[r]], root=root)
+            for r in range(world)
+        ]
+    )
+    assert all(bits(outs1[d].array()) == bits(bvals[d]) for d in range(world))
+
+    # all_to_all with uneven blocks: rank s sends s + d + 1 elements to rank d
+    w = World([0] * world)
+    sends = [[w.buffer(s, s + d + 1, dtype) for d in range(world)] for s in range(world)]
+    svals = [[fill(b, 100 * s + d) for d, b in enumerate(sends[s])] for s in range(world)]
+    recvs = [[w.buffer(d, s + d + 1, dtype) for s in range(world)] for d in range(world)]
+    w.run(
+        [
+            request(pb.ALL_TO_ALL, dtype, sum(b.count for b in sends[r]), r, sends[r], recvs[r])
+            for r in range(world)
+        ]
+    )
+    for d in range(world):
+        for s in range(world):
+            assert bits(recvs[d][s].array()) == bits(svals[s][d])
+
+
+def test_send_recv_copies_on_the_receivers_stream() -> None:
+    w = World([0, 0])
+    src, dst = w.buffer(0, 100, pb.FLOAT32), w.buffer(1, 100, pb.FLOAT32)
+    vals = fill(src, 1)
+    send = request(pb.SEND, pb.FLOAT32, 100, 0, [src], [], root=1)
+    recv = request(pb.RECV, pb.FLOAT32, 100, 1, [], [dst], root=0)
+    w.ops.execute_p2p(w.comm, (w.sessions[0], send), (w.sessions[1], recv))
+    assert bits(dst.array()) == bits(vals)
+    names = [c[0] for c in w.rt.log if c[0] in ("wait", "copy", "record")]
+    assert names == ["wait", "wait", "copy", "record", "record"]
+
+
+def test_empty_op_still_orders_done_after_ready() -> None:
+    w = World([0, 0])
+    bufs = [Buffer(w.rt.allocate(16), 0, 0, pb.FLOAT32) for _ in range(2)]
+    w.run(
+        [
+            request(pb.ALL_REDUCE, pb.FLOAT32, 0, r, [b], [b], reduce_op=pb.SUM)
+            for r, b in enumerate(bufs)
+        ]
+    )
+    names = [
+        (c[0], repr(c[1]) if c[0] == "record" else repr(c[2]) if c[0] == "wait" else "")
+        for c in w.rt.log
+    ]
+    assert [x for x in names if x[0] in ("wait", "record")] == [
+        ("wait", "ready0"),
+        ("wait", "ready1"),
+        ("record", "done0"),
+        ("record", "done1"),
+    ]
+    assert not w.rt.calls("open_memory")  # nothing to map for empty ranges
+
+
+# -- ordering ---------------------------------------------------------------------------------
+
+
+def stream_log(rt: FakeRuntime, stream: object) -> list[str]:
+    """The calls queued on one stream, as 'wait X', 'record X', 'reduce', 'copy'."""
+    out = []
+    for c in rt.log:
+        if c[0] == "wait" and c[1] == stream:
+            out.append(f"wait {c[2]!r}")
+        elif c[0] == "record" and c[2] == stream:
+            out.append(f"record {c[1]!r}")
+        elif c[0] in ("reduce", "copy") and c[1] == stream:
+            out.append(c[0])
+    return out
+
+
+def test_one_gpu_waits_for_every_rank_then_works_then_records() -> None:
+    w = World([0, 0, 0])
+    n = 1 << 16
+    bufs = [w.buffer(r, n, pb.FLOAT16) for r in range(3)]
+    for r, b in enumerate(bufs):
+        fill(b, r)
+    w.run(
+        [
+            request(pb.ALL_REDUCE, pb.FLOAT16, n, r, [b], [b], reduce_op=pb.SUM)
+            for r, b in enumerate(bufs)
+        ]
+    )
+    (stream,) = [c[1] for c in w.rt.calls("new_stream")]
+    calls = stream_log(w.rt, stream)
+    assert calls[:3] == ["wait ready0", "wait ready1", "wait ready2"]
+    assert calls[3:-3] and set(calls[3:-3]) == {"reduce"}
+    assert calls[-3:] == ["record done0", "record done1", "record done2"]
+    # One pass over the data: a single vectorised launch reading 3 inputs, writing 3 outputs.
+    (launch,) = w.rt.calls("reduce")
+    assert launch[4:6] == (3, 3) and launch[6].vectorized and launch[6].count == n
+    assert not w.rt.calls("enable_peer")
+
+
+def test_later_ops_queue_behind_earlier_ones_on_the_same_stream() -> None:
+    w = World([0, 0])
+    bufs = [w.buffer(r, 64, pb.FLOAT32) for r in range(2)]
+    for seq in (1, 2):
+        w.run(
+            [
+                request(pb.ALL_REDUCE, pb.FLOAT32, 64, r, [b], [b], reduce_op=pb.SUM, seq=seq)
+                for r, b in enumerate(bufs)
+            ]
+        )
+    assert len(w.rt.calls("new_stream")) == 1  # one stream per communicator and GPU
+    (stream,) = [c[1] for c in w.rt.calls("new_stream")]
+    calls = stream_log(w.rt, stream)
+    first_done = calls.index("record done1")
+    second_wait = len(calls) - 1 - calls[::-1].index("wait ready0")
+    assert first_done < second_wait  # op 2's work is queued after op 1's done records
+
+
+def test_two_gpus_split_the_work_and_join_before_done() -> None:
+    w = World([0, 0, 1, 1])
+    n = 4096
+    bufs = [w.buffer(r, n, pb.FLOAT32) for r in range(4)]
+    vals = [fill(b, r) for r, b in enumerate(bufs)]
+    w.run(
+        [
+            request(
+                pb.ALL_REDUCE, pb.FLOAT32, n, r, [b], [b], device=w.devices[r], reduce_op=pb.SUM
+            )
+            for r, b in enumerate(bufs)
+        ]
+    )
+    want = host_reduce(vals, pb.SUM)
+    assert all(bits(b.array()) == bits(want) for b in bufs)
+    streams = {c[1].device: c[1] for c in w.rt.calls("new_stream")}
+    assert set(streams) == {0, 1}
+    assert {("enable_peer", 0, 1), ("enable_peer", 1, 0)} <= set(w.rt.calls("enable_peer"))
+    # Each GPU reduces one segment, reading all four ranks.
+    segments = [(c[1].device, c[6].start, c[6].count) for c in w.rt.calls("reduce")]
+    assert {d for d, _, _ in segments} == {0, 1}
+    assert sum(count for _, _, count in segments) == n
+    for device, stream in streams.items():
+        calls = stream_log(w.rt, stream)
+        assert calls[:4] == [f"wait ready{r}" for r in range(4)]
+        other_join = [c for c in calls if c.startswith("wait local")]
+        assert len(other_join) == 1  # waits for the other GPU's work before its done events
+        assert calls.index(other_join[0]) > max(i for i, c in enumerate(calls) if c == "reduce")
+        dones = [c for c in calls if c.startswith("record done")]
+        assert dones == [f"record done{r}" for r in range(4) if w.devices[r] == device]
+        assert calls.index(dones[0]) > calls.index(other_join[0])
+
+
+def test_missing_peer_access_is_a_clear_error() -> None:
+    rt = FakeRuntime(devices={uuid(0): 0, uuid(1): 1}, no_peer={(0, 1), (1, 0)})
+    w = World([0, 1], rt)
+    bufs = [w.buffer(r, 64, pb.FLOAT32) for r in range(2)]
+    with pytest.raises(
+        FailedPrecondition, match="GPU 0 cannot access the memory of GPU 1.*peer access"
+    ):
+        w.run(
+            [
+                request(pb.ALL_REDUCE, pb.FLOAT32, 64, r, [b], [b], device=r, reduce_op=pb.SUM)
+                for r, b in enumerate(bufs)
+            ]
+        )
+
+
+# -- caches and release -------------------------------------------------------------------------
+
+
+def test_handles_and_events_are_opened_once() -> None:
+    w = World([0, 0])
+    bufs = [w.buffer(r, 256, pb.FLOAT32, alloc_bytes=4096) for r in range(2)]
+    # Two tensors in the same allocation of rank 0, then the first again.
+    other = Buffer(bufs[0].alloc, 2048, 256, pb.FLOAT32)
+    for seq, mine in ((1, bufs[0]), (2, other), (3, bufs[0])):
+        w.run(
+            [
+                request(
+                    pb.ALL_REDUCE, pb.FLOAT32, 256, 0, [mine], [mine], reduce_op=pb.SUM, seq=seq
+                ),
+                request(
+                    pb.ALL_REDUCE,
+                    pb.FLOAT32,
+                    256,
+                    1,
+                    [bufs[1]],
+                    [bufs[1]],
+                    reduce_op=pb.SUM,
+                    seq=seq,
+                ),
+            ]
+        )
+    assert len(w.rt.calls("open_memory")) == 2  # one per rank's allocation
+    assert all(count == 1 for count in w.rt.opened_events.values())
+    assert len(w.rt.opened_events) == 4  # ready and done of each rank
+
+
+def test_a_new_allocation_at_an_old_address_replaces_the_mapping_after_queued_work() -> None:
+    w = World([0, 0])
+    bufs = [w.buffer(r, 64, pb.FLOAT32) for r in range(2)]
+    w.run(
+        [
+            request(pb.ALL_REDUCE, pb.FLOAT32, 64, r, [b], [b], reduce_op=pb.SUM)
+            for r, b in enumerate(bufs)
+        ]
+    )
+    old_address = w.rt.calls("open_memory")[0][3]
+    # Rank 0 freed its allocation; the driver gave the same address to a new one.
+    fresh = w.rt.allocate(256)
+    fresh.base = bufs[0].alloc.base
+    replaced = Buffer(fresh, 0, 64, pb.FLOAT32)
+    vals = [fill(replaced, 7), fill(bufs[1], 8)]
+    w.rt.pending_marks = True  # the old mapping's queued work has not finished
+    w.run(
+        [
+            request(
+                pb.ALL_REDUCE, pb.FLOAT32, 64, 0, [replaced], [replaced], reduce_op=pb.SUM, seq=2
+            ),
+            request(
+                pb.ALL_REDUCE, pb.FLOAT32, 64, 1, [bufs[1]], [bufs[1]], reduce_op=pb.SUM, seq=2
+            ),
+        ]
+    )
+    assert bits(replaced.array()) == bits(host_reduce(vals, pb.SUM))
+    assert len(w.rt.calls("open_memory")) == 3
+    assert not w.rt.calls("close_memory")  # not while work queued before may still use it
+    w.rt.pending_marks = False
+    w.ops.collect()
+    assert [c[1] for c in w.rt.calls("close_memory")] == [old_address]
+
+
+def test_a_departed_ranks_handles_close_once_its_work_is_done() -> None:
+    w = World([0, 0])
+    bufs = [w.buffer(r, 64, pb.FLOAT32) for r in range(2)]
+    w.run(
+        [
+            request(pb.ALL_REDUCE, pb.FLOAT32, 64, r, [b], [b], reduce_op=pb.SUM)
+            for r, b in enumerate(bufs)
+        ]
+    )
+    w.rt.pending_marks = True
+    w.ops.release_rank(w.sessions[1])
+    assert not w.rt.calls("close_memory")
+    w.rt.pending_marks = False
+    w.ops.collect()
+    closed = [c[1] for c in w.rt.calls("close_memory")]
+    opened_by_1 = [c[3] for c in w.rt.calls("open_memory") if c[1] == bufs[1].alloc.handle]
+    assert closed == opened_by_1
+    assert len(w.rt.calls("destroy_event")) >= 2  # its ready and done events (and marks)
+    w.ops.release_rank(w.sessions[1])  # a second release is harmless
+
+
+def test_a_closed_communicator_drains_and_destroys_its_streams() -> None:
+    w = World([0, 0])
+    bufs = [w.buffer(r, 64, pb.FLOAT32) for r in range(2)]
+    w.run(
+        [
+            request(pb.ALL_REDUCE, pb.FLOAT32, 64, r, [b], [b], reduce_op=pb.SUM)
+            for r, b in enumerate(bufs)
+        ]
+    )
+    w.ops.release_comm(w.comm)
+    deadline = time.monotonic() + 10
+    while not w.rt.calls("destroy_stream") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    (stream,) = [c[1] for c in w.rt.calls("new_stream")]
+    assert ("synchronize", stream) in w.rt.log and ("destroy_stream", stream) in w.rt.log
+
+
+# -- errors -------------------------------------------------------------------------------------
+
+
+def test_a_range_outside_its_allocation_is_refused() -> None:
+    w = World([0, 0])
+    bufs = [w.buffer(r, 64, pb.FLOAT32) for r in range(2)]
+    bad = Buffer(bufs[0].alloc, 128, 64, pb.FLOAT32)  # 128 + 256 bytes > 256
+    with pytest.raises(
+        InvalidRequest, match=r"rank 0 \(pid 1000, node n1\): GPU range \[128, 384\) lies outside"
+    ):
+        w.run(
+            [
+                request(pb.ALL_REDUCE, pb.FLOAT32, 64, 0, [bad], [bad], reduce_op=pb.SUM),
+                request(pb.ALL_REDUCE, pb.FLOAT32, 64, 1, [bufs[1]], [bufs[1]], reduce_op=pb.SUM),
+            ]
+        )
+    assert not w.rt.calls("reduce")
+
+
+def test_a_gpu_the_daemon_cannot_see_is_named() -> None:
+    w = World([0, 0])
+    bufs = [w.buffer(r, 64, pb.FLOAT32) for r in range(2)]
+    reqs = [
+        request(pb.ALL_REDUCE, pb.FLOAT32, 64, r, [b], [b], reduce_op=pb.SUM)
+        for r, b in enumerate(bufs)
+    ]
+    reqs[1].cuda.device_uuid = uuid(7)
+    with pytest.raises(
+        FailedPrecondition, match=r"rank 1 .* on a GPU smddpd cannot see .*CUDA_VISIBLE_DEVICES"
+    ):
+        w.run(reqs)
+
+
+def test_mixing_gpu_and_host_tensors_names_the_ranks() -> None:
+    w = World([0, 0, 0])
+    bufs = [w.buffer(r, 64, pb.FLOAT32) for r in range(3)]
+    reqs = [
+        request(pb.ALL_REDUCE, pb.FLOAT32, 64, r, [b], [b], reduce_op=pb.SUM)
+        for r, b in enumerate(bufs)
+    ]
+    reqs[2].ClearField("cuda")
+    with pytest.raises(
+        InvalidRequest,
+        match=r"mixes GPU and host tensors: ranks 0-1 on GPUs, rank 2 in host memory",
+    ):
+        w.run(reqs)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (
+            lambda reqs: reqs[1].cuda.outputs[0].__setattr__("nbytes", 128),
+            r"rank 1's output holds 128 bytes where 64 x 4",
+        ),
+        (
+            lambda reqs: reqs[0].cuda.inputs.add(),
+            r"rank 0 names 2 input and 1 output GPU buffers where 1 and 1",
+        ),
+        (
+            lambda reqs: reqs[0].cuda.__setattr__("ready_event", b"short"),
+            r"ready event handle has 5 bytes, not 64",
+        ),
+        (
+            lambda reqs: reqs[1].cuda.inputs[0].__setattr__("ipc_handle", b"x" * 64),
+            r"rank 1 .*cannot open the CUDA IPC handle",
+        ),
+    ],
+    ids=["size", "buffers", "event-handle", "unknown-handle"],
+)
+def test_bad_requests_are_refused_before_any_work(mutate, message: str) -> None:
+    w = World([0, 0])
+    bufs = [w.buffer(r, 64, pb.FLOAT32) for r in range(2)]
+    reqs = [
+        request(pb.ALL_REDUCE, pb.FLOAT32, 64, r, [b], [b], reduce_op=pb.SUM)
+        for r, b in enumerate(bufs)
+    ]
+    mutate(reqs)
+    with pytest.raises(InvalidRequest, match=message):
+        w.run(reqs)
+    assert not w.rt.calls("reduce") and not w.rt.calls("record")
+
+
+def test_all_to_all_split_sizes_must_agree() -> None:
+    w = World([0, 0])
+    sends = [[w.buffer(s, 4, pb.INT32) for _ in range(2)] for s in range(2)]
+    recvs = [
+        [w.buffer(d, 4 if (d, s) != (1, 0) else 5, pb.INT32) for s in range(2)] for d in range(2)
+    ]
+    with pytest.raises(
+        InvalidRequest, match="rank 0 sends 16 bytes to rank 1 but rank 1 expects 20 from rank 0"
+    ):
+        w.run([request(pb.ALL_TO_ALL, pb.INT32, 8, r, sends[r], recvs[r]) for r in range(2)])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("cupy") is not None, reason="CuPy is installed here")
+def test_without_cupy_the_daemon_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gpu, "_ops", None)
+    with pytest.raises(
+        FailedPrecondition,
+        match=r"smddpd on node n7 cannot carry GPU tensors: CuPy is not installed .*smddp\[cuda\]",
+    ):
+        gpu.ops("n7")
+    assert gpu.active() is None
+    assert "cupy" not in sys.modules
