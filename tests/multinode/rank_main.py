@@ -116,15 +116,37 @@ def bits(t: torch.Tensor) -> bytes:
 
 
 class Layout:
-    """Which ranks run on which node; nodes ordered by their lowest rank, as smddp orders them."""
+    """A process group as the checks see it: which of its ranks run on which node, with
+    nodes ordered by their lowest rank as smddp orders them.
 
-    def __init__(self, node_of_rank: Sequence[int]) -> None:
+    Attributes:
+        name: the group's name in reports.
+        pg: the process group (None for the default group).
+        ranks: the global rank of each group rank.
+        nodes: per node, its group ranks.
+        world: the group's size.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        node_of_rank: Sequence[int],
+        pg: Any = None,
+        ranks: Sequence[int] | None = None,
+    ) -> None:
         order: list[int] = []
         for node in node_of_rank:
             if node not in order:
                 order.append(node)
+        self.name = name
+        self.pg = pg
+        self.ranks = list(ranks) if ranks is not None else list(range(len(node_of_rank)))
         self.nodes = [[r for r, n in enumerate(node_of_rank) if n == node] for node in order]
         self.world = len(node_of_rank)
+
+    def g(self, group_rank: int) -> int:
+        """The global rank of ``group_rank`` (torch's src/dst/peer arguments are global)."""
+        return self.ranks[group_rank]
 
     def reduce(self, xs: Sequence[torch.Tensor], op: str) -> torch.Tensor:
         """The reference of a reduction over ranks: per node in rank order, then by node."""
@@ -205,7 +227,7 @@ def check_all_reduce(c: Checks, lay: Layout, me: int, dtype: torch.dtype, n: int
     xs = [make(dtype, n, "all_reduce", r) for r in range(lay.world)]
     for op in ops_for(dtype):
         t = xs[me].clone()
-        dist.all_reduce(t, op=_op(op))
+        dist.all_reduce(t, op=_op(op), group=lay.pg)
         c.equal("all_reduce", f"{dtype} n={n} {op}", t, lay.reduce(xs, op), everywhere=True)
 
 
@@ -213,7 +235,7 @@ def check_broadcast(c: Checks, lay: Layout, me: int, dtype: torch.dtype, n: int)
     for root in _roots(lay):
         src = make(dtype, n, "broadcast", root)
         t = src.clone() if me == root else junk(dtype, n)
-        dist.broadcast(t, src=root)
+        dist.broadcast(t, src=lay.g(root), group=lay.pg)
         c.equal("broadcast", f"{dtype} n={n} root={root}", t, src, everywhere=True)
 
 
@@ -225,7 +247,7 @@ def check_reduce(c: Checks, lay: Layout, me: int, dtype: torch.dtype, n: int) ->
     ]
     for root, op in plan:
         t = xs[me].clone()
-        dist.reduce(t, dst=root, op=_op(op))
+        dist.reduce(t, dst=lay.g(root), op=_op(op), group=lay.pg)
         if me == root:
             c.equal("reduce", f"{dtype} n={n} {op} root={root}", t, lay.reduce(xs, op))
 
@@ -234,14 +256,14 @@ def check_all_gather(c: Checks, lay: Layout, me: int, dtype: torch.dtype, n: int
     w = lay.world
     xs = [make(dtype, n, "all_gather", r) for r in range(w)]
     outs = [junk(dtype, n) for _ in range(w)]
-    dist.all_gather(outs, xs[me])
+    dist.all_gather(outs, xs[me], group=lay.pg)
     for r in range(w):
         c.equal("all_gather", f"{dtype} n={n} list, from rank {r}", outs[r], xs[r], everywhere=True)
     flat = junk(dtype, w * n)
-    dist.all_gather_into_tensor(flat, xs[me])
+    dist.all_gather_into_tensor(flat, xs[me], group=lay.pg)
     c.equal("all_gather", f"{dtype} n={n} into tensor [W*n]", flat, torch.cat(xs), everywhere=True)
     stacked = junk(dtype, (w, n))
-    dist.all_gather_into_tensor(stacked, xs[me])
+    dist.all_gather_into_tensor(stacked, xs[me], group=lay.pg)
     c.equal(
         "all_gather", f"{dtype} n={n} into tensor [W, n]", stacked, torch.stack(xs), everywhere=True
     )
@@ -253,7 +275,7 @@ def check_reduce_scatter(c: Checks, lay: Layout, me: int, dtype: torch.dtype, n:
     flats = [make(dtype, w * n, "reduce_scatter_tensor", r) for r in range(w)]
     for op in ops_for(dtype):
         out = junk(dtype, n)
-        dist.reduce_scatter(out, pieces[me], op=_op(op))
+        dist.reduce_scatter(out, pieces[me], op=_op(op), group=lay.pg)
         c.equal(
             "reduce_scatter",
             f"{dtype} n={n} list {op}",
@@ -261,7 +283,7 @@ def check_reduce_scatter(c: Checks, lay: Layout, me: int, dtype: torch.dtype, n:
             lay.reduce([p[me] for p in pieces], op),
         )
         out = junk(dtype, n)
-        dist.reduce_scatter_tensor(out, flats[me], op=_op(op))
+        dist.reduce_scatter_tensor(out, flats[me], op=_op(op), group=lay.pg)
         want = lay.reduce([x[me * n : (me + 1) * n] for x in flats], op)
         c.equal("reduce_scatter", f"{dtype} n={n} tensor {op}", out, want)
 
@@ -275,7 +297,7 @@ def check_all_to_all(c: Checks, lay: Layout, me: int, dtype: torch.dtype, n: int
     w = lay.world
     ins = [make(dtype, split_size(me, d, n), "a2a", me, d) for d in range(w)]
     outs = [junk(dtype, split_size(s, me, n)) for s in range(w)]
-    dist.all_to_all(outs, ins)
+    dist.all_to_all(outs, ins, group=lay.pg)
     for s in range(w):
         c.equal(
             "all_to_all",
@@ -286,7 +308,7 @@ def check_all_to_all(c: Checks, lay: Layout, me: int, dtype: torch.dtype, n: int
     # single, even splits
     xs = [make(dtype, w * n, "a2a_single", s) for s in range(w)]
     out = junk(dtype, w * n)
-    dist.all_to_all_single(out, xs[me])
+    dist.all_to_all_single(out, xs[me], group=lay.pg)
     c.equal(
         "all_to_all",
         f"{dtype} n={n} single even",
@@ -298,7 +320,11 @@ def check_all_to_all(c: Checks, lay: Layout, me: int, dtype: torch.dtype, n: int
     xs = [make(dtype, sum(sent[s]), "a2a_uneven", s) for s in range(w)]
     out = junk(dtype, sum(sent[s][me] for s in range(w)))
     dist.all_to_all_single(
-        out, xs[me], output_split_sizes=[sent[s][me] for s in range(w)], input_split_sizes=sent[me]
+        out,
+        xs[me],
+        output_split_sizes=[sent[s][me] for s in range(w)],
+        input_split_sizes=sent[me],
+        group=lay.pg,
     )
     want = torch.cat([xs[s][sum(sent[s][:me]) : sum(sent[s][: me + 1])] for s in range(w)])
     c.equal("all_to_all", f"{dtype} n={n} single uneven", out, want)
@@ -309,13 +335,13 @@ def check_gather_scatter(c: Checks, lay: Layout, me: int, dtype: torch.dtype, n:
     xs = [make(dtype, n, "gather", r) for r in range(w)]
     for root in _roots(lay):
         outs = [junk(dtype, n) for _ in range(w)] if me == root else None
-        dist.gather(xs[me], outs, dst=root)
+        dist.gather(xs[me], outs, dst=lay.g(root), group=lay.pg)
         if outs is not None:
             for r in range(w):
                 c.equal("gather", f"{dtype} n={n} root={root} from rank {r}", outs[r], xs[r])
         pieces = [make(dtype, n, "scatter", root, d) for d in range(w)]
         out = junk(dtype, n)
-        dist.scatter(out, pieces if me == root else None, src=root)
+        dist.scatter(out, pieces if me == root else None, src=lay.g(root), group=lay.pg)
         c.equal("scatter", f"{dtype} n={n} root={root}", out, pieces[me])
 
 
@@ -336,10 +362,10 @@ def check_send_recv(c: Checks, lay: Layout, me: int, dtype: torch.dtype, n: int)
     for k, (s, d) in enumerate(p2p_pairs(lay)):
         where = "within a node" if node_of[s] == node_of[d] else "across nodes"
         if me == s:
-            dist.send(make(dtype, n, "p2p", s, d, k), dst=d)
+            dist.send(make(dtype, n, "p2p", s, d, k), dst=lay.g(d), group=lay.pg)
         elif me == d:
             out = junk(dtype, n)
-            dist.recv(out, src=s)
+            dist.recv(out, src=lay.g(s), group=lay.pg)
             c.equal(
                 "send_recv",
                 f"{dtype} n={n} {s}->{d} ({where})",
@@ -355,8 +381,8 @@ def check_batch_isend_irecv(c: Checks, lay: Layout, me: int, dtype: torch.dtype,
     outs = {p: junk(dtype, n) for p in send_to}
     ops = []
     for p in send_to:
-        ops.append(dist.P2POp(dist.isend, make(dtype, n, "batch", me, p), p))
-        ops.append(dist.P2POp(dist.irecv, outs[p], p))
+        ops.append(dist.P2POp(dist.isend, make(dtype, n, "batch", me, p), lay.g(p), lay.pg))
+        ops.append(dist.P2POp(dist.irecv, outs[p], lay.g(p), lay.pg))
     for work in dist.batch_isend_irecv(ops):
         work.wait()
     for p in send_to:
@@ -373,10 +399,12 @@ def check_barrier(c: Checks, lay: Layout, me: int, folder: str) -> None:
     for i in range(3):
         if me == lay.world - 1:
             time.sleep(0.1)
-        open(os.path.join(folder, f"b{i}-{me}"), "w").close()
-        dist.barrier()
+        open(os.path.join(folder, f"{lay.name}-b{i}-{me}"), "w").close()
+        dist.barrier(group=lay.pg)
         missing = [
-            r for r in range(lay.world) if not os.path.exists(os.path.join(folder, f"b{i}-{r}"))
+            r
+            for r in range(lay.world)
+            if not os.path.exists(os.path.join(folder, f"{lay.name}-b{i}-{r}"))
         ]
         c.true("barrier", f"barrier {i}", not missing, f"left before ranks {missing} arrived")
 
@@ -400,21 +428,53 @@ _WIDE = {"all_gather", "reduce_scatter", "all_to_all", "gather_scatter"}
 
 
 def collectives(spec: dict[str, Any]) -> dict[str, Any]:
-    """Runs the checks of ``spec``: ``dtypes``, ``large`` (also the chunked size), ``barrier_dir``."""
-    me, world = dist.get_rank(), dist.get_world_size()
-    lay = Layout(spec["node_of_rank"])
+    """Runs the checks on every group of ``spec["groups"]``, one after another.
+
+    ``spec``: ``groups`` ([name, global ranks or None for the default group], ...),
+    ``node_of_rank`` (the node of each global rank), ``dtypes``, ``large`` (also sizes that
+    cross chunks), ``barrier_dir``.
+
+    Returns:
+        {group name: report} for the groups this rank belongs to. An op that raises ends
+        that group's checks with the traceback as a failure; the next group still runs.
+    """
+    me = dist.get_rank()
+    node_of = spec["node_of_rank"]
+    layouts = []
+    for name, ranks in spec["groups"]:
+        if ranks is None:
+            layouts.append(Layout(name, node_of))
+        else:  # every rank creates every group, in the same order
+            pg = dist.new_group(ranks)
+            layouts.append(Layout(name, [node_of[r] for r in ranks], pg, ranks))
+    reports = {}
+    for lay in layouts:
+        if me in lay.ranks:
+            reports[lay.name] = check_group(spec, lay, lay.ranks.index(me))
+    return reports
+
+
+def check_group(spec: dict[str, Any], lay: Layout, me: int) -> dict[str, Any]:
+    """Every check on one group; ``me`` is this rank's rank in it."""
     c = Checks()
     started = time.monotonic()
-    for name in spec["dtypes"]:
-        dtype = DTYPES[name]
-        for section, fn in CHECKS.items():
-            t0 = time.monotonic()
-            fn(c, lay, me, dtype, SMALL)
-            if spec["large"] and (section not in _WIDE or dtype == torch.float32):
-                n = large_n(dtype) if section not in _WIDE else (large_n(dtype) // world) | 1
-                fn(c, lay, me, dtype, n)
-            c.seconds[section] += time.monotonic() - t0
-    check_barrier(c, lay, me, spec["barrier_dir"])
+    try:
+        for name in spec["dtypes"]:
+            dtype = DTYPES[name]
+            for section, fn in CHECKS.items():
+                t0 = time.monotonic()
+                fn(c, lay, me, dtype, SMALL)
+                if spec["large"] and (section not in _WIDE or dtype == torch.float32):
+                    n = (
+                        large_n(dtype)
+                        if section not in _WIDE
+                        else (large_n(dtype) // lay.world) | 1
+                    )
+                    fn(c, lay, me, dtype, n)
+                c.seconds[section] += time.monotonic() - t0
+        check_barrier(c, lay, me, spec["barrier_dir"])
+    except Exception:  # the group's communicator failed: say so, go on with the next group
+        c.failures.append(f"raised:\n{traceback.format_exc()}")
     report = c.report()
     report["total_s"] = time.monotonic() - started
     return report
