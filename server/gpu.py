@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -43,6 +44,7 @@ log = logging.getLogger(__name__)
 # Largest part of an op one kernel launch covers: a communicator's launches are queued one
 # after another, so other jobs' work on the same GPU can run between them.
 LAUNCH_CHUNK_BYTES = 256 << 20
+ENV_LAUNCH_CHUNK_BYTES = "SMDDP_GPU_CHUNK_BYTES"
 # Mappings kept open per rank (least recently used closed first) and events per rank.
 MAX_MAPPINGS_PER_RANK = 4096
 MAX_EVENTS_PER_RANK = 1024
@@ -137,6 +139,8 @@ class _RankHandles:
     events: collections.OrderedDict[bytes, tuple[Any, int]] = field(
         default_factory=collections.OrderedDict
     )
+    # The streams of the rank's communicator: the only work that can use its handles.
+    streams: _CommStreams | None = None
 
 
 @dataclass
@@ -233,7 +237,7 @@ class GpuOps:
         handles.events[handle] = (event, device)
         while len(handles.events) > MAX_EVENTS_PER_RANK:
             _, (old, old_device) = handles.events.popitem(last=False)
-            self._bury(lambda e=old, d=old_device: self.rt.destroy_event(e, d))
+            self._bury(handles, lambda e=old, d=old_device: self.rt.destroy_event(e, d))
         return event
 
     def _map(self, session: Session, handles: _RankHandles, buf: pb.CudaBuffer, device: int) -> int:
@@ -249,7 +253,7 @@ class GpuOps:
         if mapping is not None and mapping.handle != buf.ipc_handle:
             # The rank freed that allocation and got a new one at the same address.
             del handles.mappings[buf.alloc_base]
-            self._bury_mapping(mapping)
+            self._bury_mapping(handles, mapping)
             mapping = None
         if mapping is None:
             try:
@@ -267,7 +271,7 @@ class GpuOps:
             handles.mappings[buf.alloc_base] = mapping
             while len(handles.mappings) > MAX_MAPPINGS_PER_RANK:
                 _, old = handles.mappings.popitem(last=False)
-                self._bury_mapping(old)
+                self._bury_mapping(handles, old)
         else:
             handles.mappings.move_to_end(buf.alloc_base)
         if buf.offset + buf.nbytes > mapping.size:
@@ -277,12 +281,14 @@ class GpuOps:
             )
         return mapping.address + buf.offset
 
-    def _resolve(self, rank: int, session: Session, req: pb.OpRequest) -> _Resolved:
+    def _resolve(
+        self, comm: Communicator, rank: int, session: Session, req: pb.OpRequest
+    ) -> _Resolved:
         cuda = req.cuda
         device = self._device(session, cuda.device_uuid)
         handles = self._ranks.get(session)
         if handles is None:
-            handles = _RankHandles()
+            handles = _RankHandles(streams=self._comm_streams(comm))
             self._ranks[session] = handles
         ready = self._event(session, handles, cuda.ready_event, device, "ready")
         done = self._event(session, handles, cuda.done_event, device, "done")
@@ -301,15 +307,17 @@ class GpuOps:
 
     # -- releasing ----------------------------------------------------------------------------
 
-    def _bury_mapping(self, mapping: _Mapping) -> None:
-        self._bury(lambda: self.rt.close_memory(mapping.address, mapping.device))
+    def _bury_mapping(self, handles: _RankHandles, mapping: _Mapping) -> None:
+        self._bury(handles, lambda: self.rt.close_memory(mapping.address, mapping.device))
 
-    def _bury(self, release: Callable[[], None]) -> None:
-        """Runs ``release`` (in ``collect``) once all work queued so far on every
-        communicator's streams has finished: queued kernels may still use what it frees."""
+    def _bury(self, handles: _RankHandles, release: Callable[[], None]) -> None:
+        """Runs ``release`` (in ``collect``) once the work queued so far on the streams of the
+        rank's communicator has finished: queued kernels may still use what it frees. (Other
+        communicators' streams never touch the rank's handles, and may be stuck on a dead
+        rank of theirs.)"""
         marks = []
-        for cs in list(self._streams.values()):
-            for device, stream in cs.streams.items():
+        if handles.streams is not None:
+            for device, stream in handles.streams.streams.items():
                 event = self.rt.new_event(device)
                 self.rt.record_event(event, stream, device)
                 marks.append((event, device))
@@ -346,9 +354,9 @@ class GpuOps:
             if handles is None:
                 return
             for mapping in handles.mappings.values():
-                self._bury_mapping(mapping)
+                self._bury_mapping(handles, mapping)
             for event, device in handles.events.values():
-                self._bury(lambda e=event, d=device: self.rt.destroy_event(e, d))
+                self._bury(handles, lambda e=event, d=device: self.rt.destroy_event(e, d))
         self.collect()
 
     def release_comm(self, comm: Communicator) -> None:
@@ -406,7 +414,7 @@ class GpuOps:
         _check_all_gpu(ranks, reqs)
         with self._lock:
             self.collect()
-            resolved = [self._resolve(r, s, q) for r, s, q in zip(ranks, sessions, reqs)]
+            resolved = [self._resolve(comm, r, s, q) for r, s, q in zip(ranks, sessions, reqs)]
             work = _Work(self, comm, resolved)
             work.plan()
             work.run()
@@ -426,8 +434,8 @@ class GpuOps:
         _check_all_gpu([s_send.rank, s_recv.rank], [send, recv])
         with self._lock:
             self.collect()
-            a = self._resolve(s_send.rank, s_send, send)
-            b = self._resolve(s_recv.rank, s_recv, recv)
+            a = self._resolve(comm, s_send.rank, s_send, send)
+            b = self._resolve(comm, s_recv.rank, s_recv, recv)
             if len(a.inputs) != 1 or len(b.outputs) != 1:
                 raise InvalidRequest("a GPU send names one input and a GPU recv one output")
             if a.in_bytes[0] != b.out_bytes[0]:
@@ -661,8 +669,9 @@ def ops(node_id: str = "") -> GpuOps:
         if _ops is None:
             from smddp.server.gpu_runtime import CupyRuntime, GpuUnavailable
 
+            chunk = int(os.environ.get(ENV_LAUNCH_CHUNK_BYTES, LAUNCH_CHUNK_BYTES))
             try:
-                _ops = GpuOps(CupyRuntime())
+                _ops = GpuOps(CupyRuntime(), chunk_bytes=max(1 << 16, chunk))
             except GpuUnavailable as exc:
                 where = f"smddpd on node {node_id}" if node_id else "smddpd"
                 raise FailedPrecondition(f"{where} cannot carry GPU tensors: {exc}") from None

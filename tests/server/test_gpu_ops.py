@@ -537,3 +537,23 @@ def test_without_cupy_the_daemon_says_what_to_install(monkeypatch: pytest.Monkey
         gpu.ops("n7")
     assert gpu.active() is None
     assert "cupy" not in sys.modules
+
+
+def test_releasing_a_rank_waits_only_for_its_own_communicators_work() -> None:
+    rt = FakeRuntime()
+    ops = gpu.GpuOps(rt)
+    comms = [FakeComm("job a comm 0"), FakeComm("job b comm 0")]
+    sessions = [[FakeSession(0), FakeSession(1)] for _ in comms]
+    for comm, members in zip(comms, sessions):
+        bufs = [Buffer(rt.allocate(256), 0, 64, pb.FLOAT32) for _ in members]
+        reqs = [
+            request(pb.ALL_REDUCE, pb.FLOAT32, 64, r, [b], [b], reduce_op=pb.SUM)
+            for r, b in enumerate(bufs)
+        ]
+        ops.execute(comm, [0, 1], members, reqs)
+    stream_a, stream_b = (c[1] for c in rt.calls("new_stream"))
+    before = len(rt.log)
+    rt.pending_marks = True  # job b's stream might be stuck forever; job a's must not wait on it
+    ops.release_rank(sessions[0][1])
+    marks = [c for c in rt.log[before:] if c[0] == "record"]
+    assert marks and {c[2] for c in marks} == {stream_a}

@@ -1,0 +1,420 @@
+"""What the ranks of the GPU tests run (each in its own process, started by ``spawn_ranks``).
+
+Every rank can rebuild every other rank's inputs (seeded by rank), so each checks its own
+results bitwise against the host path (``smddp.reduce``, numpy) without exchanging them.
+Functions return a list of failures (empty when all is well) or a dict of measurements.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from smddp.reduce import reduce_into
+from smddp.v1 import smddp_pb2 as pb
+from smddp.wire import reduce_op_check
+
+DTYPES = {
+    torch.float16: pb.FLOAT16,
+    torch.bfloat16: pb.BFLOAT16,
+    torch.float32: pb.FLOAT32,
+    torch.float64: pb.FLOAT64,
+    torch.int8: pb.INT8,
+    torch.uint8: pb.UINT8,
+    torch.int16: pb.INT16,
+    torch.int32: pb.INT32,
+    torch.int64: pb.INT64,
+    torch.bool: pb.BOOL,
+}
+OPS = {
+    dist.ReduceOp.SUM: pb.SUM,
+    dist.ReduceOp.AVG: pb.AVG,
+    dist.ReduceOp.MIN: pb.MIN,
+    dist.ReduceOp.MAX: pb.MAX,
+    dist.ReduceOp.PRODUCT: pb.PRODUCT,
+    dist.ReduceOp.BAND: pb.BAND,
+    dist.ReduceOp.BOR: pb.BOR,
+    dist.ReduceOp.BXOR: pb.BXOR,
+}
+_NP = {
+    torch.float16: np.float16,
+    torch.bfloat16: ml_dtypes.bfloat16,
+    torch.float32: np.float32,
+    torch.float64: np.float64,
+    torch.int8: np.int8,
+    torch.uint8: np.uint8,
+    torch.int16: np.int16,
+    torch.int32: np.int32,
+    torch.int64: np.int64,
+    torch.bool: np.bool_,
+}
+
+
+def init(rank: int, world: int, init_file: str, device: int) -> torch.device:
+    """Joins the "smddp" world on GPU ``device`` (a negative one: the CPU, to check these
+    programs themselves where there is no GPU)."""
+    import smddp  # noqa: F401  (registers the backend)
+
+    if device >= 0:
+        torch.cuda.set_device(device)
+    dist.init_process_group("smddp", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    return torch.device("cuda", device) if device >= 0 else torch.device("cpu")
+
+
+def host_values(rank: int, n: int, dtype: torch.dtype, salt: int = 0) -> np.ndarray:
+    """Rank ``rank``'s input, the same in every process."""
+    rng = np.random.default_rng([rank, n, salt, list(DTYPES).index(dtype)])
+    np_dtype = np.dtype(_NP[dtype])
+    if dtype == torch.bool:
+        return rng.integers(0, 2, n).astype(np.bool_)
+    if np_dtype.kind in "iu":
+        info = np.iinfo(np_dtype)
+        return rng.integers(info.min, info.max, n, endpoint=True, dtype=np_dtype)
+    return (rng.standard_normal(n) * 10).astype(np.float32).astype(np_dtype)
+
+
+def to_torch(x: np.ndarray, device: torch.device) -> torch.Tensor:
+    if x.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(x.view(np.int16).copy()).view(torch.bfloat16).to(device)
+    return torch.from_numpy(x.copy()).to(device)
+
+
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    t = t.detach().cpu().contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def host_reduce(inputs: list[np.ndarray], op: int) -> np.ndarray:
+    out = np.empty_like(inputs[0])
+    reduce_into([out], inputs, op)
+    return out
+
+
+class Checker:
+    """Collects mismatches instead of stopping at the first."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.failures: list[str] = []
+
+    def same(self, what: str, got: torch.Tensor, want: np.ndarray) -> None:
+        g = to_numpy(got).reshape(-1)
+        w = np.asarray(want).reshape(-1)
+        if g.dtype != w.dtype or g.tobytes() != w.tobytes():
+            bad = (
+                np.flatnonzero(g.view(np.uint8) != w.view(np.uint8)) if g.nbytes == w.nbytes else []
+            )
+            self.failures.append(
+                f"rank {self.rank}: {what}: {g.size} x {g.dtype} differ from the host path "
+                f"(first differing byte {bad[0] if len(bad) else '?'}): got {g[:4]} want {w[:4]}"
+            )
+
+
+def collectives_rank(
+    rank: int, world: int, init_file: str, devices: list[int], sizes: list[int]
+) -> list[str]:
+    """Every collective x dtype (x reduce op) on CUDA tensors, checked bitwise."""
+    dev = init(rank, world, init_file, devices[rank])
+    check = Checker(rank)
+    root = world - 1
+    for dtype, wire in DTYPES.items():
+        for n in sizes:
+            ins = [host_values(r, n, dtype) for r in range(world)]
+            # all_reduce, every reduce op the dtype takes, in place
+            for torch_op, op in OPS.items():
+                if reduce_op_check(wire, op) is not None:
+                    continue
+                x = to_torch(ins[rank], dev)
+                dist.all_reduce(x, op=torch_op)
+                check.same(f"all_reduce({torch_op}, {n} x {dtype})", x, host_reduce(ins, op))
+            # broadcast
+            x = to_torch(ins[rank], dev)
+            dist.broadcast(x, root)
+            check.same(f"broadcast({n} x {dtype})", x, ins[root])
+            # reduce (SUM or OR): only the root's tensor is the result
+            op = pb.SUM
+            x = to_torch(ins[rank], dev)
+            dist.reduce(x, 0, op=dist.ReduceOp.SUM)
+            check.same(
+                f"reduce({n} x {dtype})", x, host_reduce(ins, op) if rank == 0 else ins[rank]
+            )
+            # all_gather (list) and all_gather_into_tensor
+            outs = [torch.empty(n, dtype=dtype, device=dev) for _ in range(world)]
+            dist.all_gather(outs, to_torch(ins[rank], dev))
+            for s in range(world):
+                check.same(f"all_gather[{s}]({n} x {dtype})", outs[s], ins[s])
+            big = torch.empty(world * n, dtype=dtype, device=dev)
+            dist.all_gather_into_tensor(big, to_torch(ins[rank], dev))
+            check.same(f"all_gather_into_tensor({n} x {dtype})", big, np.concatenate(ins))
+            # reduce_scatter (list) and reduce_scatter_tensor: block d of every rank
+            blocks = [
+                [host_values(r, n, dtype, salt=1 + d) for d in range(world)] for r in range(world)
+            ]
+            out = torch.empty(n, dtype=dtype, device=dev)
+            dist.reduce_scatter(out, [to_torch(b, dev) for b in blocks[rank]], op=dist.ReduceOp.SUM)
+            want = host_reduce([blocks[r][rank] for r in range(world)], pb.SUM)
+            check.same(f"reduce_scatter({n} x {dtype})", out, want)
+            out = torch.empty(n, dtype=dtype, device=dev)
+            dist.reduce_scatter_tensor(
+                out, to_torch(np.concatenate(blocks[rank]), dev), op=dist.ReduceOp.SUM
+            )
+            check.same(f"reduce_scatter_tensor({n} x {dtype})", out, want)
+            # all_to_all_single with uneven splits: rank s sends s + d + 1 elements to rank d
+            send_sizes = [rank + d + 1 for d in range(world)]
+            recv_sizes = [s + rank + 1 for s in range(world)]
+            sent = [host_values(rank, send_sizes[d], dtype, salt=100 + d) for d in range(world)]
+            out = torch.empty(sum(recv_sizes), dtype=dtype, device=dev)
+            dist.all_to_all_single(out, to_torch(np.concatenate(sent), dev), recv_sizes, send_sizes)
+            want = np.concatenate(
+                [host_values(s, s + rank + 1, dtype, salt=100 + rank) for s in range(world)]
+            )
+            check.same(f"all_to_all_single({dtype})", out, want)
+            # all_to_all (list)
+            outs = [torch.empty(recv_sizes[s], dtype=dtype, device=dev) for s in range(world)]
+            dist.all_to_all(outs, [to_torch(x, dev) for x in sent])
+            for s in range(world):
+                check.same(
+                    f"all_to_all[{s}]({dtype})",
+                    outs[s],
+                    host_values(s, s + rank + 1, dtype, salt=100 + rank),
+                )
+            # gather and scatter
+            outs = (
+                [torch.empty(n, dtype=dtype, device=dev) for _ in range(world)]
+                if rank == root
+                else None
+            )
+            dist.gather(to_torch(ins[rank], dev), outs, dst=root)
+            if outs is not None:
+                for s in range(world):
+                    check.same(f"gather[{s}]({n} x {dtype})", outs[s], ins[s])
+            out = torch.empty(n, dtype=dtype, device=dev)
+            pieces = (
+                [to_torch(blocks[root][d], dev) for d in range(world)] if rank == root else None
+            )
+            dist.scatter(out, pieces, src=root)
+            check.same(f"scatter({n} x {dtype})", out, blocks[root][rank])
+            # send/recv around the ring
+            if world > 1:
+                x = to_torch(ins[rank], dev)
+                y = torch.empty(n, dtype=dtype, device=dev)
+                reqs = [dist.isend(x, (rank + 1) % world), dist.irecv(y, (rank - 1) % world)]
+                for req in reqs:
+                    req.wait()
+                check.same(f"send/recv({n} x {dtype})", y, ins[(rank - 1) % world])
+    # Empty tensors: nothing to move, but the op still completes in order.
+    e = torch.empty(0, device=dev)
+    dist.all_reduce(e)
+    dist.broadcast(e, root)
+    check.same("all_reduce(0 x float32)", e, np.empty(0, dtype=np.float32))
+    # A non-contiguous output (a transposed view) is staged and copied back.
+    m = to_torch(host_values(rank, 64 * 48, torch.float32).reshape(64, 48), dev).t()
+    dist.all_reduce(m)
+    want = (
+        host_reduce([host_values(r, 64 * 48, torch.float32) for r in range(world)], pb.SUM)
+        .reshape(64, 48)
+        .T
+    )
+    check.same("all_reduce(transposed view)", m, np.ascontiguousarray(want))
+    dist.destroy_process_group()
+    return check.failures
+
+
+def large_rank(rank: int, world: int, init_file: str, device: int, n: int) -> list[str]:
+    """One large float32 and bfloat16 all_reduce (several kernel launches per op)."""
+    dev = init(rank, world, init_file, device)
+    check = Checker(rank)
+    for dtype, op in ((torch.float32, pb.SUM), (torch.bfloat16, pb.MAX)):
+        ins = [host_values(r, n, dtype, salt=7) for r in range(world)]
+        x = to_torch(ins[rank], dev)
+        dist.all_reduce(x, op=dist.ReduceOp.SUM if op == pb.SUM else dist.ReduceOp.MAX)
+        check.same(f"all_reduce({n} x {dtype})", x, host_reduce(ins, op))
+    dist.destroy_process_group()
+    return check.failures
+
+
+# -- stream and event ordering ------------------------------------------------------------------
+
+SLEEP_CYCLES = 200_000_000  # about 0.1 s of torch.cuda._sleep on current GPUs
+
+
+def ordering_rank(rank: int, world: int, init_file: str, device: int) -> dict[str, Any]:
+    """Checks that the daemon waits for the rank's stream and the rank's stream for the daemon."""
+    dev = init(rank, world, init_file, device)
+    out: dict[str, Any] = {"failures": []}
+    total = float(sum(range(1, world + 1)))
+    n = 32 << 20  # 128 MiB of float32: the daemon's reduction takes a while
+
+    def expect(what: str, t: torch.Tensor, value: float) -> None:
+        got = t.float()
+        if not bool((got == value).all()):
+            bad = int((got != value).sum())
+            out["failures"].append(
+                f"rank {rank}: {what}: {bad} of {t.numel()} elements are not {value} (e.g. {got[got != value][:3].tolist()})"
+            )
+
+    # 1. Inputs written by a slow kernel: the daemon must wait for the ready event; the call
+    #    returns while the GPU is still busy (the host does not wait for the GPU); a kernel
+    #    queued right after sees the result (the stream waits on the done event).
+    warm = torch.ones(n, device=dev)
+    dist.all_reduce(warm)  # the daemon compiles this kernel on first use: not in the timing
+    x = torch.zeros(n, device=dev)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SLEEP_CYCLES * (1 + rank))  # ranks finish their inputs at different times
+    x.fill_(rank + 1)
+    start = time.monotonic()
+    dist.all_reduce(x)
+    out["host_wait_s"] = time.monotonic() - start
+    out["gpu_busy_after_wait"] = not torch.cuda.current_stream().query()
+    y = x * 2
+    expect("kernel after all_reduce", y, 2 * total)
+    expect("all_reduce after a slow producer", x, total)
+
+    # 2. async_op on a side stream; wait() orders the current (default) stream after it.
+    side = torch.cuda.Stream()
+    z = torch.zeros(n, device=dev)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        z.fill_(rank + 1)
+        work = dist.all_reduce(z, async_op=True)
+    work.wait()
+    expect("default stream after a side stream's async all_reduce", z + 0, total)
+
+    # 3. Many ops in flight, then one wait each (events are reused from a pool).
+    xs = [torch.full((4096 + i,), float(rank + 1), device=dev) for i in range(32)]
+    works = [dist.all_reduce(t, async_op=True) for t in xs]
+    for w in works:
+        w.wait()
+    for i, t in enumerate(xs):
+        expect(f"async all_reduce #{i}", t, total)
+
+    # 4. A long chain: each op's input is the previous op's output.
+    c = torch.ones(1 << 16, device=dev)
+    for _ in range(200):
+        dist.all_reduce(c)
+        c.div_(world)
+    expect("200 chained all_reduces", c, 1.0)
+    torch.cuda.synchronize()
+    dist.destroy_process_group()
+    return out
+
+
+# -- DDP ------------------------------------------------------------------------------------------
+
+
+def _model() -> torch.nn.Module:
+    from torch import nn
+
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1)
+    )
+
+
+def _batch(rank: int, step: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(32, 16, generator=g)
+    return x.to(device), x.sum(dim=1, keepdim=True).sin().to(device)
+
+
+def ddp_rank(
+    rank: int, world: int, init_file: str, devices: list[int], steps: int
+) -> dict[str, Any]:
+    """DDP(device_ids=[gpu]) training; returns its parameters and a reference computed by
+    averaging every rank's gradients locally."""
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dev = init(rank, world, init_file, devices[rank])
+    model = _model().to(dev)
+    # Ranks start apart: DDP must broadcast rank 0's weights.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(rank)
+    ddp = DDP(model, device_ids=[devices[rank]] if devices[rank] >= 0 else None, bucket_cap_mb=0.01)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    losses = []
+    for step in range(steps):
+        x, y = _batch(rank, step, dev)
+        opt.zero_grad()
+        loss = F.mse_loss(ddp(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    params = [p.detach().cpu() for p in model.parameters()]
+
+    ref = _model().to(dev)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    for step in range(steps):
+        grads = None
+        for r in range(world):
+            ref.zero_grad()
+            x, y = _batch(r, step, dev)
+            F.mse_loss(ref(x), y).backward()
+            g = [p.grad.detach().clone() for p in ref.parameters()]
+            grads = g if grads is None else [a + b for a, b in zip(grads, g)]
+        for p, g in zip(ref.parameters(), grads):
+            p.grad = g / world
+        ref_opt.step()
+    dist.destroy_process_group()
+    return {
+        "params": params,
+        "reference": [p.detach().cpu() for p in ref.parameters()],
+        "losses": losses,
+    }
+
+
+# -- a rank that dies ------------------------------------------------------------------------------
+
+
+def dying_world_rank(
+    rank: int, world: int, init_file: str, device: int, victim: int
+) -> dict[str, Any]:
+    """All_reduces (checked) in a loop; prints ``ready`` after the first. The test kills the
+    victim; the others must see SmddpRankFailedError within seconds."""
+    from smddp.backend.errors import SmddpBackendError
+
+    dev = init(rank, world, init_file, device)
+    print(f"pid {os.getpid()}", flush=True)
+    total = float(sum(range(1, world + 1)))
+    x = torch.empty(8 << 20, device=dev)
+    ops = 0
+    try:
+        while True:
+            x.fill_(rank + 1)
+            dist.all_reduce(x)
+            if ops == 0:
+                if not bool((x == total).all()):
+                    raise AssertionError("wrong all_reduce result before the failure")
+                print("ready", flush=True)
+            ops += 1
+            if rank == victim and ops > 5:
+                time.sleep(0.001)
+    except SmddpBackendError as exc:
+        return {
+            "type": type(exc).__name__,
+            "message": str(exc),
+            "failed_at": time.time(),
+            "ops": ops,
+        }
+
+
+def after_death_rank(rank: int, world: int, init_file: str, device: int) -> list[str]:
+    """A fresh job on the same daemon after another job's rank died: GPU ops still work."""
+    dev = init(rank, world, init_file, device)
+    check = Checker(rank)
+    ins = [host_values(r, 1 << 20, torch.float32, salt=3) for r in range(world)]
+    x = to_torch(ins[rank], dev)
+    dist.all_reduce(x)
+    check.same("all_reduce after another job's rank died", x, host_reduce(ins, pb.SUM))
+    dist.destroy_process_group()
+    return check.failures

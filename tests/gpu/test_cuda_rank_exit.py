@@ -1,0 +1,62 @@
+"""A rank that dies in the middle of GPU ops: the others fail within seconds naming it, the
+daemon survives, and a new job's GPU ops on the same daemon work."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+import signal
+import time
+
+import pytest
+from cuda_world import rank_env, requires_gpu
+
+pytestmark = requires_gpu
+
+WORLD = 3
+VICTIM = 2
+BOUND_S = 10.0
+
+
+def _pid(r) -> int:
+    for line in r.stdout:
+        m = re.fullmatch(r"pid (\d+)\n?", line)
+        if m:
+            return int(m.group(1))
+    raise AssertionError(f"rank {r.rank} printed no pid: {r.stdout}")
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_killed_mid_op(daemon, spawn_ranks, tmp_path) -> None:
+    from cuda_ranks import after_death_rank, dying_world_rank
+
+    env = rank_env(daemon.socket)
+    ranks = spawn_ranks(
+        dying_world_rank, WORLD, WORLD, str(tmp_path / "init"), 0, VICTIM, env=env, timeout_s=120
+    )
+    ranks.wait_for("ready")
+    time.sleep(0.5)  # well inside the loop of large GPU all_reduces
+    victim = ranks.ranks[VICTIM]
+    pid = _pid(victim)
+    killed_at = time.time()
+    os.kill(pid, signal.SIGKILL)
+    victim.proc.wait()
+    results = []
+    for r in ranks.ranks:
+        if r.rank == VICTIM:
+            continue
+        r.proc.wait(timeout=60)
+        assert r.proc.returncode == 0, r.failure()
+        with open(r.folder / "result", "rb") as f:
+            results.append(pickle.load(f))
+    for got in results:
+        assert got["type"] == "SmddpRankFailedError", got
+        assert f"rank {VICTIM} (pid {pid}" in got["message"], got["message"]
+        assert got["failed_at"] - killed_at < BOUND_S, got
+    assert daemon.proc.poll() is None, f"smddpd died:\n{daemon.log()}"
+    # The daemon's GPU side still works for a new job.
+    failures = spawn_ranks(
+        after_death_rank, 2, 2, str(tmp_path / "init2"), 0, env=env, timeout_s=120
+    ).join()
+    assert not [f for result in failures for f in result]
