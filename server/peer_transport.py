@@ -136,7 +136,8 @@ class CommPeers:
         self._cond = threading.Condition()
         self._closed = False
         self._failure: str | None = None
-        self._gone: set[int] = set()  # nodes that said BYE
+        self._gone: set[int] = set()  # nodes that said BYE on every connection
+        self._byes: dict[int, int] = {}  # BYEs received per node
         for node in range(len(node_ids)):
             if node > my_node:
                 threading.Thread(target=self._connect, args=(node,), name="smddp-peer-connect", daemon=True).start()
@@ -292,6 +293,7 @@ class CommPeers:
     # -- receiving ----------------------------------------------------------------------------
 
     def _receive(self, node: int, sock: socket.socket) -> None:
+        said_bye = False  # this connection's end, announced: its EOF is no failure
         try:
             while True:
                 fields = HEADER.unpack(_recv_exact(sock, HEADER.size))
@@ -310,8 +312,13 @@ class CommPeers:
                 if ftype == FRAME_HEARTBEAT:
                     continue
                 if ftype == FRAME_BYE:
+                    said_bye = True
                     with self._cond:
-                        self._gone.add(node)
+                        # The node's last frames may still travel on its other connections;
+                        # it is gone once each of them has brought its BYE.
+                        self._byes[node] = self._byes.get(node, 0) + 1
+                        if self._byes[node] >= len(self._socks.get(node, ())):
+                            self._gone.add(node)
                         self._cond.notify_all()
                     continue
                 if self._metrics is not None and nbytes:
@@ -323,9 +330,11 @@ class CommPeers:
                               count, root, reduce_op, src_node, payload)
                 self._deliver(frame)
         except TimeoutError:
-            self._lost(node, f"silent for {HEARTBEAT_TIMEOUT_S:.0f} s (no heartbeat: partitioned or hung)")
+            if not said_bye:
+                self._lost(node, f"silent for {HEARTBEAT_TIMEOUT_S:.0f} s (no heartbeat: partitioned or hung)")
         except (OSError, ConnectionError, struct.error) as exc:
-            self._lost(node, f"connection broke ({exc})")
+            if not said_bye:
+                self._lost(node, f"connection broke ({exc})")
         finally:
             sock.close()
 
