@@ -122,6 +122,17 @@ class Runtime(Protocol):
 
 
 @dataclass
+class _Opened:
+    """A handle opened in this daemon, shared by every rank entry that names it: a handle
+    opens once per process (one rank in two communicators sends the same ones)."""
+
+    obj: Any  # the mapped address, or the event
+    device: int
+    size: int = 0
+    refs: int = 0
+
+
+@dataclass
 class _Mapping:
     handle: bytes
     address: int
@@ -196,6 +207,8 @@ class GpuOps:
             weakref.WeakKeyDictionary()
         )
         self._devices: dict[bytes, int] = {}
+        self._memory: dict[bytes, _Opened] = {}
+        self._events: dict[bytes, _Opened] = {}
         self._peers: set[tuple[int, int]] = set()
         # What to release once the work queued before it has finished: (events marking that
         # point on every stream, with their devices; the release).
@@ -228,17 +241,21 @@ class GpuOps:
         if cached is not None:
             handles.events.move_to_end(handle)
             return cached[0]
-        try:
-            event = self.rt.open_event(handle, device)
-        except CudaCallError as exc:
-            raise InvalidRequest(
-                f"{session.label()}: cannot open its {what} event: {exc}"
-            ) from None
-        handles.events[handle] = (event, device)
+        opened = self._events.get(handle)
+        if opened is None:
+            try:
+                opened = _Opened(self.rt.open_event(handle, device), device)
+            except CudaCallError as exc:
+                raise InvalidRequest(
+                    f"{session.label()}: cannot open its {what} event: {exc}"
+                ) from None
+            self._events[handle] = opened
+        opened.refs += 1
+        handles.events[handle] = (opened.obj, device)
         while len(handles.events) > MAX_EVENTS_PER_RANK:
-            _, (old, old_device) = handles.events.popitem(last=False)
-            self._bury(handles, lambda e=old, d=old_device: self.rt.destroy_event(e, d))
-        return event
+            old, _ = handles.events.popitem(last=False)
+            self._bury(handles, lambda h=old: self._unref(self._events, h))
+        return opened.obj
 
     def _map(self, session: Session, handles: _RankHandles, buf: pb.CudaBuffer, device: int) -> int:
         """The daemon's address of ``buf``'s first byte, opening the allocation if needed
@@ -256,18 +273,23 @@ class GpuOps:
             self._bury_mapping(handles, mapping)
             mapping = None
         if mapping is None:
-            try:
-                address = self.rt.open_memory(buf.ipc_handle, device)
-            except CudaCallError as exc:
-                raise InvalidRequest(
-                    f"{session.label()}: cannot open the CUDA IPC handle of its allocation at "
-                    f"0x{buf.alloc_base:x}: {exc}"
-                ) from None
-            try:
-                size = self.rt.mapped_size(address)
-            except CudaCallError:
-                size = buf.alloc_bytes
-            mapping = _Mapping(buf.ipc_handle, address, device, size)
+            opened = self._memory.get(buf.ipc_handle)
+            if opened is None:
+                try:
+                    address = self.rt.open_memory(buf.ipc_handle, device)
+                except CudaCallError as exc:
+                    raise InvalidRequest(
+                        f"{session.label()}: cannot open the CUDA IPC handle of its allocation "
+                        f"at 0x{buf.alloc_base:x}: {exc}"
+                    ) from None
+                try:
+                    size = self.rt.mapped_size(address)
+                except CudaCallError:
+                    size = buf.alloc_bytes
+                opened = _Opened(address, device, size)
+                self._memory[buf.ipc_handle] = opened
+            opened.refs += 1
+            mapping = _Mapping(buf.ipc_handle, opened.obj, device, opened.size)
             handles.mappings[buf.alloc_base] = mapping
             while len(handles.mappings) > MAX_MAPPINGS_PER_RANK:
                 _, old = handles.mappings.popitem(last=False)
@@ -308,7 +330,21 @@ class GpuOps:
     # -- releasing ----------------------------------------------------------------------------
 
     def _bury_mapping(self, handles: _RankHandles, mapping: _Mapping) -> None:
-        self._bury(handles, lambda: self.rt.close_memory(mapping.address, mapping.device))
+        self._bury(handles, lambda: self._unref(self._memory, mapping.handle))
+
+    def _unref(self, table: dict[bytes, _Opened], handle: bytes) -> None:
+        """Drops one rank entry's reference; the last one closes the handle."""
+        opened = table.get(handle)
+        if opened is None:
+            return
+        opened.refs -= 1
+        if opened.refs > 0:
+            return
+        del table[handle]
+        if table is self._memory:
+            self.rt.close_memory(opened.obj, opened.device)
+        else:
+            self.rt.destroy_event(opened.obj, opened.device)
 
     def _bury(self, handles: _RankHandles, release: Callable[[], None]) -> None:
         """Runs ``release`` (in ``collect``) once the work queued so far on the streams of the
@@ -355,8 +391,8 @@ class GpuOps:
                 return
             for mapping in handles.mappings.values():
                 self._bury_mapping(handles, mapping)
-            for event, device in handles.events.values():
-                self._bury(handles, lambda e=event, d=device: self.rt.destroy_event(e, d))
+            for handle in handles.events:
+                self._bury(handles, lambda h=handle: self._unref(self._events, h))
         self.collect()
 
     def release_comm(self, comm: Communicator) -> None:

@@ -557,3 +557,23 @@ def test_releasing_a_rank_waits_only_for_its_own_communicators_work() -> None:
     ops.release_rank(sessions[0][1])
     marks = [c for c in rt.log[before:] if c[0] == "record"]
     assert marks and {c[2] for c in marks} == {stream_a}
+
+
+def test_a_rank_in_two_communicators_opens_its_handles_once() -> None:
+    rt = FakeRuntime()
+    ops = gpu.GpuOps(rt)
+    comms = [FakeComm("job j comm 0"), FakeComm("job j comm 1")]
+    bufs = [Buffer(rt.allocate(256), 0, 64, pb.FLOAT32) for _ in range(2)]
+    # The same two processes (same buffers, same events) as ranks of both communicators.
+    members = [[FakeSession(0), FakeSession(1)] for _ in comms]
+    for comm, sessions in zip(comms, members):
+        reqs = [
+            request(pb.ALL_REDUCE, pb.FLOAT32, 64, r, [b], [b], reduce_op=pb.SUM)
+            for r, b in enumerate(bufs)
+        ]
+        ops.execute(comm, [0, 1], sessions, reqs)
+    assert len(rt.calls("open_memory")) == 2 and all(n == 1 for n in rt.opened_events.values())
+    ops.release_rank(members[0][0])
+    assert not rt.calls("close_memory")  # the other communicator's entry still uses it
+    ops.release_rank(members[1][0])
+    assert [c[1] for c in rt.calls("close_memory")] == [rt.calls("open_memory")[0][3]]
