@@ -5,8 +5,8 @@ MASTER_ADDR, MASTER_PORT) and the rank's node (SMDDP_NODE_ID, SMDDP_SOCKET); SPE
 file that every rank reads, OUT the pickle this rank leaves its result in.
 
 Programs:
-- ``collectives``: every collective against references computed here, independently of
-  smddp. Inputs are deterministic functions of a key, so a rank rebuilds every other rank's
+- ``collectives``: every collective on the default group and on subgroups (each a layout of
+  its own), against references computed here, independently of smddp. Inputs are deterministic functions of a key, so a rank rebuilds every other rank's
   input. Reductions follow smddp's documented order across nodes: each node's ranks in rank
   order, then the node partials in node order (nodes ordered by their lowest rank), in the
   tensor's dtype, so floating-point results are expected bit for bit. A failed check is
@@ -537,7 +537,7 @@ def main() -> None:
         t1 = time.monotonic()
         result = PROGRAMS[program](spec)
         print(
-            f"TIMING init {t1 - t0:.2f} program {time.monotonic() - t1:.2f}",
+            f"rank {dist.get_rank()}: joined in {t1 - t0:.1f} s, {program} took {time.monotonic() - t1:.1f} s",
             file=sys.stderr,
             flush=True,
         )
