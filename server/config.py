@@ -34,6 +34,7 @@ class DaemonConfig:
     log_format: str = "text"  # text | json
     owner_pid: int = 0  # embedded daemon: exit once this process is gone and no rank is left
     chunk_bytes: int = 8 << 20  # arena footprint of one op chunk
+    gpu_chunk_bytes: int = 256 << 20  # most bytes one GPU reduction kernel launch covers
     default_timeout_s: float = 1800.0  # per-op timeout when the client sets none
     max_jobs: int = 64
     max_ranks_per_job: int = 4096
@@ -62,6 +63,8 @@ _HELP = {
     "log_format": "text or json",
     "owner_pid": "embedded mode: exit when this pid is gone and no rank is registered",
     "chunk_bytes": "arena bytes of one op chunk (large ops are cut and pipelined)",
+    "gpu_chunk_bytes": "GPU ops: most bytes one reduction kernel launch covers (a larger op "
+    "is several launches, between which other jobs' GPU work can run)",
     "default_timeout_s": "per-op timeout in seconds for clients that set none",
     "max_jobs": "most jobs served at once",
     "max_ranks_per_job": "largest world size of a communicator",

@@ -14,7 +14,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from smddp.server import notify, tls
+from smddp.server import gpu, notify, tls
 from smddp.server.config import DaemonConfig
 from smddp.server.data_socket import DataSocketServer
 from smddp.server.http import HttpServer
@@ -68,6 +68,7 @@ class Daemon:
 
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
+        gpu.configure(config.gpu_chunk_bytes)  # CuPy itself waits for the first GPU op
         self.metrics = Metrics()
         self.registry = Registry(config, self.metrics)
         self.metrics.watch(self.registry)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -41,10 +40,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Largest part of an op one kernel launch covers: a communicator's launches are queued one
-# after another, so other jobs' work on the same GPU can run between them.
+# Largest part of an op one kernel launch covers, unless configured (--gpu-chunk-bytes): a
+# communicator's launches are queued one after another, so other jobs' work on the same GPU
+# can run between them.
 LAUNCH_CHUNK_BYTES = 256 << 20
-ENV_LAUNCH_CHUNK_BYTES = "SMDDP_GPU_CHUNK_BYTES"
 # Mappings kept open per rank (least recently used closed first) and events per rank.
 MAX_MAPPINGS_PER_RANK = 4096
 MAX_EVENTS_PER_RANK = 1024
@@ -692,6 +691,13 @@ class _Work:
 
 _ops: GpuOps | None = None
 _ops_lock = threading.Lock()
+_chunk_bytes = LAUNCH_CHUNK_BYTES
+
+
+def configure(chunk_bytes: int) -> None:
+    """Sets the daemon's launch size (its configuration's gpu_chunk_bytes); imports nothing."""
+    global _chunk_bytes
+    _chunk_bytes = max(1 << 16, chunk_bytes)
 
 
 def ops(node_id: str = "") -> GpuOps:
@@ -705,9 +711,8 @@ def ops(node_id: str = "") -> GpuOps:
         if _ops is None:
             from smddp.server.gpu_runtime import CupyRuntime, GpuUnavailable
 
-            chunk = int(os.environ.get(ENV_LAUNCH_CHUNK_BYTES, LAUNCH_CHUNK_BYTES))
             try:
-                _ops = GpuOps(CupyRuntime(), chunk_bytes=max(1 << 16, chunk))
+                _ops = GpuOps(CupyRuntime(), chunk_bytes=_chunk_bytes)
             except GpuUnavailable as exc:
                 where = f"smddpd on node {node_id}" if node_id else "smddpd"
                 raise FailedPrecondition(f"{where} cannot carry GPU tensors: {exc}") from None
