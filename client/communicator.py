@@ -101,6 +101,19 @@ def _flat(array: np.ndarray, what: str, writable: bool = False) -> np.ndarray:
     return array.reshape(-1)
 
 
+def _part(template: pb.OpRequest, part: int, parts: int) -> pb.OpRequest:
+    """A copy of an op's request template for one of its parts."""
+    req = pb.OpRequest()
+    req.CopyFrom(template)
+    req.part, req.parts = part, parts
+    return req
+
+
+def _ranges(n: int, per: int, parts: int) -> list[tuple[int, int]]:
+    """The element ranges of an op's ``parts`` chunks of ``per`` elements out of ``n``."""
+    return [(p * per, min(n, (p + 1) * per)) for p in range(parts)]
+
+
 class Communicator:
     """The numpy collectives of one rank in one communicator."""
 
@@ -376,9 +389,7 @@ class Communicator:
 
     def _release(self, handle: Handle, template: pb.OpRequest, part: int) -> bool:
         """Sends one synchronising part of a direct op and waits for every rank's."""
-        req = pb.OpRequest()
-        req.CopyFrom(template)
-        req.part = part
+        req = _part(template, part, template.parts)
         req.request_id = next(self._ids)
         try:
             self.session.send(req)
@@ -412,13 +423,10 @@ class Communicator:
             handle, template = self._begin(kind, flat.dtype, flat.size, root, reduce_op)
             s = flat.dtype.itemsize
             per, parts = self._parts(flat.size, s)
-            for p in range(parts):
-                a, b = p * per, min(flat.size, (p + 1) * per)
+            for p, (a, b) in enumerate(_ranges(flat.size, per, parts)):
                 layout = _Layout()
                 off = layout.add((b - a) * s)
-                req = pb.OpRequest()
-                req.CopyFrom(template)
-                req.part, req.parts = p, parts
+                req = _part(template, p, parts)
                 self._submit(
                     handle, req, layout,
                     [(flat[a:b], off)] if send else [],
@@ -445,15 +453,12 @@ class Communicator:
             handle, template = self._begin(kind, src.dtype, src.size, root)
             s, w = src.dtype.itemsize, self.world_size
             per, parts = self._parts(src.size, s * (1 + w))
-            for p in range(parts):
-                a, b = p * per, min(src.size, (p + 1) * per)
+            for p, (a, b) in enumerate(_ranges(src.size, per, parts)):
                 n = b - a
                 layout = _Layout()
                 off_in = layout.add(n * s)
                 off_out = layout.add(n * s * w) if outs is not None else 0
-                req = pb.OpRequest()
-                req.CopyFrom(template)
-                req.part, req.parts = p, parts
+                req = _part(template, p, parts)
                 copy_out = [(o[a:b], off_out + r * n * s) for r, o in enumerate(outs)] if outs is not None else []
                 self._submit(
                     handle, req, layout, [(src[a:b], off_in)], copy_out,
@@ -479,15 +484,12 @@ class Communicator:
             handle, template = self._begin(kind, out.dtype, out.size, root, reduce_op)
             s, w = out.dtype.itemsize, self.world_size
             per, parts = self._parts(out.size, s * (1 + w))
-            for p in range(parts):
-                a, b = p * per, min(out.size, (p + 1) * per)
+            for p, (a, b) in enumerate(_ranges(out.size, per, parts)):
                 n = b - a
                 layout = _Layout()
                 off_in = layout.add(n * s * w) if ins is not None else 0
                 off_out = layout.add(n * s)
-                req = pb.OpRequest()
-                req.CopyFrom(template)
-                req.part, req.parts = p, parts
+                req = _part(template, p, parts)
                 copy_in = [(x[a:b], off_in + r * n * s) for r, x in enumerate(ins)] if ins is not None else []
                 self._submit(
                     handle, req, layout, copy_in, [(out[a:b], off_out)],
@@ -544,9 +546,7 @@ class Communicator:
                     off = layout.add((b - a) * s)
                     recvs.append((off, (b - a) * s))
                     copy_out.append((x[a:b], off))
-                req = pb.OpRequest()
-                req.CopyFrom(template)
-                req.part, req.parts = p, parts
+                req = _part(template, p, parts)
                 self._submit(handle, req, layout, copy_in, copy_out, {"send_blocks": sends, "recv_blocks": recvs})
             return handle
 
@@ -579,13 +579,10 @@ class Communicator:
             template = pb.OpRequest(seq=seq, kind=kind, dtype=WIRE_DTYPES[flat.dtype], count=flat.size, root=peer, tag=tag)
             handle = Handle(self, f"{what} #{seq}")
             per, parts = self._parts(flat.size, s)
-            for p in range(parts):
-                a, b = p * per, min(flat.size, (p + 1) * per)
+            for p, (a, b) in enumerate(_ranges(flat.size, per, parts)):
                 layout = _Layout()
                 off = layout.add((b - a) * s)
-                req = pb.OpRequest()
-                req.CopyFrom(template)
-                req.part, req.parts = p, parts
+                req = _part(template, p, parts)
                 region = (off, (b - a) * s)
                 if kind == pb.SEND:
                     self._submit(handle, req, layout, [(flat[a:b], off)], [], {"input": region})
