@@ -114,13 +114,12 @@ class CupyRuntime:
 
     def event_done(self, event: Any, device: int) -> bool:
         with self._on(device):
-            try:
-                self.rt.eventQuery(event)
-            except self.rt.CUDARuntimeError as exc:
-                if getattr(exc, "status", None) == _NOT_READY:
-                    return False
-                raise CudaCallError(f"cudaEventQuery: {exc}") from None
-            return True
+            status = self.rt.eventQuery(event)  # returns the status: 600 is "not ready yet"
+        if status == _NOT_READY:
+            return False
+        if status != 0:
+            raise CudaCallError(f"cudaEventQuery: CUDA error {status}")
+        return True
 
     def new_stream(self, device: int) -> Any:
         with self._on(device):

@@ -1,0 +1,191 @@
+"""server/gpu_runtime.py against a stand-in ``cupy`` module, where CuPy is not installed.
+
+The stand-in has the signatures of CuPy's ``cupy.cuda.runtime`` (statuses, return values,
+CUDARuntimeError with ``.status``), ``Device`` and ``ExternalStream`` contexts and
+``RawModule``; it records the calls, so these tests pin down how the daemon calls CuPy:
+which device is current, which flags go with IPC opens and copies, how a "not ready" event
+query and an already enabled peer are read, and the kernel's arguments.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from smddp import cuda_driver
+from smddp.server import gpu_kernels
+from smddp.server.gpu import CudaCallError
+from smddp.v1 import smddp_pb2 as pb
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("cupy") is not None, reason="the real CuPy is installed here"
+)
+
+
+class CUDARuntimeError(RuntimeError):
+    def __init__(self, status: int) -> None:
+        self.status = status
+        super().__init__(f"cudaError {status}")
+
+
+def fake_cupy(calls: list, devices: int = 2, peer_status: int = 0, query_status: int = 0):
+    current = {"device": 0, "stream": None}
+
+    class Device:
+        def __init__(self, d: int) -> None:
+            self.d = d
+
+        def __enter__(self):
+            self.prev, current["device"] = current["device"], self.d
+
+        def __exit__(self, *exc):
+            current["device"] = self.prev
+
+    class ExternalStream:
+        def __init__(self, ptr: int, device_id: int = -1) -> None:
+            self.ptr, self.device_id = ptr, device_id
+
+        def __enter__(self):
+            current["stream"] = self.ptr
+
+        def __exit__(self, *exc):
+            current["stream"] = None
+
+    class RawModule:
+        def __init__(self, code: str, options: tuple = ()) -> None:
+            calls.append(("RawModule", options, len(code)))
+
+        def get_function(self, name: str):
+            def launch(grid, block, args):
+                calls.append(
+                    ("launch", name, grid, block, args, current["device"], current["stream"])
+                )
+
+            return launch
+
+    def call(name, result=None):
+        def fn(*args):
+            calls.append((name, *args, current["device"]))
+            return result
+
+        return fn
+
+    def enable_peer(peer: int):
+        calls.append(("deviceEnablePeerAccess", peer, current["device"]))
+        if peer_status:
+            raise CUDARuntimeError(peer_status)
+
+    runtime = types.SimpleNamespace(
+        CUDARuntimeError=CUDARuntimeError,
+        getDeviceCount=lambda: devices,
+        getDeviceProperties=lambda d: {"multiProcessorCount": 132},
+        ipcOpenMemHandle=call("ipcOpenMemHandle", 0xD000),
+        ipcCloseMemHandle=call("ipcCloseMemHandle"),
+        ipcOpenEventHandle=call("ipcOpenEventHandle", 0xE000),
+        eventDestroy=call("eventDestroy"),
+        eventCreateWithFlags=call("eventCreateWithFlags", 0xE100),
+        eventQuery=call("eventQuery", query_status),
+        streamCreateWithFlags=call("streamCreateWithFlags", 0x5000),
+        streamDestroy=call("streamDestroy"),
+        streamWaitEvent=call("streamWaitEvent"),
+        eventRecord=call("eventRecord"),
+        streamSynchronize=call("streamSynchronize"),
+        deviceCanAccessPeer=lambda d, p: 1,
+        deviceEnablePeerAccess=enable_peer,
+        memcpyAsync=call("memcpyAsync"),
+    )
+    driver_mod = types.SimpleNamespace(CUDADriverError=type("CUDADriverError", (RuntimeError,), {}))
+    cuda = types.SimpleNamespace(
+        runtime=runtime, driver=driver_mod, Device=Device, ExternalStream=ExternalStream
+    )
+    return types.SimpleNamespace(cuda=cuda, RawModule=RawModule, __version__="fake")
+
+
+class FakeDriver:
+    def device_uuid(self, ordinal: int) -> bytes:
+        return bytes([ordinal]) * 16
+
+    def pointer_info(self, ptr: int) -> cuda_driver.PointerInfo:
+        return cuda_driver.PointerInfo(1, ptr - 4096, 1 << 20, 0, 2, True, 0)
+
+
+@pytest.fixture
+def runtime(monkeypatch: pytest.MonkeyPatch):
+    calls: list = []
+
+    def make(**kwargs):
+        monkeypatch.setitem(sys.modules, "cupy", fake_cupy(calls, **kwargs))
+        monkeypatch.setattr(cuda_driver, "driver", lambda: FakeDriver())
+        from smddp.server.gpu_runtime import CupyRuntime
+
+        return CupyRuntime(), calls
+
+    return make
+
+
+def test_ipc_handles_open_on_their_gpu_with_lazy_peer_access(runtime) -> None:
+    rt, calls = runtime()
+    assert rt.device_of(b"\1" * 16) == 1
+    with pytest.raises(CudaCallError, match="no GPU with UUID GPU-07070707"):
+        rt.device_of(b"\7" * 16)
+    assert rt.open_memory(b"h" * 64, 1) == 0xD000
+    assert calls[-1] == ("ipcOpenMemHandle", b"h" * 64, 1, 1)  # flag 1: lazy peer access, on GPU 1
+    assert rt.open_event(b"e" * 64, 1) == 0xE000 and calls[-1][-1] == 1
+    assert (
+        rt.mapped_size(0x10000) == (1 << 20) - 4096
+    )  # from the mapping's start to the allocation's end
+
+
+def test_event_queries_read_the_returned_status(runtime) -> None:
+    rt, _ = runtime(query_status=600)
+    assert rt.event_done(0xE100, 0) is False
+    rt, _ = runtime(query_status=0)
+    assert rt.event_done(0xE100, 0) is True
+    rt, _ = runtime(query_status=700)
+    with pytest.raises(CudaCallError, match="700"):
+        rt.event_done(0xE100, 0)
+
+
+def test_peer_access_already_enabled_is_fine(runtime) -> None:
+    rt, calls = runtime(peer_status=704)
+    rt.enable_peer(0, 1)
+    assert calls[-1] == ("deviceEnablePeerAccess", 1, 0)
+    rt, _ = runtime(peer_status=217)
+    with pytest.raises(CudaCallError, match="cudaDeviceEnablePeerAccess"):
+        rt.enable_peer(0, 1)
+
+
+def test_streams_events_and_copies(runtime) -> None:
+    rt, calls = runtime()
+    s = rt.new_stream(1)
+    assert calls[-1] == ("streamCreateWithFlags", 1, 1)  # non-blocking, on GPU 1
+    e = rt.new_event(1)
+    assert calls[-1] == ("eventCreateWithFlags", 2, 1)  # timing disabled
+    rt.wait_event(s, e, 1)
+    rt.record_event(e, s, 1)
+    rt.copy(s, 1, 0xA, 0xB, 64)
+    assert calls[-3:] == [
+        ("streamWaitEvent", s, e, 0, 1),
+        ("eventRecord", e, s, 1),
+        ("memcpyAsync", 0xA, 0xB, 64, 4, s, 1),  # cudaMemcpyDefault
+    ]
+    assert rt.max_grid(0) == 132 * 8
+
+
+def test_a_launch_passes_addresses_at_its_start_and_runs_on_the_stream(runtime) -> None:
+    rt, calls = runtime()
+    launch = gpu_kernels.Launch(start=1000, count=4096, vectorized=True, units=512, grid=2)
+    rt.reduce(0x5000, 1, pb.FLOAT32, pb.SUM, [0x1000, 0x9000], [0x1000], launch)
+    (module,) = [c for c in calls if c[0] == "RawModule"]
+    assert module[1] == ("--std=c++14",)
+    (_, name, grid, block, args, device, stream) = [c for c in calls if c[0] == "launch"][0]
+    assert name == gpu_kernels.kernel_name(pb.FLOAT32, pb.SUM, 2, 1, True)
+    assert (grid, block, device, stream) == ((2,), (gpu_kernels.BLOCK_THREADS,), 1, 0x5000)
+    assert all(isinstance(a, np.uint64) for a in args)
+    assert [int(a) for a in args] == [0x1000 + 4000, 0x9000 + 4000, 0x1000 + 4000, 512]
+    rt.reduce(0x5000, 1, pb.FLOAT32, pb.SUM, [0x1000, 0x9000], [0x1000], launch)
+    assert len([c for c in calls if c[0] == "RawModule"]) == 1  # compiled once
