@@ -16,6 +16,8 @@ import tomllib
 from smddp.wire import default_socket_path
 
 ENV_PREFIX = "SMDDP_"
+# Settings whose empty default means "worked out at start", not "off".
+_DERIVED = frozenset({"socket", "node_id", "advertise"})
 _KINDS: dict[str, type] = {"int": int, "float": float}
 
 
@@ -54,11 +56,11 @@ _HELP = {
     "socket": "unix socket of the local Node service (default /run/smddp/smddpd.sock, or a "
     "per-user runtime folder when /run/smddp is not writable)",
     "socket_group": "group allowed to use the socket besides the daemon's user",
-    "grpc_bind": "HOST:PORT of a TCP gRPC listener for health and status (default: none)",
+    "grpc_bind": "HOST:PORT of a TCP gRPC listener for health and status",
     "http_bind": "HOST:PORT serving /healthz, /readyz and /metrics; 'off' disables",
     "peer_bind": "HOST:PORT for connections from other nodes' daemons",
     "advertise": "HOST:PORT other daemons use to reach this one",
-    "node_id": "this node's identity (default: the host name)",
+    "node_id": "this node's identity (auto: the host name)",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
     "log_format": "text or json",
     "owner_pid": "embedded mode: exit when this pid is gone and no rank is registered",
@@ -91,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
         flag = "--" + f.name.replace("_", "-")
         env = ENV_PREFIX + f.name.upper()
         default = DaemonConfig.__dataclass_fields__[f.name].default
-        shown = default if default != "" else "auto"
+        shown = default if default != "" else ("auto" if f.name in _DERIVED else "none")
         kind = {"int": int, "float": float}.get(str(f.type), str)
         parser.add_argument(flag, type=kind, default=None, help=f"{_HELP[f.name]} (env {env}; default {shown})")
     return parser
