@@ -91,15 +91,19 @@ def token_proof(token: bytes, job_id: str, comm_id: str) -> bytes:
     return hmac.new(token, f"smddp-peer-v1/{job_id}/{comm_id}".encode(), hashlib.sha256).digest()
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
+def _recv_into(sock: socket.socket, view: memoryview) -> None:
+    """Fills ``view`` from ``sock``; raises ConnectionError if the peer closes first."""
+    got, n = 0, len(view)
     while got < n:
         k = sock.recv_into(view[got:])
         if k == 0:
             raise ConnectionError("connection closed by the peer")
         got += k
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    _recv_into(sock, memoryview(buf))
     return bytes(buf)
 
 
@@ -302,13 +306,7 @@ class CommPeers:
                 if magic != MAGIC or src_node != node or nbytes > MAX_PAYLOAD:
                     raise ConnectionError("malformed frame header")
                 payload = np.empty(nbytes, dtype=np.uint8)
-                view = memoryview(payload)
-                got = 0
-                while got < nbytes:
-                    k = sock.recv_into(view[got:])
-                    if k == 0:
-                        raise ConnectionError("connection closed by the peer")
-                    got += k
+                _recv_into(sock, memoryview(payload))
                 if ftype == FRAME_HEARTBEAT:
                     continue
                 if ftype == FRAME_BYE:
