@@ -12,6 +12,7 @@ environments, ``smddpctl status --json``, and the multi-node fixtures reused fro
   ``failure_rank.py`` (programs ``until_failure``, ``until_stopped``) instead of theirs.
 - ``loopback_daemons([args0, args1, ...])``: like ``loopback_nodes``, with extra daemon
   arguments per node (TLS certificates, say).
+- ``module_daemon``: an smddpd on a private socket shared by a whole test module.
 - ``daemon_at(socket, args=())``: an smddpd on a socket path of the test's choosing (the
   shared ``start_daemon`` picks its own), ready once health says SERVING; SIGTERM at the
   end must make it exit 0.
@@ -22,9 +23,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -129,6 +132,22 @@ def daemon_at(tmp_path: Path) -> Iterator[Callable[..., Any]]:
         if d.proc.stdout is not None:
             d.proc.stdout.close()
     assert not bad, "\n".join(bad)
+
+
+@pytest.fixture(scope="module")
+def module_daemon() -> Iterator[Any]:
+    """An smddpd on a private socket for a whole module; SIGTERM at the end must make it exit 0."""
+    folder = Path(tempfile.mkdtemp(prefix="smddp-test-"))
+    d = shared._launch(str(folder / "smddpd.sock"), (), shared.DAEMON_COMMAND, None, folder / "smddpd.log")
+    yield d
+    try:
+        if d.proc.poll() is None:
+            rc = d.stop(signal.SIGTERM)
+            assert rc == 0, f"smddpd exited with status {rc} after SIGTERM:\n{d.log()}"
+    finally:
+        if d.proc.stdout is not None:
+            d.proc.stdout.close()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture
