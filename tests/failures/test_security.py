@@ -222,6 +222,7 @@ def test_socket_group_may_connect_but_not_join_roots_job(daemon_at, open_dir, ot
     assert joined.returncode == 0, joined.stderr
     refusal = "job rootjob comm 0: uid 65534 may not join job rootjob, which belongs to uid 0"
     assert joined.stdout.strip() == f"REFUSED smddpd at {path} refused the arena: {refusal}", joined.stdout
+    print(joined.stdout.strip().removeprefix("REFUSED "))
     # ...and root's job did not notice: healthy, rank 1's slot free for root's own rank.
     (comm,) = status(path).comms
     assert comm.failed == "" and [r.rank for r in comm.ranks] == [0], comm
@@ -282,8 +283,9 @@ def test_wrong_token_and_replayed_secrets_are_refused(system_daemon):
     err = rpc_error(stub(path).Register, register_request(job_id="job-a", job_token=token_b, rank=1, world_size=2))
     assert err.code() == grpc.StatusCode.UNAUTHENTICATED
     assert err.details() == "job job-a comm 0 rank 1: wrong job token"
-    with pytest.raises(ConnectError, match="wrong job token"):
+    with pytest.raises(ConnectError, match="wrong job token") as info:
         connect("job-a", token_b, 1, 2, socket_path=path, arena_bytes=1 << 20)
+    print(info.value)
 
     # Job A's session id with job B's session secret, on every door.
     b0 = connect("job-b", token_b, 0, 1, socket_path=path, arena_bytes=1 << 20)
@@ -344,6 +346,7 @@ def test_limits_give_errors_that_name_them(start_daemon):
     with pytest.raises(ConnectError) as info:
         connect("second", token, 0, 1, socket_path=path, arena_bytes=1 << 20)
     assert str(info.value).endswith("the daemon already serves 1 jobs (--max-jobs)"), info.value
+    print(info.value)
 
     # A gRPC message over 4 MiB.
     err = rpc_error(stub(path).Register, register_request(job_id="first", node_id="n" * (5 << 20)))
