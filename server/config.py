@@ -35,7 +35,7 @@ class DaemonConfig:
     log_level: str = "INFO"
     log_format: str = "text"  # text | json
     owner_pid: int = 0  # embedded daemon: exit once this process is gone and no rank is left
-    chunk_bytes: int = 8 << 20  # arena footprint of one op chunk
+    chunk_bytes: int = 4 << 20  # arena footprint of one op chunk (4 MiB: a chunk stays in cache)
     gpu_chunk_bytes: int = 256 << 20  # most bytes one GPU reduction kernel launch covers
     default_timeout_s: float = 1800.0  # per-op timeout when the client sets none
     max_jobs: int = 64

@@ -480,15 +480,17 @@ class PeerListener:
                 sock.close()
                 return
             if not hmac.compare_digest(proof, token_proof(comm.token, job_id, comm_id)):
+                log.warning("refused a peer connection from %s: wrong job token for job %s", addr, job_id)
                 answer(HELLO_REFUSED, f"wrong job token for job {job_id}")
                 sock.close()
                 return
             if not 0 <= node < len(peers.node_ids) or node == peers.my_node:
+                log.warning("refused a peer connection from %s: node index %d is not a peer", addr, node)
                 answer(HELLO_REFUSED, f"node index {node} is not a peer of this node")
                 sock.close()
                 return
             answer(HELLO_OK, "")
             peers.adopt(node, sock)
         except (OSError, ConnectionError, UnicodeDecodeError, struct.error) as exc:
-            log.info("refused a peer connection from %s: %s", addr, exc)
+            log.warning("refused a peer connection from %s: %s", addr, exc)
             sock.close()

@@ -63,7 +63,7 @@ _FNS = {
 SMALL = 7
 CHUNKED_ARENA_BYTES = 1 << 20  # the daemon's chunk becomes a quarter: 256 KiB
 CHUNKED_ELEMENTWISE_BYTES = 400_000  # two chunks for every op on such a group
-DEFAULT_CHUNK_BYTES = 8 << 20
+DEFAULT_CHUNK_BYTES = 4 << 20
 BARRIER_DIR_ENV = "SMDDP_TEST_BARRIER_DIR"
 # new_group does not inherit init_process_group's timeout; a stuck op must fail, not hang.
 PG_TIMEOUT = timedelta(seconds=60)
@@ -608,7 +608,7 @@ def _redirected(c: Checks, section: str, body: Callable[..., None], *args: Any) 
 
 
 def check_large_default_chunk(c: Checks, g: Group) -> None:
-    """Ops that cross the daemon's default 8 MiB chunk on the default arena."""
+    """Ops that cross the daemon's default 4 MiB chunk on the default arena."""
     n_elem = DEFAULT_CHUNK_BYTES // 4 + DEFAULT_CHUNK_BYTES // 16 + 1
     n_wide = n_elem // (1 + g.size) + 1
     inp = Inputs()
@@ -990,7 +990,7 @@ def matrix_main(rank: int, world_size: int) -> dict[str, Any]:
     run_matrix(c, world, DTYPES, None, "small")
     for dtype in DTYPES:
         check_noncontiguous(c, world, dtype, "small")
-    # Crossing the default 8 MiB chunk.
+    # Crossing the default 4 MiB chunk.
     check_large_default_chunk(c, world)
     check_async(c, world, 300_001, "async")
     # A group on a 1 MiB arena: 256 KiB chunks, so every op below is cut and the ring wraps.

@@ -1,7 +1,7 @@
 """The collectives of backend "smddp" against references computed in the test.
 
 One world per world size (1, 2, 3, 4) runs every collective × every dtype × every reduce op
-on the default group (7 elements), across the default 8 MiB chunk, on a group with a 1 MiB
+on the default group (7 elements), across the default 4 MiB chunk, on a group with a 1 MiB
 arena (chunked, the ring wrapping around), asynchronously, into non-contiguous outputs and
 on subgroups (see collective_checks.py). Each test below reports one section of that run.
 A second, smaller world runs over the gRPC op channel; a fresh interpreter proves the

@@ -1,4 +1,4 @@
-"""Checks deploy/docker/Containerfile without a container engine: it copies everything the
+"""Checks deploy/docker/Dockerfile without a container engine: it copies everything the
 distribution is built from, the image runs smddpd as the user the Kubernetes manifests expect,
 and the daemon's install never brings torch."""
 
@@ -20,13 +20,13 @@ tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 pytestmark = pytest.mark.timeout(300)
 
 REPO = Path(__file__).resolve().parents[2]
-CONTAINERFILE = REPO / "deploy" / "docker" / "Containerfile"
+DOCKERFILE = REPO / "deploy" / "docker" / "Dockerfile"
 DAEMONSET = REPO / "deploy" / "kubernetes" / "base" / "daemonset.yaml"
 
 
 def _instructions() -> list[tuple[str, str]]:
     """(INSTRUCTION, arguments) pairs, with continuation lines joined and comments dropped."""
-    text = re.sub(r"\\\n", " ", CONTAINERFILE.read_text())
+    text = re.sub(r"\\\n", " ", DOCKERFILE.read_text())
     result = []
     for line in text.splitlines():
         line = line.strip()
@@ -79,7 +79,7 @@ def test_runs_smddpd_as_the_manifests_user() -> None:
     (container,) = daemonset["spec"]["template"]["spec"]["containers"]
     assert container["securityContext"]["runAsUser"] == int(uid)
     assert container["securityContext"]["runAsGroup"] == int(gid)
-    assert f"--gid {gid}" in CONTAINERFILE.read_text()
+    assert f"--gid {gid}" in DOCKERFILE.read_text()
     assert "--socket-group=smddp" in container["args"]
     assert re.search(r"groupadd .*--gid \d+ smddp", " ".join(a for _, a in instructions))
 
@@ -95,7 +95,7 @@ def test_install_excludes_torch() -> None:
 
 @pytest.mark.slow
 def test_wheel_builds_from_the_copied_files(tmp_path: Path) -> None:
-    """Build the wheel from only what the Containerfile copies, as its build stage does."""
+    """Build the wheel from only what the Dockerfile copies, as its build stage does."""
     context = tmp_path / "src"
     context.mkdir()
     for source in _build_stage_copies():
