@@ -600,3 +600,29 @@ def test_sd_notify_ready_watchdog_and_stopping(launch) -> None:
     finally:
         manager.close()
         shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.mark.timeout(120)
+def test_straggler_counter_names_the_rank_held_back(launch) -> None:
+    d = launch()
+    job, token = _job("straggler")
+    c0 = connect(job, token, 0, 2, socket_path=d.socket)
+    c1 = connect(job, token, 1, 2, socket_path=d.socket)
+    delay = 0.2
+    for _ in range(3):
+        a, b = np.ones(16, dtype=np.float32), np.ones(16, dtype=np.float32)
+        h0 = c0.all_reduce(a)
+        time.sleep(delay)  # rank 1 arrives late, on purpose
+        h1 = c1.all_reduce(b)
+        h0.wait()
+        h1.wait()
+    series = _scrape(d)
+    stragglers = {
+        dict(labels)["rank"]: v
+        for (name, labels), v in series.items()
+        if name == "smddp_straggler_total" and dict(labels).get("job") == job
+    }
+    assert stragglers == {"1": 3.0}, stragglers
+    assert _value(series, "smddp_arrival_skew_seconds_sum", op="all_reduce") >= 3 * delay
+    c0.close()
+    c1.close()
