@@ -21,6 +21,7 @@ import os
 import sys
 
 import numpy as np
+
 from smddp.client import connect
 from smddp.v1 import smddp_pb2 as pb
 

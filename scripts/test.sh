@@ -4,4 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/python scripts/gen_protos.py --check
+.venv/bin/ruff check .
 exec .venv/bin/python -m pytest -q -ra "$@"

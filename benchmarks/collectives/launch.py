@@ -65,7 +65,7 @@ def _rank_main(backend: str, rank: int, world: int, port: int, plan: Plan, out: 
         run_rank(backend, plan, lambda m: out.put(("measurement", rank, m)))
     except BenchmarkError as exc:
         out.put(("error", rank, f"{backend} n={world} rank {rank}: {exc}"))
-    except BaseException:  # noqa: BLE001 -- the parent must hear of any failure, then we exit
+    except BaseException:
         out.put(("error", rank, f"{backend} n={world} rank {rank}:\n{traceback.format_exc()}"))
     else:
         out.put(("done", rank, None))

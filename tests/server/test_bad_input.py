@@ -11,10 +11,10 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from smddp.client.arena import ClientArena
 from smddp.v1 import smddp_pb2 as pb
 from smddp.v1 import smddp_pb2_grpc as pb_grpc
-
 from smddp.wire import (
     DATA_SOCKET_SUFFIX,
     MAX_MESSAGE_BYTES,
@@ -179,7 +179,7 @@ def test_torch_bad_tensors(daemon, spawn_ranks, tmp_path):
     env = dict(os.environ, SMDDP_SOCKET=daemon.socket, SMDDP_EMBEDDED="0")
     seen = spawn_ranks(torch_bad_input, 2, 2, str(tmp_path / "init"), env=env).join()
 
-    for rank, s in enumerate(seen):
+    for s in seen:
         assert "got 3" in s["all_gather list"], s
         mismatch = s["size mismatch"]
         assert "rank 0" in mismatch and "rank 1" in mismatch, mismatch
@@ -233,7 +233,10 @@ def grpc_garbage(path: str) -> None:
     raw_stream(path, b"PRI * HTTP/2.0\r\n\r")  # a truncated preface
 
     with grpc.insecure_channel("unix:" + path) as channel:
-        raw = lambda method: channel.unary_unary(NODE + method)
+
+        def raw(method: str):
+            return channel.unary_unary(NODE + method)
+
         sound = register_request().SerializeToString()
         for what, payload in [("random bytes", rng.bytes(300)), ("a truncated message", sound[:9])]:
             for method in ("Register", "Deregister"):

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from smddp.server import config
 from smddp.server.config import DaemonConfig
 

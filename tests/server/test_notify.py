@@ -10,6 +10,7 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
+
 from smddp.server import notify as sd
 
 pytestmark = pytest.mark.timeout(30)
