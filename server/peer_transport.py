@@ -322,7 +322,9 @@ class CommPeers:
                 if self._metrics is not None and nbytes:
                     self._metrics.peer_bytes_received.labels(self.node_ids[node]).inc(nbytes)
                 if ftype == FRAME_ABORT:
-                    self.comm.fail(error_kind or pb.ABORTED, payload.tobytes().decode(errors="replace"), propagate=False)
+                    # Another node failed the communicator; it warns there. Here it is news only if an op
+                    # was waiting (fail() then warns anyway), e.g. not when its ranks simply left.
+                    self.comm.fail(error_kind or pb.ABORTED, payload.tobytes().decode(errors="replace"), propagate=False, log_level=logging.INFO)
                     continue
                 frame = Frame(ftype, kind, dtype, error_kind, seq, part, parts, round_, src_rank, dst_rank,
                               count, root, reduce_op, src_node, payload)
