@@ -91,7 +91,6 @@ def _launch(
     log_path: Path,
 ) -> DaemonProcess:
     full_env = dict(os.environ if env is None else env)
-    full_env.setdefault("SMDDP_DAEMON", "1")
     cmd = [
         *command,
         "--socket",
@@ -136,7 +135,7 @@ def socket_dir() -> Iterator[Path]:
 def start_daemon(socket_dir: Path) -> Iterator[Callable[..., DaemonProcess]]:
     """Starts smddpds: ``start_daemon(args=(), command=DAEMON_COMMAND, env=None, name="smddpd")``.
 
-    ``env`` replaces the environment (``SMDDP_DAEMON=1`` is added unless it says otherwise);
+    ``env`` replaces the environment;
     ``command`` is the program before ``--socket PATH --http-bind off --peer-bind
     127.0.0.1:0`` (private socket, no HTTP, a free loopback port for peers) and ``args``.
     """

@@ -87,7 +87,6 @@ def test_cuda_tensors_without_cuda_are_refused_before_anything_is_sent(
     daemon, spawn_ranks, tmp_path
 ) -> None:
     env = dict(os.environ, SMDDP_SOCKET=daemon.socket, SMDDP_EMBEDDED="0")
-    env.pop("SMDDP_DAEMON", None)
     results = spawn_ranks(every_collective_refuses, 2, 2, str(tmp_path / "init"), env=env).join()
     for messages in results:
         for line in messages:

@@ -70,7 +70,6 @@ def train(rank: int, world: int, backend: str, init_file: str, hooks: list[str])
 def rank_env(daemon) -> dict[str, str]:
     """The ranks' environment: the fixture's daemon and no embedded fallback."""
     env = dict(os.environ, SMDDP_SOCKET=daemon.socket, SMDDP_EMBEDDED="0")
-    env.pop("SMDDP_DAEMON", None)
     return env
 
 

@@ -388,7 +388,6 @@ def test_a_daemon_without_cupy_fails_gpu_ops_clearly(daemon, spawn_ranks) -> Non
     if importlib.util.find_spec("cupy") is not None:
         pytest.skip("CuPy is installed here: the daemon would try the GPU")
     env = dict(os.environ)
-    env.pop("SMDDP_DAEMON", None)
     results = spawn_ranks(refused_gpu_rank, 2, daemon.socket, secrets.token_hex(16), env=env).join()
     for first, second in results:
         assert "cannot carry GPU tensors: CuPy is not installed" in first

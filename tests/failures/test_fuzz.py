@@ -133,7 +133,7 @@ def target(module_daemon: Any) -> Iterator[Target]:
     folder = Path(tempfile.mkdtemp(prefix="smddp-fuzz-"))
     stop_file = folder / "stop"
     token = secrets.token_hex(16)
-    env = {k: v for k, v in os.environ.items() if k != "SMDDP_DAEMON"}
+    env = dict(os.environ)
     steady = []
     for r in range(2):
         with open(folder / f"rank{r}.err", "wb") as err:

@@ -52,5 +52,4 @@ def layouts(world: int) -> list[list[int]]:
 def rank_env(socket_path: str, **extra: str) -> dict[str, str]:
     """A rank's environment: the test's daemon, no embedded fallback."""
     env = dict(os.environ, SMDDP_SOCKET=socket_path, SMDDP_EMBEDDED="0", **extra)
-    env.pop("SMDDP_DAEMON", None)
     return env

@@ -285,7 +285,6 @@ def launch_world(tmp_path: Path) -> Iterator[Callable[..., World]]:
             node = nodes[n]
             local = [r for r in range(rank) if node_of_rank[r] == n]
             rank_env = dict(os.environ)
-            rank_env.pop("SMDDP_DAEMON", None)
             rank_env.update(
                 RANK=str(rank),
                 WORLD_SIZE=str(world),

@@ -66,7 +66,6 @@ def _clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = {
         k: v for k, v in os.environ.items() if not k.startswith("SMDDP_") and k not in _FOREIGN_ENV
     }
-    env["SMDDP_DAEMON"] = "1"
     env.update(extra or {})
     return env
 
