@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Creates .venv with smddp installed (editable) and its torch and test extras.
+# Creates .venv with smddp installed (editable) and its torch, test and ucx extras (ucx: the optional UCX transport, so that its tests run).
 # torch is pinned to 2.13.0 and installed first: an unpinned torch would pull a multi-GB
 # CUDA build on a CPU-only machine.
 set -euo pipefail
@@ -11,5 +11,5 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet "torch==2.13.0"
-.venv/bin/python -m pip install --quiet -e ".[torch,test]"
+.venv/bin/python -m pip install --quiet -e ".[torch,test,ucx]"
 echo "smddp is installed in $(pwd)/.venv"
