@@ -79,7 +79,10 @@ def start_embedded_daemon(tried: list[str] | None = None, peer_host: str | None 
         "--socket", path,
         "--owner-pid", str(os.getpid()),
         "--http-bind", "off",
-        *(["--peer-bind", "0.0.0.0:0", "--advertise", peer_host] if peer_host else ["--peer-bind", "off"]),
+        *(
+            ["--peer-bind", "0.0.0.0:0", "--data-port", "0", "--ucx-port", "0", "--advertise", peer_host]
+            if peer_host else ["--peer-bind", "off"]
+        ),
         "--log-level", os.environ.get("SMDDP_EMBEDDED_LOG_LEVEL", "WARNING"),
     ]
     proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True)

@@ -354,9 +354,9 @@ class Communicator:
                     multinode.execute(self, by_rank, dict(zip(pending.participants, arenas)))  # type: ignore[arg-type]
         except PeerError as exc:
             msg = f"{self.name()}: {exc}"
-            self.fail(pb.RANK_FAILED, msg)
+            self.fail(exc.kind, msg)
             for s, r in zip(sessions, reqs):
-                self._reply_error(s, r, self._failed[0] if self._failed else pb.RANK_FAILED, self._failed[1] if self._failed else msg)
+                self._reply_error(s, r, self._failed[0] if self._failed else exc.kind, self._failed[1] if self._failed else msg)
             return
         except SmddpError as exc:
             msg = str(exc) if str(exc).startswith(self.name()) else f"{self.name()}: {exc}"

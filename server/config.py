@@ -29,7 +29,10 @@ class DaemonConfig:
     socket_group: str = ""  # group that may also use the socket and join jobs
     grpc_bind: str = ""  # optional TCP listener for health and status (Kubernetes probes)
     http_bind: str = "127.0.0.1:9464"  # /healthz /readyz /metrics; "off" disables
-    peer_bind: str = "0.0.0.0:7470"  # daemon-to-daemon listener
+    peer_bind: str = "0.0.0.0:7470"  # daemon-to-daemon control (gRPC Peer service)
+    data_port: int = 7472  # daemon-to-daemon data over TCP, on peer_bind's host; 0 = any free port
+    peer_transport: str = "tcp"  # tcp | ucx: what carries a job's bytes between nodes
+    ucx_port: int = 7473  # UCX listener when peer_transport is ucx; 0 = any free port
     advertise: str = ""  # peer address other daemons use; "" derives it from peer_bind
     node_id: str = ""  # identity of this node; "" uses the host name
     log_level: str = "INFO"
@@ -58,7 +61,14 @@ _HELP = {
     "socket_group": "group allowed to use the socket besides the daemon's user",
     "grpc_bind": "HOST:PORT of a TCP gRPC listener for health and status",
     "http_bind": "HOST:PORT serving /healthz, /readyz and /metrics; 'off' disables",
-    "peer_bind": "HOST:PORT for connections from other nodes' daemons",
+    "peer_bind": "HOST:PORT of the control service (gRPC) for other nodes' daemons; 'off' "
+    "serves one node only",
+    "data_port": "TCP port, on the --peer-bind host, of the data connections from other nodes' "
+    "daemons (0: any free port; other daemons learn it when they join)",
+    "peer_transport": "what carries a job's bytes between nodes: tcp, or ucx (UCX stream "
+    "endpoints: RDMA where the site's UCX has it; needs pip install 'smddp[ucx]'); every "
+    "daemon of a job must use the same",
+    "ucx_port": "port of the UCX listener with --peer-transport ucx (0: any free port)",
     "advertise": "HOST:PORT other daemons use to reach this one",
     "node_id": "this node's identity (auto: the host name)",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
@@ -72,7 +82,8 @@ _HELP = {
     "max_ranks_per_job": "largest world size of a communicator",
     "max_arena_bytes": "largest arena a rank may attach",
     "tls_cert": "PEM certificate for mutual TLS with other nodes' daemons (with --tls-key and "
-    "--tls-ca; every node must use TLS, and any certificate the CA signed is accepted)",
+    "--tls-ca; every node must use TLS; the certificate must name this node's id as a DNS "
+    "subject alternative name, which the daemons that connect to it check)",
     "tls_key": "PEM private key of --tls-cert",
     "tls_ca": "PEM CA certificates that other daemons' certificates must be signed by",
 }
@@ -145,6 +156,14 @@ def load(argv: list[str] | None = None, environ: dict[str, str] | None = None) -
     tls = [values.get(name, "") for name in ("tls_cert", "tls_key", "tls_ca")]
     if any(tls) and not all(tls):
         parser.error("tls_cert, tls_key and tls_ca go together: set all three or none")
+    transport = values.get("peer_transport", "tcp")
+    if transport not in ("tcp", "ucx"):
+        parser.error(f"peer_transport: {transport!r} is not one of tcp, ucx")
+    if transport == "ucx" and any(tls):
+        parser.error("peer_transport ucx carries no TLS: use tcp with --tls-cert, or ucx on a trusted network without it")
+    for name in ("data_port", "ucx_port"):
+        if not 0 <= values.get(name, 0) <= 65535:
+            parser.error(f"{name}: {values[name]} is not a port number (0..65535)")
     level = values.get("log_level", "INFO")
     if not isinstance(logging.getLevelName(level.upper()), int):
         parser.error(f"log_level: {level!r} is not one of DEBUG, INFO, WARNING, ERROR")

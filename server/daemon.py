@@ -19,7 +19,8 @@ from smddp.server.config import DaemonConfig
 from smddp.server.data_socket import DataSocketServer
 from smddp.server.http import HttpServer
 from smddp.server.metrics import Metrics
-from smddp.server.peer_transport import PeerListener, parse_address
+from smddp.server.peer_control import PeerControl, PeerService, server_credentials
+from smddp.server.peer_transport import PeerNetwork, parse_address
 from smddp.server.registry import Registry
 from smddp.server.service import NodeService
 from smddp.server.topology import advertise_address
@@ -79,7 +80,8 @@ class Daemon:
         self.http: HttpServer | None = None
         self._grpc: grpc.Server | None = None
         self._tcp: grpc.Server | None = None
-        self._peers: PeerListener | None = None
+        self._peers: PeerNetwork | None = None
+        self._peer_grpc: grpc.Server | None = None
         self._watchdog_pinger = notify.Watchdog(healthy=self.alive)
         self._data: DataSocketServer | None = None
         self._orphaned_at: float | None = None
@@ -110,14 +112,8 @@ class Daemon:
             options=[("grpc.max_receive_message_length", 4 << 20), ("grpc.so_reuseport", 0)],
             interceptors=[RefuseUndecodable()],
         )
-        server_tls = None
-        if cfg.tls_cert:
-            server_tls, self.registry.peer_tls = tls.contexts(cfg.tls_cert, cfg.tls_key, cfg.tls_ca)
         if cfg.peer_bind and cfg.peer_bind != "off":
-            self._peers = PeerListener(cfg.peer_bind, self.registry.find_comm, tls=server_tls)
-            self._peers.start()
-            host = parse_address(cfg.peer_bind)[0]
-            self.registry.peer_address = advertise_address(host, self._peers.port, cfg.advertise)
+            self._start_peers()
         pb_grpc.add_NodeServicer_to_server(NodeService(self.registry), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
@@ -159,8 +155,44 @@ class Daemon:
         self._watchdog_pinger.start()
         log.info(
             "smddpd serving on %s (node %s, pid %d, peers %s)",
-            cfg.socket, cfg.node_id, os.getpid(), self.registry.peer_address or "off",
+            cfg.socket, cfg.node_id, os.getpid(),
+            f"{self.registry.peer_address}, data over {cfg.peer_transport} port {self._peers.data_port}"
+            if self._peers is not None else "off",
         )
+
+    def _start_peers(self) -> None:
+        """The Peer service (gRPC) on --peer-bind, and the data listener on its host."""
+        cfg = self.config
+        host = parse_address(cfg.peer_bind)[0]
+        tls_files = (cfg.tls_cert, cfg.tls_key, cfg.tls_ca) if cfg.tls_cert else None
+        transport = pb.UCX if cfg.peer_transport == "ucx" else pb.TCP
+        self._peers = PeerNetwork(
+            host, cfg.data_port, transport, self.registry.find_comm, PeerControl(tls_files), cfg.ucx_port,
+            tls=tls.contexts(*tls_files) if tls_files else None,
+        )
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="smddp-peer-rpc"),
+            options=[("grpc.max_receive_message_length", 1 << 20), ("grpc.so_reuseport", 0)],
+            interceptors=[RefuseUndecodable()],
+        )
+        pb_grpc.add_PeerServicer_to_server(PeerService(self.registry, transport, self._peers.data_port), server)
+        try:
+            if tls_files:
+                port = server.add_secure_port(cfg.peer_bind, server_credentials(*tls_files))
+            else:
+                port = server.add_insecure_port(cfg.peer_bind)
+        except RuntimeError as exc:
+            port, detail = 0, f": {exc}"
+        else:
+            detail = ""
+        if not port:
+            self._peers.stop()
+            raise RuntimeError(f"cannot listen for other daemons on {cfg.peer_bind} (--peer-bind){detail}")
+        server.start()
+        self._peer_grpc = server
+        self._peers.start()
+        self.registry.network = self._peers
+        self.registry.peer_address = advertise_address(host, port, cfg.advertise)
 
     def stop(self, grace_s: float = 2.0) -> None:
         """Reports NOT_SERVING, fails every job's ops with a clear error, closes the sockets."""
@@ -177,6 +209,8 @@ class Daemon:
             self._grpc.stop(grace_s).wait()
         if self._tcp is not None:
             self._tcp.stop(0).wait()
+        if self._peer_grpc is not None:
+            self._peer_grpc.stop(0).wait()
         if self._peers is not None:
             self._peers.stop()
         if self.http is not None:

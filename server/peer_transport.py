@@ -1,14 +1,16 @@
-"""Daemon-to-daemon data connections over TCP, per communicator.
+"""Daemon-to-daemon data connections, per communicator.
 
-For every pair of nodes of a communicator the lower node opens ``SOCKETS_PER_PEER`` TCP
-connections to the higher one and proves it knows the job token. Frames then flow both
-ways: DATA (a header and the chunk's bytes, received with ``recv_into`` straight into a
-buffer), ABORT (a failure on one node fails the communicator on all), and HEARTBEAT (every
-second; a connection silent for ``HEARTBEAT_TIMEOUT_S`` means the peer is gone, which a
-partition or a crashed host would otherwise hide for minutes).
+For every pair of nodes of a communicator the lower node asks the higher one's Peer service
+(gRPC, ``peer_control``) to join, which checks the job token and the layout and answers with
+its data port; the lower node then opens ``CONNECTIONS_PER_PEER`` data connections there, TCP
+(TLS when configured) or UCX (``--peer-transport``), and proves the token again on each.
+Frames then flow both ways: DATA (a header and the chunk's bytes, received straight into a
+buffer), HEARTBEAT (every second; a connection silent for ``HEARTBEAT_TIMEOUT_S`` means the
+peer is gone, which a partition or a crashed host would otherwise hide for minutes) and BYE.
 
-Control travels on the same connections as the data on purpose: if the data path to a node
-is broken, its control path must count as broken too.
+Liveness is judged on the data connections on purpose: if the data path to a node is broken,
+the node counts as lost, whatever its control service says. Aborts travel over the Peer
+service, so that they reach a node whose data connections are not up yet.
 """
 
 from __future__ import annotations
@@ -24,26 +26,31 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
+import grpc
 import numpy as np
 
 from smddp.server.tls import TlsSocket
 from smddp.v1 import smddp_pb2 as pb
+from smddp.wire import rank_list
 
 if TYPE_CHECKING:
     from smddp.server.communicator import Communicator
     from smddp.server.metrics import Metrics
+    from smddp.server.peer_control import PeerControl
+    from smddp.server.ucx_transport import UcxNode
 
 log = logging.getLogger(__name__)
 
-SOCKETS_PER_PEER = 2
+CONNECTIONS_PER_PEER = 2
 HEARTBEAT_PERIOD_S = 1.0
 HEARTBEAT_TIMEOUT_S = 5.0
 CONNECT_RETRY_S = 0.1
+ABORT_WAIT_S = 2.0  # how long a failing node waits for its Abort calls to be answered
+STATUS_WAIT_S = 2.0  # how long a timed-out receive waits for the silent node's status
 
 FRAME_DATA = 1
-FRAME_ABORT = 2
 FRAME_HEARTBEAT = 3
 FRAME_BYE = 4  # the sender's ranks have all left; its EOF that follows is not a failure
 
@@ -57,8 +64,44 @@ HELLO_OK, HELLO_RETRY, HELLO_REFUSED = 0, 1, 2
 MAX_PAYLOAD = 1 << 34
 
 
+RETRYABLE_JOIN = frozenset({grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+
+
+def _tls_refusal(details: str, tls: bool, node_id: str) -> str | None:
+    """Why a failed Join will fail again, when gRPC's ``details`` tell of a TLS mismatch."""
+    low = details.lower()
+    if "hostname verification" in low:
+        return (
+            f"TLS: its certificate does not name node {node_id} (a daemon's certificate must carry "
+            f"its node id as a DNS subject alternative name): {details}"
+        )
+    if "handshake failed" in low:
+        hint = "" if "certificate_verify_failed" in low else " (do both daemons run with --tls-cert, --tls-key and --tls-ca of the same CA?)"
+        return f"TLS handshake failed: {details}{hint}"
+    if "socket closed" in low:
+        # A daemon closes a connection unanswered when the TLS handshake fails on its side.
+        if tls:
+            return f"it closed the connection in the TLS handshake: does it trust our certificate's CA (--tls-ca)? ({details})"
+        return "it closed our connection unanswered: it takes peer connections over TLS only (--tls-cert), and this daemon has no TLS"
+    return None
+
+
+class Connection(Protocol):
+    """What a data connection offers: a TCP socket, a ``TlsSocket`` or a ``UcxConnection``."""
+
+    def settimeout(self, seconds: float | None) -> None: ...
+    def sendall(self, data: bytes | bytearray | memoryview) -> None: ...
+    def recv_into(self, view: memoryview) -> int: ...
+    def shutdown(self, how: int) -> None: ...
+    def close(self) -> None: ...
+
+
 class PeerError(Exception):
     """A peer exchange could not complete; the message names the node."""
+
+    def __init__(self, message: str, kind: int = pb.RANK_FAILED) -> None:
+        super().__init__(message)
+        self.kind = kind  # the ErrorKind the communicator fails with
 
 
 @dataclass
@@ -91,7 +134,7 @@ def token_proof(token: bytes, job_id: str, comm_id: str) -> bytes:
     return hmac.new(token, f"smddp-peer-v1/{job_id}/{comm_id}".encode(), hashlib.sha256).digest()
 
 
-def _recv_into(sock: socket.socket, view: memoryview) -> None:
+def _recv_into(sock: Connection, view: memoryview) -> None:
     """Fills ``view`` from ``sock``; raises ConnectionError if the peer closes first."""
     got, n = 0, len(view)
     while got < n:
@@ -101,7 +144,7 @@ def _recv_into(sock: socket.socket, view: memoryview) -> None:
         got += k
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: Connection, n: int) -> bytes:
     buf = bytearray(n)
     _recv_into(sock, memoryview(buf))
     return bytes(buf)
@@ -123,17 +166,17 @@ class CommPeers:
         node_ids: Sequence[str],
         addresses: Sequence[str],
         metrics: Metrics | None,
-        tls: ssl.SSLContext | None = None,
+        network: PeerNetwork,
     ) -> None:
         self.comm = comm
-        self._tls = tls
+        self.network = network
         self.my_node = my_node
         self.node_ids = list(node_ids)
         self.addresses = list(addresses)
         self._metrics = metrics
         self._proof = token_proof(comm.token, comm.job_id, comm.comm_id)
-        self._socks: dict[int, list[socket.socket]] = {}
-        self._send_locks: dict[socket.socket, threading.Lock] = {}
+        self._socks: dict[int, list[Connection]] = {}
+        self._send_locks: dict[Connection, threading.Lock] = {}
         self._rr = itertools.count()
         self._mail: dict[tuple, Frame] = {}
         self._waiters: dict[tuple, Callable[[Frame], None]] = {}
@@ -152,18 +195,51 @@ class CommPeers:
     def peer_nodes(self) -> list[int]:
         return [n for n in range(len(self.node_ids)) if n != self.my_node]
 
+    def peer_request(self) -> pb.PeerRequest:
+        """What every call to another node's Peer service starts with."""
+        return pb.PeerRequest(job_id=self.comm.job_id, comm_id=self.comm.comm_id, node=self.my_node, proof=self._proof)
+
+    def _join(self, node: int, deadline: float) -> int | None:
+        """Asks ``node``'s Peer service to join; its data port, or None once the node is lost."""
+        stub = self.network.control.stub(self.addresses[node], self.node_ids[node])
+        request = pb.JoinRequest(peer=self.peer_request(), node_ids=self.node_ids, transport=self.network.transport)
+        while not self._closed:
+            try:
+                timeout = max(0.1, min(HEARTBEAT_TIMEOUT_S, deadline - time.monotonic()))
+                return stub.Join(request, timeout=timeout).data_port
+            except grpc.RpcError as exc:
+                code, details = exc.code(), exc.details() or str(exc.code())
+                details = details.split("last error: ", 1)[-1]  # not gRPC's "failed to connect to all addresses"
+            log.debug("%s: joining node %s: %s: %s", self.comm.name(), self.node_ids[node], code, details)
+            refusal = _tls_refusal(details, self.network.tls, self.node_ids[node])
+            if refusal is not None:
+                self._lost(node, f"refused our connection: {refusal}")
+                return None
+            if code not in RETRYABLE_JOIN:
+                self._lost(node, f"refused to join: {details}")
+                return None
+            if time.monotonic() > deadline:
+                if self._metrics is not None:
+                    self._metrics.peer_errors.labels(self.node_ids[node]).inc()
+                self._lost(node, f"did not let this node join within {self.comm.timeout_s:.0f} s ({details})")
+                return None
+            time.sleep(CONNECT_RETRY_S)
+        return None
+
     def _connect(self, node: int) -> None:
-        host, port = parse_address(self.addresses[node])
         deadline = time.monotonic() + self.comm.timeout_s
-        for _ in range(SOCKETS_PER_PEER):
+        port = self._join(node, deadline)
+        if port is None:
+            return
+        host = parse_address(self.addresses[node])[0]
+        job, comm = self.comm.job_id.encode(), self.comm.comm_id.encode()
+        hello = HELLO.pack(HELLO_MAGIC, len(job), len(comm), self.my_node) + job + comm + self._proof
+        for _ in range(CONNECTIONS_PER_PEER):
             while not self._closed:
+                sock: Connection | None = None
                 try:
-                    sock = socket.create_connection((host, port), timeout=HEARTBEAT_TIMEOUT_S)
-                    if self._tls is not None:
-                        sock = TlsSocket(sock, self._tls, server_side=False)  # type: ignore[assignment]
-                        sock.handshake()
-                    job, comm = self.comm.job_id.encode(), self.comm.comm_id.encode()
-                    sock.sendall(HELLO.pack(HELLO_MAGIC, len(job), len(comm), self.my_node) + job + comm + self._proof)
+                    sock = self.network.dial(host, port, self.node_ids[node])
+                    sock.sendall(hello)
                     status = _recv_exact(sock, 1)[0]
                     (n,) = struct.unpack("!H", _recv_exact(sock, 2))
                     message = _recv_exact(sock, n).decode(errors="replace")
@@ -174,9 +250,8 @@ class CommPeers:
                     )
                     status, message = HELLO_REFUSED, f"TLS handshake failed: {exc}{hint}"
                 except OSError as exc:
-                    status, message = HELLO_RETRY, str(exc)
-                    sock = None  # type: ignore[assignment]
-                if status == HELLO_OK:
+                    status, message = HELLO_RETRY, f"data connection to {host}:{port}: {exc}"
+                if status == HELLO_OK and sock is not None:
                     self.adopt(node, sock)
                     break
                 if sock is not None:
@@ -191,9 +266,8 @@ class CommPeers:
                     return
                 time.sleep(CONNECT_RETRY_S)
 
-    def adopt(self, node: int, sock: socket.socket) -> None:
+    def adopt(self, node: int, sock: Connection) -> None:
         """Takes an established, authenticated connection to ``node`` into service."""
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.settimeout(HEARTBEAT_TIMEOUT_S)
         with self._cond:
             if self._closed:
@@ -214,7 +288,7 @@ class CommPeers:
 
     # -- sending ------------------------------------------------------------------------------
 
-    def _socket_for(self, node: int, deadline: float) -> socket.socket:
+    def _socket_for(self, node: int, deadline: float) -> Connection:
         with self._cond:
             while not self._socks.get(node):
                 self._check_open()
@@ -264,19 +338,48 @@ class CommPeers:
             self._metrics.peer_bytes_sent.labels(self.node_ids[node]).inc(nbytes)
 
     def abort(self, kind: int, message: str) -> None:
-        """Tells every peer node that the communicator failed (best effort)."""
-        data = message.encode()[:65536]
-        for node in self.peer_nodes():
-            with self._cond:
-                socks = list(self._socks.get(node, ()))
-            if not socks:
-                continue
-            header = HEADER.pack(MAGIC, FRAME_ABORT, 0, 0, kind, 0, 0, 0, 0, -1, -1, 0, 0, 0, len(data), self.my_node)
-            with self._send_locks[socks[0]]:
-                try:
-                    socks[0].sendall(header + data)
-                except OSError:
-                    pass
+        """Tells every peer node's Peer service that the communicator failed.
+
+        The calls run at once and are waited for up to ``ABORT_WAIT_S``, so that the news
+        arrives before this node's BYE (which would otherwise read as a clean leave). A node
+        that cannot be told learns it anyway: its data connections break or fall silent.
+        """
+        request = pb.AbortRequest(peer=self.peer_request(), kind=kind, message=message[:65536])
+
+        def tell(node: int) -> None:
+            try:
+                self.network.control.stub(self.addresses[node], self.node_ids[node]).Abort(request, timeout=ABORT_WAIT_S)
+            except grpc.RpcError as exc:
+                log.info("%s: could not tell node %s of the failure: %s", self.comm.name(), self.node_ids[node], exc.details())
+
+        threads = [threading.Thread(target=tell, args=(node,), name="smddp-peer-abort", daemon=True) for node in self.peer_nodes()]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + ABORT_WAIT_S
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+
+    def describe_node(self, node: int) -> str:
+        """What ``node`` says it waits for, from its Peer service, as a sentence."""
+        name = f"node {self.node_ids[node]}"
+        try:
+            stub = self.network.control.stub(self.addresses[node], self.node_ids[node])
+            status = stub.PeerStatus(pb.PeerStatusRequest(peer=self.peer_request()), timeout=STATUS_WAIT_S).comm
+        except grpc.RpcError as exc:
+            return f"{name} does not answer either ({exc.details() or exc.code()})"
+        if status.failed:
+            return f"{name} says the communicator failed there: {status.failed}"
+        if not status.pending:
+            ranks = self.comm.nodes[node]
+            return (
+                f"{name} says {rank_list(ranks)} {'has' if len(ranks) == 1 else 'have'} not called it "
+                f"({status.ops_completed} ops completed there)"
+            )
+        waits = [
+            f"op #{p.seq} {p.description} waits for {rank_list(list(p.missing_ranks))} since {p.waited_seconds:.1f} s"
+            for p in status.pending
+        ]
+        return f"{name} says " + "; ".join(waits)
 
     def _heartbeat(self) -> None:
         header = HEADER.pack(MAGIC, FRAME_HEARTBEAT, 0, 0, 0, 0, 0, 0, 0, -1, -1, 0, 0, 0, 0, self.my_node)
@@ -296,7 +399,7 @@ class CommPeers:
 
     # -- receiving ----------------------------------------------------------------------------
 
-    def _receive(self, node: int, sock: socket.socket) -> None:
+    def _receive(self, node: int, sock: Connection) -> None:
         said_bye = False  # this connection's end, announced: its EOF is no failure
         try:
             while True:
@@ -319,13 +422,10 @@ class CommPeers:
                             self._gone.add(node)
                         self._cond.notify_all()
                     continue
+                if ftype != FRAME_DATA:
+                    raise ConnectionError(f"unknown frame type {ftype}")
                 if self._metrics is not None and nbytes:
                     self._metrics.peer_bytes_received.labels(self.node_ids[node]).inc(nbytes)
-                if ftype == FRAME_ABORT:
-                    # Another node failed the communicator; it warns there. Here it is news only if an op
-                    # was waiting (fail() then warns anyway), e.g. not when its ranks simply left.
-                    self.comm.fail(error_kind or pb.ABORTED, payload.tobytes().decode(errors="replace"), propagate=False, log_level=logging.INFO)
-                    continue
                 frame = Frame(ftype, kind, dtype, error_kind, seq, part, parts, round_, src_rank, dst_rank,
                               count, root, reduce_op, src_node, payload)
                 self._deliver(frame)
@@ -366,12 +466,16 @@ class CommPeers:
                     raise PeerError(f"op #{seq}: the ranks of node {self.node_ids[node]} have all left the communicator")
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise PeerError(
-                        f"op #{seq}: node {self.node_ids[node]} sent nothing within "
-                        f"{self.comm.timeout_s:.0f} s (its ranks never arrived?)"
-                    )
+                    break
                 self._cond.wait(min(remaining, 0.5))
-            return self._mail.pop(key)
+            else:
+                return self._mail.pop(key)
+        # Outside the lock: ask the silent node what holds it up, to name the rank.
+        raise PeerError(
+            f"op #{seq}: node {self.node_ids[node]} sent nothing within {self.comm.timeout_s:.0f} s: "
+            f"{self.describe_node(node)}",
+            kind=pb.TIMEOUT,
+        )
 
     def on_p2p(self, src_rank: int, dst_rank: int, seq: int, part: int, callback: Callable[[Frame], None]) -> None:
         """Calls ``callback`` with the matching p2p frame, now or when it arrives."""
@@ -418,22 +522,55 @@ class CommPeers:
                     pass
 
 
-class PeerListener:
-    """Accepts other daemons' connections and hands them to their communicators."""
+class PeerNetwork:
+    """This daemon's side of the network between node daemons: the clients of other daemons'
+    Peer services, and where their data connections are accepted (TCP, or UCX).
+
+    Accepted data connections start with a HELLO naming the job, communicator and node, with
+    the token's proof; ``handshake`` hands them to their communicator or refuses them,
+    logging why.
+    """
 
     def __init__(
-        self, bind: str, find_comm: Callable[[str, str], Communicator | None], tls: ssl.SSLContext | None = None
+        self,
+        host: str,
+        data_port: int,
+        transport: int,
+        find_comm: Callable[[str, str], Communicator | None],
+        control: PeerControl,
+        ucx_port: int = 0,
+        tls: tuple[ssl.SSLContext, ssl.SSLContext] | None = None,
     ) -> None:
-        host, port = parse_address(bind)
+        self.transport = transport
+        self.control = control
+        self._find = find_comm
+        self._server_tls, self._client_tls = tls if tls is not None else (None, None)
+        self.tls = tls is not None
+        self._stopping = False
+        self._ucx: UcxNode | None = None
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host or "0.0.0.0", port))
+        try:
+            self._sock.bind((host or "0.0.0.0", data_port))
+        except OSError as exc:
+            self._sock.close()
+            raise OSError(exc.errno, f"cannot listen for data connections on {host}:{data_port} (--data-port): {exc.strerror}") from None
         self._sock.listen(256)
-        self.port = self._sock.getsockname()[1]
-        self._find = find_comm
-        self._tls = tls
-        self._stopping = False
+        self.tcp_port: int = self._sock.getsockname()[1]
+        if transport == pb.UCX:
+            from smddp.server.ucx_transport import UcxNode, unavailable_reason
+
+            reason = unavailable_reason()
+            if reason is not None:
+                self._sock.close()
+                raise RuntimeError(f"--peer-transport ucx: {reason}")
+            self._ucx = UcxNode(ucx_port, self.handshake)
+
+    @property
+    def data_port(self) -> int:
+        """The port other daemons open data connections to, on this daemon's transport."""
+        return self._ucx.port if self._ucx is not None else self.tcp_port
 
     def start(self) -> None:
         threading.Thread(target=self._accept_loop, name="smddp-peer-accept", daemon=True).start()
@@ -445,6 +582,29 @@ class PeerListener:
         except OSError:
             pass
         self._sock.close()
+        if self._ucx is not None:
+            self._ucx.stop()
+        self.control.close()
+
+    def dial(self, host: str, port: int, node_id: str) -> Connection:
+        """A data connection to the daemon of ``node_id`` at ``host:port``, before its HELLO.
+
+        Raises:
+            OSError: no connection (retry); ssl.SSLError: the TLS handshake failed.
+        """
+        if self._ucx is not None:
+            return self._ucx.connect(host, port, HEARTBEAT_TIMEOUT_S)
+        sock = socket.create_connection((host, port), timeout=HEARTBEAT_TIMEOUT_S)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self._client_tls is None:
+            return sock
+        tls = TlsSocket(sock, self._client_tls, server_side=False, server_hostname=node_id)
+        try:
+            tls.handshake()
+        except BaseException:
+            sock.close()
+            raise
+        return tls
 
     def _accept_loop(self) -> None:
         while not self._stopping:
@@ -452,22 +612,31 @@ class PeerListener:
                 sock, addr = self._sock.accept()
             except OSError:
                 return
-            threading.Thread(target=self._hello, args=(sock, addr), name="smddp-peer-hello", daemon=True).start()
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=self._accept_tcp, args=(sock, f"{addr[0]}:{addr[1]}"), name="smddp-peer-hello", daemon=True).start()
 
-    def _hello(self, sock: socket.socket, addr: tuple) -> None:
-        def answer(status: int, message: str) -> None:
-            data = message.encode()
-            sock.sendall(bytes([status]) + struct.pack("!H", len(data)) + data)
-
+    def _accept_tcp(self, sock: socket.socket, who: str) -> None:
         try:
             sock.settimeout(HEARTBEAT_TIMEOUT_S)
-            if self._tls is not None:
+            if self._server_tls is not None:
                 if sock.recv(len(HELLO_MAGIC), socket.MSG_PEEK | socket.MSG_WAITALL) == HELLO_MAGIC:
-                    answer(HELLO_REFUSED, "this daemon takes peer connections over TLS only (--tls-cert)")
+                    _answer(sock, HELLO_REFUSED, "this daemon takes peer connections over TLS only (--tls-cert)")
                     sock.close()
                     return
-                sock = TlsSocket(sock, self._tls, server_side=True)  # type: ignore[assignment]
-                sock.handshake()
+                tls = TlsSocket(sock, self._server_tls, server_side=True)
+                tls.handshake()
+                self.handshake(tls, who)
+                return
+        except (OSError, ConnectionError) as exc:
+            log.warning("refused a peer connection from %s: %s", who, exc)
+            sock.close()
+            return
+        self.handshake(sock, who)
+
+    def handshake(self, sock: Connection, who: str) -> None:
+        """Reads an accepted data connection's HELLO; adopts the connection or refuses it."""
+        try:
+            sock.settimeout(HEARTBEAT_TIMEOUT_S)
             magic, job_len, comm_len, node = HELLO.unpack(_recv_exact(sock, HELLO.size))
             if magic != HELLO_MAGIC:
                 tls_hint = " (it speaks TLS: this daemon has no --tls-cert)" if magic[:2] == b"\x16\x03" else ""
@@ -478,21 +647,26 @@ class PeerListener:
             comm = self._find(job_id, comm_id)
             peers = comm.peers if comm is not None else None
             if comm is None or peers is None:
-                answer(HELLO_RETRY, f"job {job_id} comm {comm_id} is not registered here yet")
+                _answer(sock, HELLO_RETRY, f"job {job_id} comm {comm_id} is not registered here yet")
                 sock.close()
                 return
             if not hmac.compare_digest(proof, token_proof(comm.token, job_id, comm_id)):
-                log.warning("refused a peer connection from %s: wrong job token for job %s", addr, job_id)
-                answer(HELLO_REFUSED, f"wrong job token for job {job_id}")
+                log.warning("refused a peer connection from %s: wrong job token for job %s", who, job_id)
+                _answer(sock, HELLO_REFUSED, f"wrong job token for job {job_id}")
                 sock.close()
                 return
             if not 0 <= node < len(peers.node_ids) or node == peers.my_node:
-                log.warning("refused a peer connection from %s: node index %d is not a peer", addr, node)
-                answer(HELLO_REFUSED, f"node index {node} is not a peer of this node")
+                log.warning("refused a peer connection from %s: node index %d is not a peer", who, node)
+                _answer(sock, HELLO_REFUSED, f"node index {node} is not a peer of this node")
                 sock.close()
                 return
-            answer(HELLO_OK, "")
+            _answer(sock, HELLO_OK, "")
             peers.adopt(node, sock)
         except (OSError, ConnectionError, UnicodeDecodeError, struct.error) as exc:
-            log.warning("refused a peer connection from %s: %s", addr, exc)
+            log.warning("refused a peer connection from %s: %s", who, exc)
             sock.close()
+
+
+def _answer(sock: Connection, status: int, message: str) -> None:
+    data = message.encode()
+    sock.sendall(bytes([status]) + struct.pack("!H", len(data)) + data)

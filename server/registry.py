@@ -6,7 +6,6 @@ import logging
 import os
 import re
 import secrets
-import ssl
 import threading
 import time
 
@@ -21,7 +20,7 @@ from smddp.server.errors import (
     Unauthenticated,
 )
 from smddp.server.metrics import Metrics
-from smddp.server.peer_transport import CommPeers, parse_address
+from smddp.server.peer_transport import CommPeers, PeerNetwork, parse_address
 from smddp.server.session import Session
 from smddp.v1 import smddp_pb2 as pb
 
@@ -49,7 +48,7 @@ class Registry:
         # HOST:PORT other daemons reach this one at; "" when the peer listener is off.
         self.peer_address = ""
         # Client side of mutual TLS toward other daemons (--tls-cert); None: plain TCP.
-        self.peer_tls: ssl.SSLContext | None = None
+        self.network: PeerNetwork | None = None  # set by the daemon when peers are enabled
         self._lock = threading.Lock()
 
     # -- joining ------------------------------------------------------------------------------
@@ -104,7 +103,7 @@ class Registry:
                     comm.attach_peers(
                         CommPeers(
                             comm, my_node, [n.node_id for n in req.nodes], [n.peer_address for n in req.nodes],
-                            self.metrics, tls=self.peer_tls,
+                            self.metrics, self.network,
                         )
                     )
                 self._comms[key] = comm
@@ -165,7 +164,7 @@ class Registry:
             raise InvalidRequest(f"{where}: the layout places {len(seen)} of {req.world_size} ranks")
         my_node = next(i for i, ranks in enumerate(nodes) if req.rank in ranks)
         if len(nodes) > 1:
-            if not self.peer_address:
+            if not self.peer_address or self.network is None:
                 raise FailedPrecondition(
                     f"{where}: the job spans {len(nodes)} nodes but this daemon accepts no peer "
                     "connections (--peer-bind off)"

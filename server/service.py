@@ -98,8 +98,13 @@ class NodeService(pb_grpc.NodeServicer):
         return self._registry.status(__version__)
 
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoReply:
+        network = self._registry.network
         return pb.InfoReply(
-            node_id=self._registry.config.node_id, peer_address=self._registry.peer_address, version=__version__
+            node_id=self._registry.config.node_id,
+            peer_address=self._registry.peer_address,
+            version=__version__,
+            peer_transport=network.transport if network is not None else pb.TRANSPORT_UNSPECIFIED,
+            data_port=network.data_port if network is not None else 0,
         )
 
     def Topology(self, request: pb.TopologyRequest, context: grpc.ServicerContext) -> pb.TopologyReply:

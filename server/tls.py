@@ -1,8 +1,9 @@
 """Mutual TLS on the connections between node daemons (``--tls-cert/--tls-key/--tls-ca``).
 
 Both ends present a certificate and require one from the other, signed by the configured
-CA: the CA is the trust boundary, so host names are not checked (daemons reach each other
-by the addresses in the job's layout, often bare IPs).
+CA. The connecting daemon also checks that the other's certificate names the node id that
+the job's layout gives for that address (as a DNS subject alternative name): daemons reach
+each other by bare IPs, but every node has an id.
 
 ``TlsSocket`` runs TLS through memory BIOs over a connected TCP socket. The peer transport
 receives on one thread while others send; an ``ssl.SSLSocket`` is a single OpenSSL object,
@@ -33,7 +34,7 @@ def contexts(cert: str, key: str, ca: str) -> tuple[ssl.SSLContext, ssl.SSLConte
         ctx.load_cert_chain(cert, key)
         ctx.load_verify_locations(cafile=ca)
         ctx.verify_mode = ssl.CERT_REQUIRED
-    client.check_hostname = False
+    client.check_hostname = True  # against the node id: TlsSocket(server_hostname=...)
     return server, client
 
 
@@ -44,11 +45,13 @@ class TlsSocket:
     ``settimeout``, ``setsockopt``, ``shutdown`` and ``close``.
     """
 
-    def __init__(self, sock: socket.socket, context: ssl.SSLContext, server_side: bool) -> None:
+    def __init__(
+        self, sock: socket.socket, context: ssl.SSLContext, server_side: bool, server_hostname: str | None = None
+    ) -> None:
         self._sock = sock
         self._in = ssl.MemoryBIO()
         self._out = ssl.MemoryBIO()
-        self._tls = context.wrap_bio(self._in, self._out, server_side=server_side)
+        self._tls = context.wrap_bio(self._in, self._out, server_side=server_side, server_hostname=server_hostname)
         self._lock = threading.Lock()  # the TLS object and its BIOs
         self._flush_lock = threading.Lock()  # ciphertext leaves in the order it was made
 

@@ -99,6 +99,10 @@ def _launch(
         "off",
         "--peer-bind",
         "127.0.0.1:0",
+        "--data-port",
+        "0",
+        "--ucx-port",
+        "0",
         *args,
     ]
     with open(log_path, "wb") as log:
@@ -137,7 +141,8 @@ def start_daemon(socket_dir: Path) -> Iterator[Callable[..., DaemonProcess]]:
 
     ``env`` replaces the environment;
     ``command`` is the program before ``--socket PATH --http-bind off --peer-bind
-    127.0.0.1:0`` (private socket, no HTTP, a free loopback port for peers) and ``args``.
+    127.0.0.1:0 --data-port 0 --ucx-port 0`` (private socket, no HTTP, free ports for peers)
+    and ``args``.
     """
     started: list[DaemonProcess] = []
 

@@ -9,6 +9,8 @@ Programs:
 - ``checked_ops``: a few all_reduces and a broadcast, checked; returns how many ran.
 - ``until_stopped``: all_reduces (checked) until the parent writes a line to stdin;
   prints ``ready`` after the first; returns how many ran and when each one ended.
+- ``late_rank``: one all_reduce, then rank ``spec["late"]`` sleeps ``spec["late_s"]``
+  before the second; returns the second's error class and message.
 """
 
 from __future__ import annotations
@@ -86,7 +88,25 @@ def checked_ops(spec: dict[str, Any]) -> dict[str, Any]:
     return {"ops": 2 * len(sizes) + 1}
 
 
-PROGRAMS = {"until_failure": until_failure, "until_stopped": until_stopped, "checked_ops": checked_ops}
+def late_rank(spec: dict[str, Any]) -> dict[str, Any]:
+    from smddp.backend.errors import SmddpBackendError
+
+    _checked_all_reduce(0)
+    if dist.get_rank() == spec["late"]:
+        time.sleep(spec["late_s"])
+    try:
+        _checked_all_reduce(1)
+    except SmddpBackendError as exc:
+        return {"type": type(exc).__name__, "message": str(exc)}
+    return {"type": None}
+
+
+PROGRAMS = {
+    "until_failure": until_failure,
+    "until_stopped": until_stopped,
+    "checked_ops": checked_ops,
+    "late_rank": late_rank,
+}
 
 
 def main() -> None:

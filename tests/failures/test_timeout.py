@@ -6,6 +6,9 @@ group with a long timeout, rank 2 holds back until the parent has seen the waiti
 sleeps through an all_reduce: ranks 0 and 1 get SmddpTimeoutError naming rank 2 (its pid
 and node), the op, and how long they waited; rank 2, arriving late, gets the same error;
 ``smddpctl status`` shows the communicator failed with that message.
+
+Across nodes, the node whose peer stays silent asks that node's Peer service what holds it
+up, so the message still names the rank that never arrived.
 """
 
 from __future__ import annotations
@@ -122,3 +125,22 @@ def test_timeout_names_who_never_arrived(system_daemon, rank_env, ctl_status, sp
             assert TIMEOUT_S <= got["seconds"] < TIMEOUT_S + 1.0, f"rank {rank} waited {got['seconds']:.2f} s"
     assert len(failed) == 1 and failed[0]["failed"] == message, failed
     assert failed[0]["pending"] == [], failed
+
+
+@pytest.mark.timeout(120)
+def test_timeout_across_nodes_names_the_rank_on_the_silent_node(loopback_daemons, launch_failure_world):
+    nodes = loopback_daemons([(), ()])
+    # Ranks 0 and 1 on node0, rank 2 alone on node1, late: node1 has no op in flight.
+    results = launch_failure_world(
+        "late_rank", nodes, [0, 0, 1], {"late": 2, "late_s": 3 * TIMEOUT_S, "pg_timeout_s": TIMEOUT_S}
+    ).join()
+    message = results[0]["message"]
+    print(message)
+    assert re.fullmatch(
+        r"job j[0-9a-f]{16} comm 0: op #\d+: node node1 sent nothing within 2 s: node node1 says rank 2 has "
+        r"not called it \(\d+ ops completed there\)",
+        message,
+    ), message
+    for rank, got in enumerate(results):
+        assert got["type"] == "SmddpTimeoutError", f"rank {rank}: {got}"
+        assert got["message"] == message, f"rank {rank}: {got['message']!r}"

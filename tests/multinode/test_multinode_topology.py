@@ -29,7 +29,7 @@ def smddpctl(*args: str) -> str:
 
 
 def peer_address(daemon) -> str:
-    found = re.search(r"peers (\S+?)\)", daemon.log())
+    found = re.search(r"peers ([^\s,)]+)", daemon.log())
     assert found, daemon.log()
     return found.group(1)
 

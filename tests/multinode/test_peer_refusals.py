@@ -1,8 +1,10 @@
-"""A peer connection that lacks the job token, speaks garbage, or sends a chunk of the wrong size is
-refused with a reason (issue 3, "Bad input and faults"), and nothing reaches the job's results.
+"""A peer that lacks the job token, speaks garbage, disagrees about the job, or sends a chunk of
+the wrong size is refused with a reason (issue 3, "Bad input and faults"), and nothing reaches
+the job's results.
 
 One real daemon listens for peers on loopback; a real numpy rank registers as the only rank of
-node "a" of a two-node communicator, and the test plays node "b" by hand over raw TCP.
+node "a" of a two-node communicator, and the test plays node "b" by hand: gRPC calls to the
+daemon's Peer service, and raw TCP to its data port.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import secrets
 import socket
 import struct
 
+import grpc
 import numpy as np
 import pytest
 
@@ -27,6 +30,7 @@ from smddp.server.peer_transport import (
     token_proof,
 )
 from smddp.v1 import smddp_pb2 as pb
+from smddp.v1 import smddp_pb2_grpc as pb_grpc
 
 JOB, COMM = "jpeer", "0"
 TOKEN = b"t" * 32
@@ -59,16 +63,62 @@ def _hello(port: int, proof: bytes, node: int = 1) -> tuple[socket.socket, int, 
     return sock, status, sock.recv(n).decode()
 
 
+def _peer_service_refusals(address: str) -> None:
+    """Join, PeerStatus and Abort without the token, or with a different view of the job."""
+    good = pb.PeerRequest(job_id=JOB, comm_id=COMM, node=1, proof=token_proof(TOKEN, JOB, COMM))
+    forged = pb.PeerRequest(job_id=JOB, comm_id=COMM, node=1, proof=secrets.token_bytes(32))
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.PeerStub(channel)
+
+        def refused(call, request) -> tuple[grpc.StatusCode, str]:
+            with pytest.raises(grpc.RpcError) as info:
+                call(request, timeout=10)
+            return info.value.code(), info.value.details()
+
+        wrong_token = (grpc.StatusCode.PERMISSION_DENIED, f"wrong job token for job {JOB}")
+        assert refused(stub.Join, pb.JoinRequest(peer=forged, node_ids=["a", "b"], transport=pb.TCP)) == wrong_token
+        assert refused(stub.Abort, pb.AbortRequest(peer=forged, kind=pb.ABORTED, message="forged")) == wrong_token
+        assert refused(stub.PeerStatus, pb.PeerStatusRequest(peer=forged)) == wrong_token
+        code, message = refused(stub.Join, pb.JoinRequest(peer=good, node_ids=["a", "c"], transport=pb.TCP))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION
+        assert message == f"job {JOB} comm {COMM}: node b lists the nodes ['a', 'c'] where node a lists ['a', 'b']"
+        code, message = refused(stub.Join, pb.JoinRequest(peer=good, node_ids=["a", "b"], transport=pb.UCX))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION
+        assert message.startswith("node b carries data over ucx and node a over tcp")
+        code, message = refused(stub.Join, pb.JoinRequest(peer=good, node_ids=["a", "b"], transport=pb.TCP))
+        assert (code, message) == (grpc.StatusCode.INVALID_ARGUMENT, f"job {JOB} comm {COMM}: the node of lower index joins the higher, not node b")
+        stranger = pb.PeerRequest(job_id=JOB, comm_id=COMM, node=7, proof=good.proof)
+        assert refused(stub.PeerStatus, pb.PeerStatusRequest(peer=stranger))[0] == grpc.StatusCode.INVALID_ARGUMENT
+        unknown = pb.PeerRequest(job_id="nojob", comm_id=COMM, node=1, proof=good.proof)
+        assert refused(stub.Join, pb.JoinRequest(peer=unknown))[0] == grpc.StatusCode.NOT_FOUND
+        # Node a's rank waits in its all_reduce; the Peer service tells who it waits for.
+        status = stub.PeerStatus(pb.PeerStatusRequest(peer=good), timeout=10)
+        assert status.node_id == "a" and not status.comm.failed
+        assert [(p.arrived_ranks, p.missing_ranks) for p in status.comm.pending] in ([], [([0], [1])])
+    # Garbage on the gRPC port: the connection is dropped, the service goes on.
+    host, _, port = address.rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=10) as junk:
+        junk.sendall(secrets.token_bytes(256))
+        try:
+            while junk.recv(4096):
+                pass
+        except (ConnectionResetError, TimeoutError):
+            pass
+
+
 @pytest.mark.timeout(90)
 def test_peer_without_token_garbage_and_wrong_size_are_refused(daemon) -> None:
     info = daemon_info(daemon.socket)
-    port = int(info.peer_address.rsplit(":", 1)[1])
+    assert info.peer_transport == pb.TCP
+    port = info.data_port
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     proc = ctx.Process(target=_rank, args=(daemon.socket, info.peer_address, queue))
     proc.start()
     try:
         assert queue.get(timeout=30) == "registered"
+
+        _peer_service_refusals(info.peer_address)
 
         # Garbage instead of a handshake: the daemon closes the connection.
         junk = socket.create_connection(("127.0.0.1", port), timeout=10)

@@ -7,6 +7,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class Transport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TRANSPORT_UNSPECIFIED: _ClassVar[Transport]
+    TCP: _ClassVar[Transport]
+    UCX: _ClassVar[Transport]
+
 class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     DTYPE_UNSPECIFIED: _ClassVar[DType]
@@ -58,6 +64,9 @@ class ErrorKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     UNAUTHENTICATED: _ClassVar[ErrorKind]
     SHUTDOWN: _ClassVar[ErrorKind]
     ABORTED: _ClassVar[ErrorKind]
+TRANSPORT_UNSPECIFIED: Transport
+TCP: Transport
+UCX: Transport
 DTYPE_UNSPECIFIED: DType
 FLOAT16: DType
 BFLOAT16: DType
@@ -98,6 +107,64 @@ TIMEOUT: ErrorKind
 UNAUTHENTICATED: ErrorKind
 SHUTDOWN: ErrorKind
 ABORTED: ErrorKind
+
+class PeerRequest(_message.Message):
+    __slots__ = ("job_id", "comm_id", "node", "proof")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    COMM_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    comm_id: str
+    node: int
+    proof: bytes
+    def __init__(self, job_id: _Optional[str] = ..., comm_id: _Optional[str] = ..., node: _Optional[int] = ..., proof: _Optional[bytes] = ...) -> None: ...
+
+class JoinRequest(_message.Message):
+    __slots__ = ("peer", "node_ids", "transport")
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    NODE_IDS_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    peer: PeerRequest
+    node_ids: _containers.RepeatedScalarFieldContainer[str]
+    transport: Transport
+    def __init__(self, peer: _Optional[_Union[PeerRequest, _Mapping]] = ..., node_ids: _Optional[_Iterable[str]] = ..., transport: _Optional[_Union[Transport, str]] = ...) -> None: ...
+
+class JoinReply(_message.Message):
+    __slots__ = ("node_id", "data_port")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    data_port: int
+    def __init__(self, node_id: _Optional[str] = ..., data_port: _Optional[int] = ...) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("peer", "kind", "message")
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    peer: PeerRequest
+    kind: ErrorKind
+    message: str
+    def __init__(self, peer: _Optional[_Union[PeerRequest, _Mapping]] = ..., kind: _Optional[_Union[ErrorKind, str]] = ..., message: _Optional[str] = ...) -> None: ...
+
+class AbortReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PeerStatusRequest(_message.Message):
+    __slots__ = ("peer",)
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    peer: PeerRequest
+    def __init__(self, peer: _Optional[_Union[PeerRequest, _Mapping]] = ...) -> None: ...
+
+class PeerStatusReply(_message.Message):
+    __slots__ = ("node_id", "comm")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    COMM_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    comm: CommStatus
+    def __init__(self, node_id: _Optional[str] = ..., comm: _Optional[_Union[CommStatus, _Mapping]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("job_id", "job_token", "comm_id", "rank", "world_size", "global_rank", "node_id", "pid", "arena_bytes", "timeout_ms", "nodes")
@@ -140,14 +207,18 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoReply(_message.Message):
-    __slots__ = ("node_id", "peer_address", "version")
+    __slots__ = ("node_id", "peer_address", "version", "peer_transport", "data_port")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    PEER_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     peer_address: str
     version: str
-    def __init__(self, node_id: _Optional[str] = ..., peer_address: _Optional[str] = ..., version: _Optional[str] = ...) -> None: ...
+    peer_transport: Transport
+    data_port: int
+    def __init__(self, node_id: _Optional[str] = ..., peer_address: _Optional[str] = ..., version: _Optional[str] = ..., peer_transport: _Optional[_Union[Transport, str]] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class TopologyRequest(_message.Message):
     __slots__ = ()

@@ -322,3 +322,182 @@ class Node:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class PeerStub:
+    """The control service between node daemons, served on each daemon's peer address (TCP; mutual
+    TLS when the daemons have --tls-cert). The bytes of a collective never travel here: they go
+    over the data connections whose address Join returns. Every request proves knowledge of the
+    job's token (PeerRequest.proof), so that nobody without it can join, abort or inspect a job.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Join = channel.unary_unary(
+                '/smddp.v1.Peer/Join',
+                request_serializer=smddp_dot_v1_dot_smddp__pb2.JoinRequest.SerializeToString,
+                response_deserializer=smddp_dot_v1_dot_smddp__pb2.JoinReply.FromString,
+                _registered_method=True)
+        self.Abort = channel.unary_unary(
+                '/smddp.v1.Peer/Abort',
+                request_serializer=smddp_dot_v1_dot_smddp__pb2.AbortRequest.SerializeToString,
+                response_deserializer=smddp_dot_v1_dot_smddp__pb2.AbortReply.FromString,
+                _registered_method=True)
+        self.PeerStatus = channel.unary_unary(
+                '/smddp.v1.Peer/PeerStatus',
+                request_serializer=smddp_dot_v1_dot_smddp__pb2.PeerStatusRequest.SerializeToString,
+                response_deserializer=smddp_dot_v1_dot_smddp__pb2.PeerStatusReply.FromString,
+                _registered_method=True)
+
+
+class PeerServicer:
+    """The control service between node daemons, served on each daemon's peer address (TCP; mutual
+    TLS when the daemons have --tls-cert). The bytes of a collective never travel here: they go
+    over the data connections whose address Join returns. Every request proves knowledge of the
+    job's token (PeerRequest.proof), so that nobody without it can join, abort or inspect a job.
+    """
+
+    def Join(self, request, context):
+        """Opens a communicator between two nodes. The node with the lower index calls the higher:
+        the callee checks the proof and that both daemons describe the communicator's nodes alike,
+        and answers with where its data connections are accepted. NOT_FOUND: no rank of the
+        communicator has registered here yet (retry); PERMISSION_DENIED: wrong token;
+        FAILED_PRECONDITION: the two nodes disagree (layout, transport).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Abort(self, request, context):
+        """The communicator failed on the caller's node; fail it here too, with the same message, so
+        that every rank of every node reports the same cause.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PeerStatus(self, request, context):
+        """This node's view of a communicator: ops in flight, ranks that arrived and that did not.
+        A daemon whose peer stays silent asks it, to say which rank holds the job up.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_PeerServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Join': grpc.unary_unary_rpc_method_handler(
+                    servicer.Join,
+                    request_deserializer=smddp_dot_v1_dot_smddp__pb2.JoinRequest.FromString,
+                    response_serializer=smddp_dot_v1_dot_smddp__pb2.JoinReply.SerializeToString,
+            ),
+            'Abort': grpc.unary_unary_rpc_method_handler(
+                    servicer.Abort,
+                    request_deserializer=smddp_dot_v1_dot_smddp__pb2.AbortRequest.FromString,
+                    response_serializer=smddp_dot_v1_dot_smddp__pb2.AbortReply.SerializeToString,
+            ),
+            'PeerStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.PeerStatus,
+                    request_deserializer=smddp_dot_v1_dot_smddp__pb2.PeerStatusRequest.FromString,
+                    response_serializer=smddp_dot_v1_dot_smddp__pb2.PeerStatusReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'smddp.v1.Peer', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('smddp.v1.Peer', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Peer:
+    """The control service between node daemons, served on each daemon's peer address (TCP; mutual
+    TLS when the daemons have --tls-cert). The bytes of a collective never travel here: they go
+    over the data connections whose address Join returns. Every request proves knowledge of the
+    job's token (PeerRequest.proof), so that nobody without it can join, abort or inspect a job.
+    """
+
+    @staticmethod
+    def Join(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/smddp.v1.Peer/Join',
+            smddp_dot_v1_dot_smddp__pb2.JoinRequest.SerializeToString,
+            smddp_dot_v1_dot_smddp__pb2.JoinReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Abort(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/smddp.v1.Peer/Abort',
+            smddp_dot_v1_dot_smddp__pb2.AbortRequest.SerializeToString,
+            smddp_dot_v1_dot_smddp__pb2.AbortReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PeerStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/smddp.v1.Peer/PeerStatus',
+            smddp_dot_v1_dot_smddp__pb2.PeerStatusRequest.SerializeToString,
+            smddp_dot_v1_dot_smddp__pb2.PeerStatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
