@@ -4,7 +4,9 @@ One daemon for the module. A "steady" job of two numpy ranks all_reduces without
 checks every result. Meanwhile hypothesis throws at the daemon: every gRPC method of the
 Node service (Register, Ops, Deregister, Status, Info, Topology) with random bytes and with
 random field values (huge counts and sizes, unknown jobs, other jobs' tokens and session
-secrets), and the data socket (random messages, attaches with other sessions' secrets,
+secrets), every method of the Peer service that other nodes' daemons call (Join, Abort,
+PeerStatus; against a registered two-node communicator, with forged proofs), and the data
+socket (random messages, attaches with other sessions' secrets,
 random ops on an attached session: offsets outside the arena, out-of-order sequence
 numbers, impossible kinds and dtypes). Each bad call must get a gRPC error status with a
 message (an op: an error reply with a message, or a closed connection), never an internal
@@ -44,6 +46,7 @@ from smddp.wire import (
 )
 
 NODE = "/smddp.v1.Node/"
+PEER = "/smddp.v1.Peer/"
 EXAMPLES = 200
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 ACCESS_CODES = {
@@ -456,6 +459,74 @@ def test_fuzz_data_socket_ops(target: Target) -> None:
         target.alive()
 
     run()
+
+
+# -- the Peer service (other daemons' door) -------------------------------------------------
+
+
+@st.composite
+def peer_requests(draw: Any, job_id: str, token: bytes) -> pb.PeerRequest:
+    """A Peer request naming the fuzzer's two-node job (or another), with a forged proof."""
+    return pb.PeerRequest(
+        job_id=draw(st.one_of(st.just(job_id), st.just("steady"), names)),
+        comm_id=draw(st.one_of(st.just("0"), names)),
+        node=draw(st.one_of(st.integers(0, 2), st.integers(0, U32))),
+        proof=draw(st.one_of(st.just(token), st.binary(max_size=64))),  # the token itself is no proof either
+    )
+
+
+@pytest.mark.timeout(180)
+def test_fuzz_peer_service(target: Target) -> None:
+    info = target.stub.Info(pb.InfoRequest(), timeout=REPLY_TIMEOUT_S)
+    job_id, token = f"peerfuzz-{secrets.token_hex(4)}", secrets.token_bytes(16)
+    # Rank 0 of a two-node job whose other node never comes: its communicator has peers, and
+    # waits for node b (which the fuzzer's forged calls pretend to be).
+    reply = target.stub.Register(
+        pb.RegisterRequest(
+            job_id=job_id, job_token=token, comm_id="0", rank=0, world_size=2, node_id="a", pid=os.getpid(),
+            arena_bytes=1 << 20, timeout_ms=600_000,
+            nodes=[pb.NodeSpec(node_id="a", peer_address=info.peer_address, ranks=[0]),
+                   pb.NodeSpec(node_id="b", peer_address="127.0.0.1:9", ranks=[1])],
+        ),
+        timeout=REPLY_TIMEOUT_S,
+    )
+    peer_codes = ACCESS_CODES | {grpc.StatusCode.NOT_FOUND}
+    with grpc.insecure_channel(info.peer_address) as channel:
+        stub = pb_grpc.PeerStub(channel)
+
+        @FUZZ
+        @given(method=st.sampled_from(["Join", "Abort", "PeerStatus"]), data=st.binary(max_size=2000))
+        def random_bytes(method: str, data: bytes) -> None:
+            try:
+                channel.unary_unary(PEER + method)(data, timeout=REPLY_TIMEOUT_S)
+            except grpc.RpcError as err:
+                assert err.code() in peer_codes, f"{method}: {err.code()} {err.details()}"
+                assert (err.details() or "").strip() and "Traceback" not in err.details(), err.details()
+            target.alive()
+
+        @FUZZ
+        @given(data=st.data())
+        def fields(data: Any) -> None:
+            peer = data.draw(peer_requests(job_id, token))
+            method = data.draw(st.sampled_from(["Join", "Abort", "PeerStatus"]))
+            request = {
+                "Join": lambda: pb.JoinRequest(
+                    peer=peer, node_ids=data.draw(st.lists(texts, max_size=3)), transport=data.draw(st.integers(0, 5))
+                ),
+                "Abort": lambda: pb.AbortRequest(peer=peer, kind=data.draw(st.integers(0, 20)), message=data.draw(texts)),
+                "PeerStatus": lambda: pb.PeerStatusRequest(peer=peer),
+            }[method]()
+            with pytest.raises(grpc.RpcError) as refused:
+                getattr(stub, method)(request, timeout=REPLY_TIMEOUT_S)
+            assert refused.value.code() in peer_codes, f"{method}({peer}): {refused.value.code()} {refused.value.details()}"
+            target.alive()
+
+        random_bytes()
+        fields()
+    # No forged Abort got through: neither the fuzzer's job nor the steady one failed.
+    comms = {c.job_id: c for c in target.stub.Status(pb.StatusRequest(), timeout=REPLY_TIMEOUT_S).comms}
+    assert comms[job_id].failed == "" and comms["steady"].failed == "", comms
+    target.deregister(reply)
 
 
 # -- the job beside -----------------------------------------------------------------------------
