@@ -226,10 +226,12 @@ def _container_ports(container: dict[str, Any]) -> dict[str, int]:
 def test_daemonset_probes_and_ports() -> None:
     container = _daemon_container()
     ports = _container_ports(container)
-    assert ports == {"grpc": 7471, "peer": 7470, "metrics": 9464}
+    assert ports == {"grpc": 7471, "peer": 7470, "data": 7472, "ucx": 7473, "metrics": 9464}
     args = container["args"]
     assert f"--grpc-bind=0.0.0.0:{ports['grpc']}" in args
     assert f"--peer-bind=0.0.0.0:{ports['peer']}" in args
+    assert f"--data-port={ports['data']}" in args
+    assert f"--ucx-port={ports['ucx']}" in args
     assert f"--http-bind=0.0.0.0:{ports['metrics']}" in args
     for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
         probe = container[kind]
