@@ -1,7 +1,8 @@
 """Multi-node mode of the collectives benchmark: ranks on network-namespace nodes.
 
     sudo .venv/bin/python -m benchmarks.multinode [--nodes 2] [--ranks-per-node 2] \\
-        [--rate 1gbit] [--ops all_reduce,all_gather] [--min-bytes 1MiB] [--max-bytes 256MiB]
+        [--rate 1gbit] [--ops all_reduce,all_gather] [--min-bytes 1MiB] [--max-bytes 256MiB] \\
+        [--peer-transport tcp|ucx]
 
 Builds ``--nodes`` network namespaces joined by a bridge (``tests/multinode/netns_cluster``),
 shapes each node's egress with ``tc tbf`` to ``--rate`` so that the network, not the CPUs,
@@ -13,7 +14,8 @@ its measurements to a file; everything downstream (rows, busbw as nccl-tests def
 ratios against gloo, the table) is the collectives benchmark's own.
 
 smddp runs on embedded daemons (the first rank of each node starts one, which advertises the
-namespace's address); gloo is pinned to the namespace's link with GLOO_SOCKET_IFNAME. Needs
+namespace's address), their data over ``--peer-transport`` (ucx: UCX over its TCP transport,
+``UCX_TLS=tcp``, as no RDMA device exists in a namespace); gloo is pinned to the namespace's link with GLOO_SOCKET_IFNAME. Needs
 root; the namespaces are removed at the end, also after a failure or Ctrl-C.
 """
 
@@ -92,9 +94,10 @@ class NamespaceRunner:
     Rank r runs on node ``r // ranks_per_node``; rank 0's node hosts the c10d store.
     """
 
-    def __init__(self, cluster: NetnsCluster, ranks_per_node: int, folder: Path) -> None:
+    def __init__(self, cluster: NetnsCluster, ranks_per_node: int, folder: Path, transport: str = "tcp") -> None:
         self.cluster = cluster
         self.ranks_per_node = ranks_per_node
+        self.transport = transport
         self.folder = folder
         self._runs = 0
 
@@ -124,6 +127,9 @@ class NamespaceRunner:
                 SMDDP_NODE_ID=f"node{node}",
                 # No daemon answers here: the node's first rank starts an embedded one.
                 SMDDP_SOCKET=str(run / f"no-daemon-{node}.sock"),
+                # The embedded daemon reads its transport from the environment it inherits.
+                SMDDP_PEER_TRANSPORT=self.transport,
+                UCX_TLS=os.environ.get("UCX_TLS", "tcp"),
                 GLOO_SOCKET_IFNAME=IFNAME,
                 PYTHONPATH=os.pathsep.join(
                     filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")])
@@ -215,6 +221,12 @@ def build_multinode_parser() -> argparse.ArgumentParser:
         default="1gbit",
         help="egress limit of each node's link (tc tbf rate, e.g. 1gbit, 500mbit; 'none': unshaped)",
     )
+    p.add_argument(
+        "--peer-transport",
+        choices=("tcp", "ucx"),
+        default="tcp",
+        help="what carries smddp's bytes between the nodes' daemons (default tcp)",
+    )
     return p
 
 
@@ -255,18 +267,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             else "links not shaped"
         )
         print(
-            f"[multinode] {args.nodes} nodes x {args.ranks_per_node} ranks, {shaped}",
+            f"[multinode] {args.nodes} nodes x {args.ranks_per_node} ranks, {shaped}, "
+            f"smddp data over {args.peer_transport}",
             file=sys.stderr,
             flush=True,
         )
-        doc = run_all(config, runner=NamespaceRunner(cluster, args.ranks_per_node, folder))
+        doc = run_all(config, runner=NamespaceRunner(cluster, args.ranks_per_node, folder, args.peer_transport))
     finally:
         cluster.destroy()
         shutil.rmtree(folder, ignore_errors=True)
-    doc["meta"].update(nodes=args.nodes, ranks_per_node=args.ranks_per_node, link_rate=args.rate)
+    doc["meta"].update(
+        nodes=args.nodes, ranks_per_node=args.ranks_per_node, link_rate=args.rate, peer_transport=args.peer_transport
+    )
     rows = [Row(**r) for r in doc["rows"]]
     sys.stdout.write(
-        f"# {args.nodes} nodes x {args.ranks_per_node} ranks per node, link rate {args.rate}\n"
+        f"# {args.nodes} nodes x {args.ranks_per_node} ranks per node, link rate {args.rate}, "
+        f"smddp data over {args.peer_transport}\n"
     )
     sys.stdout.write(format_table(rows, config.plan.ops, config.backends))
     if config.json_path:

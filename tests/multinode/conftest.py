@@ -76,13 +76,16 @@ def _stop_daemons(nodes: Sequence[Node]) -> None:
 
 @pytest.fixture
 def loopback_nodes(start_daemon) -> Iterator[Callable[[int], list[Node]]]:
-    """``loopback_nodes(n)``: ``n`` daemons on this host, node ids ``node0..``."""
+    """``loopback_nodes(n, args=(), env=None)``: ``n`` daemons on this host, node ids
+    ``node0..``; ``args`` go to every daemon, ``env`` adds to their environment."""
     started: list[Node] = []
 
-    def start(n: int) -> list[Node]:
+    def start(n: int, args: Sequence[str] = (), env: dict[str, str] | None = None) -> list[Node]:
         nodes = []
         for i in range(n):
-            d = start_daemon(args=("--node-id", f"node{i}"), name=f"node{i}")
+            d = start_daemon(
+                args=("--node-id", f"node{i}", *args), name=f"node{i}", env={**os.environ, **(env or {})}
+            )
             nodes.append(Node(f"node{i}", "127.0.0.1", [], d))
         started.extend(nodes)
         return nodes
@@ -123,18 +126,20 @@ def netns_cluster() -> Iterator[Callable[[int], NetnsCluster]]:
 
 @pytest.fixture
 def netns_nodes(netns_cluster, start_daemon) -> Iterator[Callable[[int], list[Node]]]:
-    """``netns_nodes(n)``: ``n`` namespaces with one smddpd each (peers on the namespace's
-    address, ephemeral port), node ids ``ns0..``."""
+    """``netns_nodes(n, args=(), env=None)``: ``n`` namespaces with one smddpd each (peers on
+    the namespace's address, ephemeral ports), node ids ``ns0..``; ``args`` go to every
+    daemon, ``env`` adds to their environment."""
     started: list[Node] = []
 
-    def start(n: int) -> list[Node]:
+    def start(n: int, args: Sequence[str] = (), env: dict[str, str] | None = None) -> list[Node]:
         cluster = netns_cluster(n)
         nodes = []
         for i, addr in enumerate(cluster.addresses):
             d = start_daemon(
-                args=("--node-id", f"ns{i}", "--peer-bind", f"{addr}:0"),
+                args=("--node-id", f"ns{i}", "--peer-bind", f"{addr}:0", *args),
                 command=(*cluster.prefix(i), *DAEMON),
                 name=f"ns{i}",
+                env={**os.environ, **(env or {})},
             )
             nodes.append(Node(f"ns{i}", addr, cluster.prefix(i), d))
         started.extend(nodes)

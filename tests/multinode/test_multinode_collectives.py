@@ -10,7 +10,8 @@ elements and at sizes that cross the chunk (SMDDP_ARENA_BYTES=1048576: at most 5
 The layouts are one world's default group and subgroups (``new_group``), so one set of
 processes serves them all: on loopback daemons (fast, unprivileged) for the full matrix of
 layouts, and in network namespaces, where peer traffic crosses veth links and a bridge, for
-a subset.
+a subset. The same matrices run again with the daemons' data on UCX (``--peer-transport ucx``,
+over UCX's TCP transport here: ``UCX_TLS=tcp``) where ucxx is installed.
 """
 
 from __future__ import annotations
@@ -87,18 +88,40 @@ def run_groups(launch_world, nodes, node_of_rank, groups, timeout_s) -> None:
     assert not problems, f"{len(problems)} problems:\n" + "\n".join(problems[:60])
 
 
+TRANSPORTS = {
+    "tcp": ((), {}),
+    # UCX over its TCP transport: no RDMA device exists here.
+    "ucx": (("--peer-transport", "ucx"), {"UCX_TLS": "tcp"}),
+}
+
+
+def _daemon_options(transport: str) -> tuple[tuple[str, ...], dict[str, str]]:
+    if transport == "ucx":
+        from smddp.server.ucx_transport import unavailable_reason
+
+        reason = unavailable_reason()
+        if reason is not None:
+            pytest.skip(f"UCX transport: {reason}")
+    return TRANSPORTS[transport]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_collectives_loopback(loopback_nodes, launch_world):
-    nodes = loopback_nodes(3)
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
+def test_collectives_loopback(transport, loopback_nodes, launch_world):
+    nodes = loopback_nodes(3, *_daemon_options(transport))
+    for node in nodes:
+        assert f"data over {transport}" in node.daemon.log(), node.daemon.log()
     run_groups(launch_world, nodes, LOOPBACK_NODE_OF_RANK, LOOPBACK_GROUPS, timeout_s=240)
 
 
 @pytest.mark.netns
 @pytest.mark.slow
 @pytest.mark.timeout(200)
-def test_collectives_netns(netns_nodes, launch_world):
-    nodes = netns_nodes(3)
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
+def test_collectives_netns(transport, netns_nodes, launch_world):
+    nodes = netns_nodes(3, *_daemon_options(transport))
     for node in nodes:  # the daemons' peers meet on the namespaces' links, not on loopback
         assert f"peers {node.address}:" in node.daemon.log(), node.daemon.log()
+        assert f"data over {transport}" in node.daemon.log(), node.daemon.log()
     run_groups(launch_world, nodes, NETNS_NODE_OF_RANK, NETNS_GROUPS, timeout_s=150)
