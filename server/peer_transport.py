@@ -185,6 +185,7 @@ class CommPeers:
         self._failure: str | None = None
         self._gone: set[int] = set()  # nodes that said BYE on every connection
         self._byes: dict[int, int] = {}  # BYEs received per node
+        self._aborts: list[threading.Thread] = []  # Abort calls in flight
         for node in range(len(node_ids)):
             if node > my_node:
                 threading.Thread(target=self._connect, args=(node,), name="smddp-peer-connect", daemon=True).start()
@@ -338,10 +339,10 @@ class CommPeers:
             self._metrics.peer_bytes_sent.labels(self.node_ids[node]).inc(nbytes)
 
     def abort(self, kind: int, message: str) -> None:
-        """Tells every peer node's Peer service that the communicator failed.
+        """Tells every peer node's Peer service that the communicator failed, without waiting.
 
-        The calls run at once and are waited for up to ``ABORT_WAIT_S``, so that the news
-        arrives before this node's BYE (which would otherwise read as a clean leave). A node
+        ``close`` waits for these calls (up to ``ABORT_WAIT_S``) before it says BYE, so that
+        the news arrives before the BYE, which would otherwise read as a clean leave. A node
         that cannot be told learns it anyway: its data connections break or fall silent.
         """
         request = pb.AbortRequest(peer=self.peer_request(), kind=kind, message=message[:65536])
@@ -352,12 +353,10 @@ class CommPeers:
             except grpc.RpcError as exc:
                 log.info("%s: could not tell node %s of the failure: %s", self.comm.name(), self.node_ids[node], exc.details())
 
-        threads = [threading.Thread(target=tell, args=(node,), name="smddp-peer-abort", daemon=True) for node in self.peer_nodes()]
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + ABORT_WAIT_S
-        for t in threads:
-            t.join(max(0.0, deadline - time.monotonic()))
+        for node in self.peer_nodes():
+            thread = threading.Thread(target=tell, args=(node,), name="smddp-peer-abort", daemon=True)
+            thread.start()
+            self._aborts.append(thread)
 
     def describe_node(self, node: int) -> str:
         """What ``node`` says it waits for, from its Peer service, as a sentence."""
@@ -508,6 +507,9 @@ class CommPeers:
         the peer still sends is answered with a reset that could destroy data in flight.
         """
         bye = HEADER.pack(MAGIC, FRAME_BYE, 0, 0, 0, 0, 0, 0, 0, -1, -1, 0, 0, 0, 0, self.my_node)
+        deadline = time.monotonic() + ABORT_WAIT_S
+        for thread in self._aborts:
+            thread.join(max(0.0, deadline - time.monotonic()))
         with self._cond:
             self._closed = True
             socks = [s for group in self._socks.values() for s in group]

@@ -53,6 +53,7 @@ multinode = _load("tests/multinode/conftest.py", "smddp_tests_multinode_fixtures
 loopback_nodes = multinode.loopback_nodes
 netns_cluster = multinode.netns_cluster
 netns_nodes = multinode.netns_nodes
+peer_transport = multinode.peer_transport
 launch_world = multinode.launch_world
 
 

@@ -6,7 +6,7 @@ ranks on ns0 only and does the same. Then ns1's link goes down (``ip link set et
 Job A's ranks on ns0 must fail within 10 s (heartbeats stop for 5 s) with
 SmddpRankFailedError naming the lost node ns1; ns1's ranks likewise name ns0; every rank
 still leaves cleanly. Job B, on the surviving daemon, keeps going with correct results,
-and that daemon stays healthy.
+and that daemon stays healthy. On each data transport (tcp, ucx).
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ def _lost(node: str) -> str:
 @pytest.mark.netns
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_lost_node_fails_its_peers_and_spares_other_jobs(netns_nodes, launch_failure_world):
-    ns0, ns1 = netns_nodes(2)
+def test_lost_node_fails_its_peers_and_spares_other_jobs(peer_transport, netns_nodes, launch_failure_world):
+    ns0, ns1 = netns_nodes(2, peer_transport.args, peer_transport.env)
     job_a = launch_failure_world("until_failure", [ns0, ns1], [0, 0, 1, 1], {"run_s": 90})
     job_b = launch_failure_world("until_stopped", [ns0], [0, 0], {})
     job_a.wait_for("ready")

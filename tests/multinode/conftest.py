@@ -74,6 +74,34 @@ def _stop_daemons(nodes: Sequence[Node]) -> None:
     assert not bad, "\n".join(bad)
 
 
+@dataclass(frozen=True)
+class Transport:
+    """How the daemons of a test carry data between nodes: their flags and environment."""
+
+    name: str
+    args: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
+
+
+TRANSPORTS = {
+    "tcp": Transport("tcp"),
+    # UCX over its TCP transport: no RDMA device exists here.
+    "ucx": Transport("ucx", ("--peer-transport", "ucx"), {"UCX_TLS": "tcp"}),
+}
+
+
+@pytest.fixture(params=list(TRANSPORTS))
+def peer_transport(request) -> Transport:
+    """Each data transport in turn; ucx skips where ucxx is not installed."""
+    if request.param == "ucx":
+        from smddp.server.ucx_transport import unavailable_reason
+
+        reason = unavailable_reason()
+        if reason is not None:
+            pytest.skip(f"UCX transport: {reason}")
+    return TRANSPORTS[request.param]
+
+
 @pytest.fixture
 def loopback_nodes(start_daemon) -> Iterator[Callable[[int], list[Node]]]:
     """``loopback_nodes(n, args=(), env=None)``: ``n`` daemons on this host, node ids

@@ -88,40 +88,21 @@ def run_groups(launch_world, nodes, node_of_rank, groups, timeout_s) -> None:
     assert not problems, f"{len(problems)} problems:\n" + "\n".join(problems[:60])
 
 
-TRANSPORTS = {
-    "tcp": ((), {}),
-    # UCX over its TCP transport: no RDMA device exists here.
-    "ucx": (("--peer-transport", "ucx"), {"UCX_TLS": "tcp"}),
-}
-
-
-def _daemon_options(transport: str) -> tuple[tuple[str, ...], dict[str, str]]:
-    if transport == "ucx":
-        from smddp.server.ucx_transport import unavailable_reason
-
-        reason = unavailable_reason()
-        if reason is not None:
-            pytest.skip(f"UCX transport: {reason}")
-    return TRANSPORTS[transport]
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("transport", list(TRANSPORTS))
-def test_collectives_loopback(transport, loopback_nodes, launch_world):
-    nodes = loopback_nodes(3, *_daemon_options(transport))
+def test_collectives_loopback(peer_transport, loopback_nodes, launch_world):
+    nodes = loopback_nodes(3, peer_transport.args, peer_transport.env)
     for node in nodes:
-        assert f"data over {transport}" in node.daemon.log(), node.daemon.log()
+        assert f"data over {peer_transport.name}" in node.daemon.log(), node.daemon.log()
     run_groups(launch_world, nodes, LOOPBACK_NODE_OF_RANK, LOOPBACK_GROUPS, timeout_s=240)
 
 
 @pytest.mark.netns
 @pytest.mark.slow
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("transport", list(TRANSPORTS))
-def test_collectives_netns(transport, netns_nodes, launch_world):
-    nodes = netns_nodes(3, *_daemon_options(transport))
+def test_collectives_netns(peer_transport, netns_nodes, launch_world):
+    nodes = netns_nodes(3, peer_transport.args, peer_transport.env)
     for node in nodes:  # the daemons' peers meet on the namespaces' links, not on loopback
         assert f"peers {node.address}:" in node.daemon.log(), node.daemon.log()
-        assert f"data over {transport}" in node.daemon.log(), node.daemon.log()
+        assert f"data over {peer_transport.name}" in node.daemon.log(), node.daemon.log()
     run_groups(launch_world, nodes, NETNS_NODE_OF_RANK, NETNS_GROUPS, timeout_s=150)
