@@ -15,8 +15,9 @@ import torch.distributed as dist
 
 from smddp.backend.job import Job, rendezvous
 from smddp.backend.process_group import BACKEND_NAME, SmddpProcessGroup
-from smddp.client.communicator import Communicator, connect, node_layout
+from smddp.client.communicator import Communicator, connect
 from smddp.client.errors import SmddpError
+from smddp.wire import node_layout
 
 __all__ = ["BACKEND_NAME", "SmddpProcessGroup", "register"]
 

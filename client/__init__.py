@@ -7,7 +7,7 @@ Example (every process of the job runs this with its own rank)::
     comm.all_reduce(array).wait()
 """
 
-from smddp.client.communicator import Communicator, Handle, connect
+from smddp.client.communicator import Communicator, Handle, connect, rendezvous
 from smddp.client.errors import (
     DaemonLostError,
     MismatchError,
@@ -29,4 +29,5 @@ __all__ = [
     "TimeoutError",
     "UnsupportedError",
     "connect",
+    "rendezvous",
 ]

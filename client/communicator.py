@@ -634,14 +634,9 @@ def connect(
     Raises:
         ConnectError: no daemon answered or it refused the rank.
     """
-    from smddp.client.errors import ConnectError
-
     if arena_bytes is None:
         arena_bytes = int(os.environ.get(ENV_ARENA_BYTES, DEFAULT_ARENA_BYTES))
-    paths = [socket_path] if socket_path else socket_candidates()
-    path = next((p for p in paths if os.path.exists(p)), None)
-    if path is None:
-        raise ConnectError(f"no smddpd socket found (looked at {', '.join(paths)}); start smddpd or set SMDDP_SOCKET")
+    path = _daemon_socket(socket_path)
     register = pb.RegisterRequest(
         job_id=job_id,
         job_token=job_token,
@@ -656,6 +651,61 @@ def connect(
         nodes=nodes,
     )
     return Communicator(DaemonSession(path, register), timeout_s, single_node=len(nodes) <= 1)
+
+
+def _daemon_socket(socket_path: str | None) -> str:
+    """``socket_path``, else the first of the standard paths that exists."""
+    from smddp.client.errors import ConnectError
+
+    paths = [socket_path] if socket_path else socket_candidates()
+    path = next((p for p in paths if os.path.exists(p)), None)
+    if path is None:
+        raise ConnectError(f"no smddpd socket found (looked at {', '.join(paths)}); start smddpd or set SMDDP_SOCKET")
+    return path
+
+
+def rendezvous(
+    job_id: str,
+    job_token: bytes,
+    rank: int,
+    world_size: int,
+    root: str = "",
+    root_node_id: str = "",
+    socket_path: str | None = None,
+    timeout_s: float = 300.0,
+) -> list[pb.NodeSpec]:
+    """Meets every rank of a job through the node daemons; returns the job's node layout.
+
+    For jobs without a store of their own: every rank calls this with the same ``root``, the
+    peer address (``HOST:PORT``, what ``smddpctl topology`` shows) of one daemon of the job,
+    and passes the result to ``connect(..., nodes=...)``.
+
+    Args:
+        root: the daemon that hosts the meeting; "" for this node's (a one-node job, or the
+            ranks on the root's own node).
+        root_node_id: that daemon's node id; needed where daemons use TLS (its certificate
+            must name it).
+        timeout_s: how long to wait for the other ranks.
+
+    Raises:
+        ConnectError: no daemon answered, or the rendezvous failed (a wrong token, ranks
+            missing at the timeout, ...); the message says which.
+    """
+    import grpc
+
+    from smddp.client.errors import ConnectError
+    from smddp.client.session import grpc_channel
+    from smddp.v1 import smddp_pb2_grpc as pb_grpc
+
+    path = _daemon_socket(socket_path)
+    request = pb.RendezvousRequest(
+        job_id=job_id, job_token=job_token, rank=rank, world_size=world_size, root=root,
+        root_node_id=root_node_id, timeout_ms=int(timeout_s * 1000),
+    )
+    try:
+        return list(pb_grpc.NodeStub(grpc_channel(path)).Rendezvous(request, timeout=timeout_s + 30).nodes)
+    except grpc.RpcError as exc:
+        raise ConnectError(f"smddpd at {path}: rank {rank}: {exc.details() or exc.code()}") from None
 
 
 def daemon_info(socket_path: str) -> pb.InfoReply:
@@ -674,25 +724,3 @@ def daemon_info(socket_path: str) -> pb.InfoReply:
         return pb_grpc.NodeStub(grpc_channel(socket_path)).Info(pb.InfoRequest(), timeout=10)
     except grpc.RpcError as exc:
         raise ConnectError(f"smddpd at {socket_path} does not answer: {exc.details() or exc.code()}") from None
-
-
-def node_layout(node_of_rank: Sequence[str], peer_of_node: dict[str, str]) -> list[pb.NodeSpec]:
-    """The NodeSpecs of a communicator whose rank r runs on ``node_of_rank[r]``.
-
-    Nodes are ordered by their lowest rank, so every rank computes the same list. Empty when
-    every rank is on one node.
-    """
-    order: list[str] = []
-    for node in node_of_rank:
-        if node not in order:
-            order.append(node)
-    if len(order) == 1:
-        return []
-    return [
-        pb.NodeSpec(
-            node_id=node,
-            peer_address=peer_of_node[node],
-            ranks=[r for r, n in enumerate(node_of_rank) if n == node],
-        )
-        for node in order
-    ]

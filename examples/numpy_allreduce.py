@@ -11,6 +11,13 @@ Run (with smddpd serving on /run/smddp/smddpd.sock, or SMDDP_SOCKET pointing at 
     done
     wait
 
+Across nodes, every node runs smddpd with peers enabled, and every rank names the same root,
+the peer address of one of the daemons (``smddpctl topology`` shows it): the daemons meet the
+ranks there and work out which ranks share a node::
+
+    python examples/numpy_allreduce.py --rank $R --world-size 4 --job-token $TOKEN \\
+        --root 10.0.0.1:7470
+
 Every rank checks its results and exits with status 1 if one is wrong.
 """
 
@@ -22,7 +29,7 @@ import sys
 
 import numpy as np
 
-from smddp.client import connect
+from smddp.client import connect, rendezvous
 from smddp.v1 import smddp_pb2 as pb
 
 
@@ -47,6 +54,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--size", type=int, default=1 << 20, help="elements per array (default 1Mi)"
     )
+    parser.add_argument(
+        "--root",
+        default=None,
+        help="for a job across nodes: HOST:PORT of the daemon that hosts the rendezvous, the "
+        "same on every rank",
+    )
     args = parser.parse_args(argv)
     if not args.job_token:
         parser.error("--job-token (or SMDDP_JOB_TOKEN) is required")
@@ -57,7 +70,12 @@ def main(argv: list[str] | None = None) -> int:
     """Runs all_reduce, broadcast, all_gather and a barrier, checking every result."""
     args = parse_args(argv)
     rank, world = args.rank, args.world_size
-    comm = connect(args.job_id, bytes.fromhex(args.job_token), rank, world, socket_path=args.socket)
+    token = bytes.fromhex(args.job_token)
+    nodes = []
+    if args.root is not None:
+        nodes = rendezvous(args.job_id, token, rank, world, root=args.root, socket_path=args.socket)
+        print(f"rank {rank}: the job spans {max(len(nodes), 1)} node(s)", flush=True)
+    comm = connect(args.job_id, token, rank, world, socket_path=args.socket, nodes=nodes)
     try:
         # all_reduce: every rank contributes (rank + 1) * [0, 1, 2, ...]; the sum is known.
         x = np.arange(args.size, dtype=np.float32) * (rank + 1)

@@ -171,7 +171,8 @@ class Daemon:
             tls=tls.contexts(*tls_files) if tls_files else None,
         )
         server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="smddp-peer-rpc"),
+            # Meet holds a thread per rank of a rendezvous until every rank arrived.
+            futures.ThreadPoolExecutor(max_workers=256, thread_name_prefix="smddp-peer-rpc"),
             options=[("grpc.max_receive_message_length", 1 << 20), ("grpc.so_reuseport", 0)],
             interceptors=[RefuseUndecodable()],
         )

@@ -54,3 +54,13 @@ class OpMismatch(SmddpError):
 
     kind = pb.MISMATCH
     code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class RemoteRefusal(SmddpError):
+    """Another node's daemon refused a forwarded request; keeps its gRPC status."""
+
+    kind = pb.INVALID
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from smddp.server.errors import SmddpError
 from smddp.server.peer_transport import token_proof
 from smddp.v1 import smddp_pb2 as pb
 from smddp.v1 import smddp_pb2_grpc as pb_grpc
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 TRANSPORT_NAMES = {pb.TCP: "tcp", pb.UCX: "ucx"}
+MAX_MEET_MS = 7 * 24 * 3600 * 1000
 
 
 def server_credentials(cert: str, key: str, ca: str) -> grpc.ServerCredentials:
@@ -100,6 +102,18 @@ class PeerService(pb_grpc.PeerServicer):
         comm = self._comm(request.peer, context)
         assert comm.peers is not None
         return pb.PeerStatusReply(node_id=comm.peers.node_ids[comm.peers.my_node], comm=comm.status())
+
+
+    def Meet(self, request: pb.MeetRequest, context: grpc.ServicerContext) -> pb.RendezvousReply:
+        timeout_s = min(request.timeout_ms, MAX_MEET_MS) / 1000 if request.timeout_ms else self._registry.config.default_timeout_s
+        try:
+            nodes = self._registry.rendezvous.meet(
+                request.job_id, request.proof, request.rank, request.world_size, request.node_id[:256],
+                request.peer_address[:300], timeout_s,
+            )
+        except SmddpError as exc:
+            context.abort(exc.code, str(exc))
+        return pb.RendezvousReply(nodes=nodes)
 
 
 class PeerControl:

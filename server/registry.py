@@ -9,6 +9,8 @@ import secrets
 import threading
 import time
 
+import grpc
+
 from smddp.server.arena import Arena
 from smddp.server.communicator import Communicator
 from smddp.server.config import DaemonConfig
@@ -17,10 +19,12 @@ from smddp.server.errors import (
     InvalidRequest,
     LimitExceeded,
     PermissionDenied,
+    RemoteRefusal,
     Unauthenticated,
 )
 from smddp.server.metrics import Metrics
 from smddp.server.peer_transport import CommPeers, PeerNetwork, parse_address
+from smddp.server.rendezvous import RendezvousTable, rendezvous_proof
 from smddp.server.session import Session
 from smddp.v1 import smddp_pb2 as pb
 
@@ -47,8 +51,8 @@ class Registry:
         self._job_owner: dict[str, int] = {}
         # HOST:PORT other daemons reach this one at; "" when the peer listener is off.
         self.peer_address = ""
-        # Client side of mutual TLS toward other daemons (--tls-cert); None: plain TCP.
         self.network: PeerNetwork | None = None  # set by the daemon when peers are enabled
+        self.rendezvous = RendezvousTable(config.max_jobs)
         self._lock = threading.Lock()
 
     # -- joining ------------------------------------------------------------------------------
@@ -175,6 +179,40 @@ class Registry:
                 except ValueError:
                     raise InvalidRequest(f"{where}: node {spec.node_id} has no valid peer address ({spec.peer_address!r})") from None
         return nodes, my_node
+
+    def meet(self, req: pb.RendezvousRequest) -> list[pb.NodeSpec]:
+        """A local rank's rendezvous (``Node.Rendezvous``): hosted here or forwarded to the root.
+
+        Raises:
+            SmddpError: bad fields, a refusal of the root, or ranks missing at the timeout.
+        """
+        where = f"rendezvous of job {req.job_id[:64]}"
+        if not _JOB_ID.match(req.job_id):
+            raise InvalidRequest(f"{where}: job_id must be 1-128 characters of A-Z a-z 0-9 . _ : -")
+        if not MIN_TOKEN_BYTES <= len(req.job_token) <= MAX_TOKEN_BYTES:
+            raise InvalidRequest(f"{where}: job_token must have {MIN_TOKEN_BYTES}-{MAX_TOKEN_BYTES} bytes")
+        if req.timeout_ms > MAX_TIMEOUT_MS:
+            raise InvalidRequest(f"{where}: timeout_ms {req.timeout_ms} exceeds 7 days")
+        timeout_s = req.timeout_ms / 1000 if req.timeout_ms else self.config.default_timeout_s
+        proof = rendezvous_proof(req.job_token, req.job_id)
+        node_id, address = self.config.node_id, self.peer_address or "none"
+        if not req.root or req.root == self.peer_address:
+            return self.rendezvous.meet(req.job_id, proof, req.rank, req.world_size, node_id, address, timeout_s)
+        if self.network is None:
+            raise FailedPrecondition(f"{where}: the root is another daemon ({req.root}) but this one has no peers (--peer-bind off)")
+        try:
+            parse_address(req.root)
+        except ValueError:
+            raise InvalidRequest(f"{where}: root {req.root[:100]!r} is not HOST:PORT") from None
+        stub = self.network.control.stub(req.root, req.root_node_id or parse_address(req.root)[0])
+        meet = pb.MeetRequest(
+            job_id=req.job_id, proof=proof, rank=req.rank, world_size=req.world_size, node_id=node_id,
+            peer_address=address, timeout_ms=int(timeout_s * 1000),
+        )
+        try:
+            return list(stub.Meet(meet, timeout=timeout_s + 10).nodes)
+        except grpc.RpcError as exc:
+            raise RemoteRefusal(exc.code(), f"{where}: the root's daemon at {req.root}: {exc.details() or exc.code()}") from None
 
     def find_comm(self, job_id: str, comm_id: str) -> Communicator | None:
         """The communicator a peer daemon asks for, if registered here."""

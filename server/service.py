@@ -107,6 +107,13 @@ class NodeService(pb_grpc.NodeServicer):
             data_port=network.data_port if network is not None else 0,
         )
 
+    def Rendezvous(self, request: pb.RendezvousRequest, context: grpc.ServicerContext) -> pb.RendezvousReply:
+        try:
+            nodes = self._registry.meet(request)
+        except SmddpError as exc:
+            context.abort(exc.code, str(exc))
+        return pb.RendezvousReply(nodes=nodes)
+
     def Topology(self, request: pb.TopologyRequest, context: grpc.ServicerContext) -> pb.TopologyReply:
         reply = pb.TopologyReply(
             node_id=self._registry.config.node_id,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
+from collections.abc import Sequence
 
 import ml_dtypes
 import numpy as np
@@ -190,3 +191,25 @@ def outward_ip(toward: str = "10.255.255.255") -> str:
         return socket.gethostbyname(socket.gethostname())
     finally:
         probe.close()
+
+
+def node_layout(node_of_rank: Sequence[str], peer_of_node: dict[str, str]) -> list[pb.NodeSpec]:
+    """The NodeSpecs of a communicator whose rank r runs on ``node_of_rank[r]``.
+
+    Nodes are ordered by their lowest rank, so every rank computes the same list. Empty when
+    every rank is on one node.
+    """
+    order: list[str] = []
+    for node in node_of_rank:
+        if node not in order:
+            order.append(node)
+    if len(order) == 1:
+        return []
+    return [
+        pb.NodeSpec(
+            node_id=node,
+            peer_address=peer_of_node[node],
+            ranks=[r for r, n in enumerate(node_of_rank) if n == node],
+        )
+        for node in order
+    ]

@@ -5,8 +5,8 @@ checks every result. Meanwhile hypothesis throws at the daemon: every gRPC metho
 Node service (Register, Ops, Deregister, Status, Info, Topology) with random bytes and with
 random field values (huge counts and sizes, unknown jobs, other jobs' tokens and session
 secrets), every method of the Peer service that other nodes' daemons call (Join, Abort,
-PeerStatus; against a registered two-node communicator, with forged proofs), and the data
-socket (random messages, attaches with other sessions' secrets,
+PeerStatus, Meet; against a registered two-node communicator, with forged proofs), and the
+data socket (random messages, attaches with other sessions' secrets,
 random ops on an attached session: offsets outside the arena, out-of-order sequence
 numbers, impossible kinds and dtypes). Each bad call must get a gRPC error status with a
 message (an op: an error reply with a message, or a closed connection), never an internal
@@ -490,12 +490,13 @@ def test_fuzz_peer_service(target: Target) -> None:
         ),
         timeout=REPLY_TIMEOUT_S,
     )
-    peer_codes = ACCESS_CODES | {grpc.StatusCode.NOT_FOUND}
+    # NOT_FOUND: no such communicator; DEADLINE_EXCEEDED: a Meet whose other ranks never come.
+    peer_codes = ACCESS_CODES | {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DEADLINE_EXCEEDED}
     with grpc.insecure_channel(info.peer_address) as channel:
         stub = pb_grpc.PeerStub(channel)
 
         @FUZZ
-        @given(method=st.sampled_from(["Join", "Abort", "PeerStatus"]), data=st.binary(max_size=2000))
+        @given(method=st.sampled_from(["Join", "Abort", "PeerStatus", "Meet"]), data=st.binary(max_size=2000))
         def random_bytes(method: str, data: bytes) -> None:
             try:
                 channel.unary_unary(PEER + method)(data, timeout=REPLY_TIMEOUT_S)
@@ -508,17 +509,27 @@ def test_fuzz_peer_service(target: Target) -> None:
         @given(data=st.data())
         def fields(data: Any) -> None:
             peer = data.draw(peer_requests(job_id, token))
-            method = data.draw(st.sampled_from(["Join", "Abort", "PeerStatus"]))
+            method = data.draw(st.sampled_from(["Join", "Abort", "PeerStatus", "Meet"]))
             request = {
                 "Join": lambda: pb.JoinRequest(
                     peer=peer, node_ids=data.draw(st.lists(texts, max_size=3)), transport=data.draw(st.integers(0, 5))
                 ),
                 "Abort": lambda: pb.AbortRequest(peer=peer, kind=data.draw(st.integers(0, 20)), message=data.draw(texts)),
                 "PeerStatus": lambda: pb.PeerStatusRequest(peer=peer),
+                "Meet": lambda: pb.MeetRequest(
+                    job_id=peer.job_id, proof=peer.proof, rank=data.draw(st.integers(0, U32)),
+                    world_size=data.draw(st.one_of(st.integers(0, 3), st.integers(0, U32))),
+                    node_id=data.draw(texts), peer_address=data.draw(texts),
+                    timeout_ms=data.draw(st.integers(1, 200)),  # a meeting that waits gives up soon
+                ),
             }[method]()
-            with pytest.raises(grpc.RpcError) as refused:
-                getattr(stub, method)(request, timeout=REPLY_TIMEOUT_S)
-            assert refused.value.code() in peer_codes, f"{method}({peer}): {refused.value.code()} {refused.value.details()}"
+            try:
+                reply = getattr(stub, method)(request, timeout=REPLY_TIMEOUT_S)
+            except grpc.RpcError as refused:
+                assert refused.code() in peer_codes, f"{method}({peer}): {refused.code()} {refused.details()}"
+            else:
+                # Only a rendezvous of one rank completes alone; it tells the caller nothing new.
+                assert method == "Meet" and request.world_size == 1, f"{method}({request}) succeeded: {reply}"
             target.alive()
 
         random_bytes()

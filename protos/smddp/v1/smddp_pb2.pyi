@@ -166,6 +166,48 @@ class PeerStatusReply(_message.Message):
     comm: CommStatus
     def __init__(self, node_id: _Optional[str] = ..., comm: _Optional[_Union[CommStatus, _Mapping]] = ...) -> None: ...
 
+class RendezvousRequest(_message.Message):
+    __slots__ = ("job_id", "job_token", "rank", "world_size", "root", "root_node_id", "timeout_ms")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ROOT_FIELD_NUMBER: _ClassVar[int]
+    ROOT_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    job_token: bytes
+    rank: int
+    world_size: int
+    root: str
+    root_node_id: str
+    timeout_ms: int
+    def __init__(self, job_id: _Optional[str] = ..., job_token: _Optional[bytes] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., root: _Optional[str] = ..., root_node_id: _Optional[str] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
+class RendezvousReply(_message.Message):
+    __slots__ = ("nodes",)
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeSpec]
+    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeSpec, _Mapping]]] = ...) -> None: ...
+
+class MeetRequest(_message.Message):
+    __slots__ = ("job_id", "proof", "rank", "world_size", "node_id", "peer_address", "timeout_ms")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    proof: bytes
+    rank: int
+    world_size: int
+    node_id: str
+    peer_address: str
+    timeout_ms: int
+    def __init__(self, job_id: _Optional[str] = ..., proof: _Optional[bytes] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., node_id: _Optional[str] = ..., peer_address: _Optional[str] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
 class RegisterRequest(_message.Message):
     __slots__ = ("job_id", "job_token", "comm_id", "rank", "world_size", "global_rank", "node_id", "pid", "arena_bytes", "timeout_ms", "nodes")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]

@@ -65,6 +65,11 @@ class NodeStub:
                 request_serializer=smddp_dot_v1_dot_smddp__pb2.TopologyRequest.SerializeToString,
                 response_deserializer=smddp_dot_v1_dot_smddp__pb2.TopologyReply.FromString,
                 _registered_method=True)
+        self.Rendezvous = channel.unary_unary(
+                '/smddp.v1.Node/Rendezvous',
+                request_serializer=smddp_dot_v1_dot_smddp__pb2.RendezvousRequest.SerializeToString,
+                response_deserializer=smddp_dot_v1_dot_smddp__pb2.RendezvousReply.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -116,6 +121,15 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Rendezvous(self, request, context):
+        """For jobs without a store of their own (non-torch clients): meets every rank of the job
+        through the daemon that hosts the meeting (its Peer service) and returns the job's node
+        layout, ready for Register. Blocks until every rank arrived or the timeout.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -148,6 +162,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.Topology,
                     request_deserializer=smddp_dot_v1_dot_smddp__pb2.TopologyRequest.FromString,
                     response_serializer=smddp_dot_v1_dot_smddp__pb2.TopologyReply.SerializeToString,
+            ),
+            'Rendezvous': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rendezvous,
+                    request_deserializer=smddp_dot_v1_dot_smddp__pb2.RendezvousRequest.FromString,
+                    response_serializer=smddp_dot_v1_dot_smddp__pb2.RendezvousReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -323,6 +342,33 @@ class Node:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def Rendezvous(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/smddp.v1.Node/Rendezvous',
+            smddp_dot_v1_dot_smddp__pb2.RendezvousRequest.SerializeToString,
+            smddp_dot_v1_dot_smddp__pb2.RendezvousReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class PeerStub:
     """The control service between node daemons, served on each daemon's peer address (TCP; mutual
@@ -351,6 +397,11 @@ class PeerStub:
                 '/smddp.v1.Peer/PeerStatus',
                 request_serializer=smddp_dot_v1_dot_smddp__pb2.PeerStatusRequest.SerializeToString,
                 response_deserializer=smddp_dot_v1_dot_smddp__pb2.PeerStatusReply.FromString,
+                _registered_method=True)
+        self.Meet = channel.unary_unary(
+                '/smddp.v1.Peer/Meet',
+                request_serializer=smddp_dot_v1_dot_smddp__pb2.MeetRequest.SerializeToString,
+                response_deserializer=smddp_dot_v1_dot_smddp__pb2.RendezvousReply.FromString,
                 _registered_method=True)
 
 
@@ -388,6 +439,14 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Meet(self, request, context):
+        """Hosts a rendezvous (Node.Rendezvous) for the ranks of other nodes, which their daemons
+        forward here. The proof is HMAC-SHA256(job token, "smddp-rendezvous-v1/<job_id>").
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -405,6 +464,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.PeerStatus,
                     request_deserializer=smddp_dot_v1_dot_smddp__pb2.PeerStatusRequest.FromString,
                     response_serializer=smddp_dot_v1_dot_smddp__pb2.PeerStatusReply.SerializeToString,
+            ),
+            'Meet': grpc.unary_unary_rpc_method_handler(
+                    servicer.Meet,
+                    request_deserializer=smddp_dot_v1_dot_smddp__pb2.MeetRequest.FromString,
+                    response_serializer=smddp_dot_v1_dot_smddp__pb2.RendezvousReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -492,6 +556,33 @@ class Peer:
             '/smddp.v1.Peer/PeerStatus',
             smddp_dot_v1_dot_smddp__pb2.PeerStatusRequest.SerializeToString,
             smddp_dot_v1_dot_smddp__pb2.PeerStatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Meet(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/smddp.v1.Peer/Meet',
+            smddp_dot_v1_dot_smddp__pb2.MeetRequest.SerializeToString,
+            smddp_dot_v1_dot_smddp__pb2.RendezvousReply.FromString,
             options,
             channel_credentials,
             insecure,
