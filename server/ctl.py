@@ -83,7 +83,11 @@ def cmd_topology(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(MessageToDict(topo, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)))
         return 0
-    peers = f"peers at {topo.peer_address}" if topo.peer_address else "no peer listener (--peer-bind off)"
+    if topo.peer_address:
+        transport = pb.Transport.Name(topo.peer_transport).lower()
+        peers = f"peers at {topo.peer_address}, data over {transport} port {topo.data_port}"
+    else:
+        peers = "no peer listener (--peer-bind off)"
     print(f"node {topo.node_id}  {peers}  CPUs {topo.cpu_count}")
     for d in topo.devices:
         print(f"  {d.kind} {d.index}: {d.name}")

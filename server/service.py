@@ -115,11 +115,14 @@ class NodeService(pb_grpc.NodeServicer):
         return pb.RendezvousReply(nodes=nodes)
 
     def Topology(self, request: pb.TopologyRequest, context: grpc.ServicerContext) -> pb.TopologyReply:
+        network = self._registry.network
         reply = pb.TopologyReply(
             node_id=self._registry.config.node_id,
             peer_address=self._registry.peer_address,
             cpu_count=os.cpu_count() or 1,
             devices=local_devices(),
+            peer_transport=network.transport if network is not None else pb.TRANSPORT_UNSPECIFIED,
+            data_port=network.data_port if network is not None else 0,
         )
         for comm in self._registry.comms():
             layout = reply.jobs.add(job_id=comm.job_id, comm_id=comm.comm_id, local_ranks=comm.local_ranks)

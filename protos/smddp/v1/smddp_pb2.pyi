@@ -289,18 +289,22 @@ class JobLayout(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., comm_id: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[NodeSpec, _Mapping]]] = ..., local_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TopologyReply(_message.Message):
-    __slots__ = ("node_id", "peer_address", "cpu_count", "devices", "jobs")
+    __slots__ = ("node_id", "peer_address", "cpu_count", "devices", "jobs", "peer_transport", "data_port")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     CPU_COUNT_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     JOBS_FIELD_NUMBER: _ClassVar[int]
+    PEER_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     peer_address: str
     cpu_count: int
     devices: _containers.RepeatedCompositeFieldContainer[Device]
     jobs: _containers.RepeatedCompositeFieldContainer[JobLayout]
-    def __init__(self, node_id: _Optional[str] = ..., peer_address: _Optional[str] = ..., cpu_count: _Optional[int] = ..., devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., jobs: _Optional[_Iterable[_Union[JobLayout, _Mapping]]] = ...) -> None: ...
+    peer_transport: Transport
+    data_port: int
+    def __init__(self, node_id: _Optional[str] = ..., peer_address: _Optional[str] = ..., cpu_count: _Optional[int] = ..., devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., jobs: _Optional[_Iterable[_Union[JobLayout, _Mapping]]] = ..., peer_transport: _Optional[_Union[Transport, str]] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
     __slots__ = ("session_id", "session_secret", "chunk_bytes", "daemon_node_id", "daemon_version")
