@@ -50,6 +50,10 @@ class Metrics:
         self.peer_bytes_sent = Counter("smddp_peer_bytes_sent", "Bytes sent to peer daemons", ["peer"], registry=r)
         self.peer_bytes_received = Counter("smddp_peer_bytes_received", "Bytes received from peer daemons", ["peer"], registry=r)
         self.peer_errors = Counter("smddp_peer_connection_errors", "Failed connections to peer daemons", ["peer"], registry=r)
+        self.peer_calls = Counter(
+            "smddp_peer_calls", "Calls of other daemons that this daemon's Peer service answered, by status",
+            ["method", "code"], registry=r,
+        )
         # Pre-create the error series so that dashboards see zeros, not absences.
         for name in ERROR_NAMES.values():
             if name != "error_kind_unspecified":

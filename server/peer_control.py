@@ -11,9 +11,11 @@ job's layout gives for that address.
 
 from __future__ import annotations
 
+import functools
 import hmac
 import logging
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -43,6 +45,22 @@ def server_credentials(cert: str, key: str, ca: str) -> grpc.ServerCredentials:
     )
 
 
+def _counted(method: Callable) -> Callable:
+    """Counts each call of a Peer method by its gRPC status (``smddp_peer_calls``)."""
+
+    @functools.wraps(method)
+    def counted(self: PeerService, request: object, context: grpc.ServicerContext) -> object:
+        try:
+            reply = method(self, request, context)
+        except BaseException:
+            self._count(method.__name__, context.code() or grpc.StatusCode.UNKNOWN)
+            raise
+        self._count(method.__name__, grpc.StatusCode.OK)
+        return reply
+
+    return counted
+
+
 class PeerService(pb_grpc.PeerServicer):
     """Answers other daemons about the communicators registered here."""
 
@@ -50,6 +68,10 @@ class PeerService(pb_grpc.PeerServicer):
         self._registry = registry
         self._transport = transport
         self._data_port = data_port
+
+    def _count(self, method: str, code: grpc.StatusCode) -> None:
+        if self._registry.metrics is not None:
+            self._registry.metrics.peer_calls.labels(method, code.name).inc()
 
     def _comm(self, req: pb.PeerRequest, context: grpc.ServicerContext) -> Communicator:
         """The communicator ``req`` names, once its proof and node index check out."""
@@ -66,6 +88,7 @@ class PeerService(pb_grpc.PeerServicer):
             )
         return comm
 
+    @_counted
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
         comm = self._comm(request.peer, context)
         peers = comm.peers
@@ -91,6 +114,7 @@ class PeerService(pb_grpc.PeerServicer):
             context.abort(grpc.StatusCode.ABORTED, f"the communicator already failed on node {peers.node_ids[peers.my_node]}: {failure[1]}")
         return pb.JoinReply(node_id=peers.node_ids[peers.my_node], data_port=self._data_port)
 
+    @_counted
     def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortReply:
         comm = self._comm(request.peer, context)
         # The node that failed warns there; here it is news only if an op was waiting (fail()
@@ -98,12 +122,14 @@ class PeerService(pb_grpc.PeerServicer):
         comm.fail(request.kind or pb.ABORTED, request.message[:65536], propagate=False, log_level=logging.INFO)
         return pb.AbortReply()
 
+    @_counted
     def PeerStatus(self, request: pb.PeerStatusRequest, context: grpc.ServicerContext) -> pb.PeerStatusReply:
         comm = self._comm(request.peer, context)
         assert comm.peers is not None
         return pb.PeerStatusReply(node_id=comm.peers.node_ids[comm.peers.my_node], comm=comm.status())
 
 
+    @_counted
     def Meet(self, request: pb.MeetRequest, context: grpc.ServicerContext) -> pb.RendezvousReply:
         timeout_s = min(request.timeout_ms, MAX_MEET_MS) / 1000 if request.timeout_ms else self._registry.config.default_timeout_s
         try:

@@ -13,6 +13,7 @@ import multiprocessing as mp
 import secrets
 import socket
 import struct
+import urllib.request
 
 import grpc
 import numpy as np
@@ -107,7 +108,11 @@ def _peer_service_refusals(address: str) -> None:
 
 
 @pytest.mark.timeout(90)
-def test_peer_without_token_garbage_and_wrong_size_are_refused(daemon) -> None:
+def test_peer_without_token_garbage_and_wrong_size_are_refused(start_daemon) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        http = f"127.0.0.1:{probe.getsockname()[1]}"
+    daemon = start_daemon(args=("--http-bind", http))
     info = daemon_info(daemon.socket)
     assert info.peer_transport == pb.TCP
     port = info.data_port
@@ -119,6 +124,15 @@ def test_peer_without_token_garbage_and_wrong_size_are_refused(daemon) -> None:
         assert queue.get(timeout=30) == "registered"
 
         _peer_service_refusals(info.peer_address)
+        # Every answer of the Peer service is counted by method and status.
+        metrics = urllib.request.urlopen(f"http://{http}/metrics", timeout=10).read().decode()
+        for method, code, count in [
+            ("Join", "PERMISSION_DENIED", 1), ("Abort", "PERMISSION_DENIED", 1), ("PeerStatus", "PERMISSION_DENIED", 1),
+            ("Join", "FAILED_PRECONDITION", 2), ("Join", "INVALID_ARGUMENT", 1), ("Join", "NOT_FOUND", 1),
+            ("PeerStatus", "INVALID_ARGUMENT", 1), ("PeerStatus", "OK", 1),
+        ]:
+            line = f'smddp_peer_calls_total{{code="{code}",method="{method}"}} {float(count)}'
+            assert line in metrics, f"{line!r} not in:\n" + "\n".join(m for m in metrics.splitlines() if "peer_calls" in m)
 
         # Garbage instead of a handshake: the daemon closes the connection.
         junk = socket.create_connection(("127.0.0.1", port), timeout=10)
