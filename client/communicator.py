@@ -48,6 +48,7 @@ class _Chunk:
     copy_out: list[tuple[np.ndarray, int]]  # (destination, arena offset)
     # A GPU op's chunk holds no arena block; after(ok) runs when its reply is retired.
     after: Callable[[bool], None] | None = None
+    recv_bytes: int = 0  # ring bytes a receive holds until its sender's data arrives
 
 
 @dataclass(eq=False)
@@ -139,6 +140,14 @@ class Communicator:
         )
         self._peer_maps: list[np.ndarray] | None = None
         self._outstanding: collections.deque[_Chunk] = collections.deque()
+        # Receives hold their block until the sender's data comes, so they may fill at most half
+        # the ring: sends (which the daemon copies out at once) then always find room, and two
+        # ranks that both post a large irecv before their isend cannot block each other.
+        # Receive chunks past that wait here, in order, and go out as earlier ones retire.
+        self._recv_cap = half // 2
+        self._recv_bytes = 0
+        self._deferred: collections.deque[tuple[Handle, pb.OpRequest, _Layout, list, dict]] = collections.deque()
+        self._flushing = False
         self._seq = 0
         self._p2p_seq: dict[tuple[int, int], int] = {}
         self._ids = itertools.count(1)
@@ -159,8 +168,12 @@ class Communicator:
         copy_in: Sequence[tuple[np.ndarray, int]],
         copy_out: Sequence[tuple[np.ndarray, int]],
         regions: dict[str, int | tuple[int, int] | list[tuple[int, int]]],
+        recv_bytes: int = 0,
     ) -> None:
-        """Places one chunk in the arena and sends it; ``regions`` hold relative offsets."""
+        """Places one chunk in the arena and sends it; ``regions`` hold relative offsets.
+
+        ``recv_bytes``: the chunk is a receive (``_submit_recv``), already counted in its handle.
+        """
         base = self._ring.alloc(layout.size)
         while base is None:
             self._retire_oldest()
@@ -175,14 +188,39 @@ class Communicator:
                 o, n = value  # type: ignore[misc]
                 getattr(req, name).CopyFrom(pb.Region(offset=base + o, nbytes=n))
         req.request_id = next(self._ids)
-        chunk = _Chunk(handle, req.request_id, [(dst, base + off) for dst, off in copy_out])
-        handle.pending += 1
+        chunk = _Chunk(handle, req.request_id, [(dst, base + off) for dst, off in copy_out], recv_bytes=recv_bytes)
+        if not recv_bytes:
+            handle.pending += 1
         self._outstanding.append(chunk)
         try:
             self.session.send(req)
         except SmddpError as exc:
             # Retiring the chunk meets the same broken connection and frees its block.
             handle.error = handle.error or exc
+
+    def _submit_recv(
+        self, handle: Handle, req: pb.OpRequest, layout: _Layout, copy_out: list, regions: dict
+    ) -> None:
+        """Sends a receive chunk now, or once the receives before it leave room (``_recv_cap``)."""
+        handle.pending += 1
+        self._deferred.append((handle, req, layout, copy_out, regions))
+        self._flush_deferred()
+
+    def _flush_deferred(self) -> None:
+        """Sends the waiting receive chunks, in order, while they fit under the cap."""
+        if self._flushing:
+            return  # a submit below retires chunks, which calls here again
+        self._flushing = True
+        try:
+            while self._deferred:
+                handle, req, layout, copy_out, regions = self._deferred[0]
+                if self._recv_bytes and self._recv_bytes + layout.size > self._recv_cap:
+                    return
+                self._deferred.popleft()
+                self._recv_bytes += layout.size
+                self._submit(handle, req, layout, [], copy_out, regions, recv_bytes=layout.size)
+        finally:
+            self._flushing = False
 
     def _retire_oldest(self) -> None:
         chunk = self._outstanding.popleft()
@@ -208,6 +246,9 @@ class Communicator:
             if chunk.handle.pending == 0:
                 for cb in chunk.handle.callbacks:
                     cb(chunk.handle)
+            if chunk.recv_bytes:
+                self._recv_bytes -= chunk.recv_bytes
+                self._flush_deferred()
 
     def _retire_through(self, handle: Handle) -> None:
         with self._lock:
@@ -587,7 +628,7 @@ class Communicator:
                 if kind == pb.SEND:
                     self._submit(handle, req, layout, [(flat[a:b], off)], [], {"input": region})
                 else:
-                    self._submit(handle, req, layout, [], [(flat[a:b], off)], {"output": region})
+                    self._submit_recv(handle, req, layout, [(flat[a:b], off)], {"output": region})
             return handle
 
     def close(self) -> None:

@@ -96,8 +96,9 @@ PIECES_IN_FLIGHT = 4
 # loopback between two processes on a 2-core VM: every wake-up costs ~18 us of CPU there (a bare
 # 1 ms sleep loop alone used 1.8% of a core), so an idle receive thread costs ~1% of a core at a
 # 2 ms cap (1.8% at 1 ms), and the first frame after a silence waits at most 2 ms more. A
-# 64-byte round trip (header and payload each way) took ~0.12 ms median whatever the spin
-# (plain TCP sockets: 0.02 ms); 64 MiB went at ~1.4 GB/s either way.
+# 64-byte round trip (header and payload each way) took ~0.12 ms median whatever the spin when
+# the callers' threads posted their requests, ~0.3 ms with delayed submission (``UcxNode``);
+# plain TCP sockets: 0.02 ms. 64 MiB went at ~1.4 GB/s either way.
 SPIN_S = 50e-6
 SLEEP_MIN_S = 20e-6
 SLEEP_MAX_S = 1e-3
@@ -491,11 +492,13 @@ class UcxNode:
             self._context = ucx_api.UCXContext(
                 feature_flags=(feature.STREAM, feature.TAG, feature.WAKEUP)
             )
-            # ucxx creates the UCP worker thread-safe (UCS_THREAD_MODE_MULTI), so each thread
-            # posts its own requests. Delayed submission (the progress thread posts them) cost a
-            # wake-up of that thread per request: a 64-byte round trip took ~0.3 ms with it,
-            # ~0.12 ms without.
-            self._worker = ucx_api.UCXWorker(self._context, enable_delayed_submission=False)
+            # Delayed submission: the progress thread posts every request. Posting from the
+            # callers' threads (the worker is thread-safe, UCS_THREAD_MODE_MULTI) was faster (a
+            # 64-byte round trip ~0.12 ms against ~0.3 ms) but left a send stuck now and then
+            # while the progress thread slept: the peer then saw its connection silent and the
+            # job failed at its first op (6 of 45 runs of the node-loss test in namespaces;
+            # 0 of 35 with delayed submission).
+            self._worker = ucx_api.UCXWorker(self._context, enable_delayed_submission=True)
             self._worker.start_progress_thread(polling_mode=False)
         except Exception as exc:  # e.g. UCX_TLS names no transport this host has
             raise RuntimeError(f"cannot start UCX: {type(exc).__name__}: {exc}") from None

@@ -37,7 +37,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 
-from netns_cluster import NetnsCluster, unavailable_reason  # noqa: E402  (after sys.path)
+from netns_cluster import IFNAME, NetnsCluster, unavailable_reason  # noqa: E402  (after sys.path)
 
 RANK_MAIN = HERE / "rank_main.py"
 DAEMON = (sys.executable, "-m", "smddp.server")
@@ -88,6 +88,10 @@ TRANSPORTS = {
     # UCX over its TCP transport: no RDMA device exists here.
     "ucx": Transport("ucx", ("--peer-transport", "ucx"), {"UCX_TLS": "tcp"}),
 }
+# In a namespace, UCX must not offer its peers a lane on the loopback device: 127.0.0.1 there is
+# the namespace itself, and such a lane breaks or stays silent (seen: 1 run in 10 failed). A site
+# sets UCX_NET_DEVICES to its data NICs for the same reason (README).
+NETNS_UCX_ENV = {"UCX_NET_DEVICES": IFNAME}
 
 
 @pytest.fixture(params=list(TRANSPORTS))
@@ -167,7 +171,7 @@ def netns_nodes(netns_cluster, start_daemon) -> Iterator[Callable[[int], list[No
                 args=("--node-id", f"ns{i}", "--peer-bind", f"{addr}:0", *args),
                 command=(*cluster.prefix(i), *DAEMON),
                 name=f"ns{i}",
-                env={**os.environ, **(env or {})},
+                env={**os.environ, **NETNS_UCX_ENV, **(env or {})},
             )
             nodes.append(Node(f"ns{i}", addr, cluster.prefix(i), d))
         started.extend(nodes)
