@@ -176,7 +176,7 @@ class Daemon:
             options=[("grpc.max_receive_message_length", 1 << 20), ("grpc.so_reuseport", 0)],
             interceptors=[RefuseUndecodable()],
         )
-        pb_grpc.add_PeerServicer_to_server(PeerService(self.registry, transport, self._peers.data_port), server)
+        pb_grpc.add_PeerServicer_to_server(PeerService(self.registry, self._peers), server)
         try:
             if tls_files:
                 port = server.add_secure_port(cfg.peer_bind, server_credentials(*tls_files))

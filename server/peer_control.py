@@ -23,17 +23,18 @@ import grpc
 
 from smddp.server.errors import SmddpError
 from smddp.server.peer_transport import token_proof
+from smddp.server.registry import MAX_TIMEOUT_MS
 from smddp.v1 import smddp_pb2 as pb
 from smddp.v1 import smddp_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
     from smddp.server.communicator import Communicator
+    from smddp.server.peer_transport import PeerNetwork
     from smddp.server.registry import Registry
 
 log = logging.getLogger(__name__)
 
 TRANSPORT_NAMES = {pb.TCP: "tcp", pb.UCX: "ucx"}
-MAX_MEET_MS = 7 * 24 * 3600 * 1000
 
 
 def server_credentials(cert: str, key: str, ca: str) -> grpc.ServerCredentials:
@@ -64,10 +65,9 @@ def _counted(method: Callable) -> Callable:
 class PeerService(pb_grpc.PeerServicer):
     """Answers other daemons about the communicators registered here."""
 
-    def __init__(self, registry: Registry, transport: int, data_port: int) -> None:
+    def __init__(self, registry: Registry, network: PeerNetwork) -> None:
         self._registry = registry
-        self._transport = transport
-        self._data_port = data_port
+        self._network = network  # this daemon's transport and data port
 
     def _count(self, method: str, code: grpc.StatusCode) -> None:
         if self._registry.metrics is not None:
@@ -100,11 +100,11 @@ class PeerService(pb_grpc.PeerServicer):
                 f"{comm.name()}: node {caller} lists the nodes {list(request.node_ids)} where node "
                 f"{peers.node_ids[peers.my_node]} lists {peers.node_ids}",
             )
-        if request.transport != self._transport:
+        if request.transport != self._network.transport:
             context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"node {caller} carries data over {TRANSPORT_NAMES.get(request.transport, request.transport)} "
-                f"and node {peers.node_ids[peers.my_node]} over {TRANSPORT_NAMES[self._transport]}: every daemon "
+                f"and node {peers.node_ids[peers.my_node]} over {TRANSPORT_NAMES[self._network.transport]}: every daemon "
                 "of a job must run the same --peer-transport",
             )
         if request.peer.node > peers.my_node:
@@ -112,7 +112,7 @@ class PeerService(pb_grpc.PeerServicer):
         failure = comm.failed()
         if failure is not None:
             context.abort(grpc.StatusCode.ABORTED, f"the communicator already failed on node {peers.node_ids[peers.my_node]}: {failure[1]}")
-        return pb.JoinReply(node_id=peers.node_ids[peers.my_node], data_port=self._data_port)
+        return pb.JoinReply(node_id=peers.node_ids[peers.my_node], data_port=self._network.data_port)
 
     @_counted
     def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortReply:
@@ -128,10 +128,9 @@ class PeerService(pb_grpc.PeerServicer):
         assert comm.peers is not None
         return pb.PeerStatusReply(node_id=comm.peers.node_ids[comm.peers.my_node], comm=comm.status())
 
-
     @_counted
     def Meet(self, request: pb.MeetRequest, context: grpc.ServicerContext) -> pb.RendezvousReply:
-        timeout_s = min(request.timeout_ms, MAX_MEET_MS) / 1000 if request.timeout_ms else self._registry.config.default_timeout_s
+        timeout_s = min(request.timeout_ms, MAX_TIMEOUT_MS) / 1000 if request.timeout_ms else self._registry.config.default_timeout_s
         try:
             nodes = self._registry.rendezvous.meet(
                 request.job_id, request.proof, request.rank, request.world_size, request.node_id[:256],

@@ -54,8 +54,9 @@ FRAME_DATA = 1
 FRAME_HEARTBEAT = 3
 FRAME_BYE = 4  # the sender's ranks have all left; its EOF that follows is not a failure
 
-# magic, type, kind, dtype, error kind, seq, part, parts, round, src rank, dst rank, count,
-# root, reduce op, payload bytes, source node
+# magic, type, kind, dtype, reserved (0; it carried an ABORT frame's error kind before aborts
+# moved to the Peer service), seq, part, parts, round, src rank, dst rank, count, root, reduce
+# op, payload bytes, source node
 HEADER = struct.Struct("!4sBBBBQIIIiiQiIQI")
 MAGIC = b"SMDP"
 HELLO = struct.Struct("!4sHHI")
@@ -64,6 +65,8 @@ HELLO_OK, HELLO_RETRY, HELLO_REFUSED = 0, 1, 2
 MAX_PAYLOAD = 1 << 34
 
 
+# Added to a TLS failure that is not a certificate refusal (e.g. TLS on one side only).
+TLS_SETUP_HINT = " (do both daemons run with --tls-cert, --tls-key and --tls-ca of the same CA?)"
 RETRYABLE_JOIN = frozenset({grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 
 
@@ -76,7 +79,7 @@ def _tls_refusal(details: str, tls: bool, node_id: str) -> str | None:
             f"its node id as a DNS subject alternative name): {details}"
         )
     if "handshake failed" in low:
-        hint = "" if "certificate_verify_failed" in low else " (do both daemons run with --tls-cert, --tls-key and --tls-ca of the same CA?)"
+        hint = "" if "certificate_verify_failed" in low else TLS_SETUP_HINT
         return f"TLS handshake failed: {details}{hint}"
     if "socket closed" in low:
         # A daemon closes a connection unanswered when the TLS handshake fails on its side.
@@ -111,7 +114,6 @@ class Frame:
     ftype: int
     kind: int
     dtype: int
-    error_kind: int
     seq: int
     part: int
     parts: int
@@ -220,9 +222,7 @@ class CommPeers:
                 self._lost(node, f"refused to join: {details}")
                 return None
             if time.monotonic() > deadline:
-                if self._metrics is not None:
-                    self._metrics.peer_errors.labels(self.node_ids[node]).inc()
-                self._lost(node, f"did not let this node join within {self.comm.timeout_s:.0f} s ({details})")
+                self._timed_out(node, f"did not let this node join within {self.comm.timeout_s:.0f} s ({details})")
                 return None
             time.sleep(CONNECT_RETRY_S)
         return None
@@ -246,9 +246,7 @@ class CommPeers:
                     message = _recv_exact(sock, n).decode(errors="replace")
                 except ssl.SSLError as exc:
                     # Certificates do not change by retrying; TLS on one side only does not either.
-                    hint = "" if isinstance(exc, ssl.SSLCertVerificationError) else (
-                        " (do both daemons run with --tls-cert, --tls-key and --tls-ca of the same CA?)"
-                    )
+                    hint = "" if isinstance(exc, ssl.SSLCertVerificationError) else TLS_SETUP_HINT
                     status, message = HELLO_REFUSED, f"TLS handshake failed: {exc}{hint}"
                 except OSError as exc:
                     status, message = HELLO_RETRY, f"data connection to {host}:{port}: {exc}"
@@ -261,9 +259,7 @@ class CommPeers:
                     self._lost(node, f"refused our connection: {message}")
                     return
                 if time.monotonic() > deadline:
-                    if self._metrics is not None:
-                        self._metrics.peer_errors.labels(self.node_ids[node]).inc()
-                    self._lost(node, f"did not accept a connection within {self.comm.timeout_s:.0f} s ({message})")
+                    self._timed_out(node, f"did not accept a connection within {self.comm.timeout_s:.0f} s ({message})")
                     return
                 time.sleep(CONNECT_RETRY_S)
 
@@ -278,6 +274,12 @@ class CommPeers:
             self._send_locks[sock] = threading.Lock()
             self._cond.notify_all()
         threading.Thread(target=self._receive, args=(node, sock), name="smddp-peer-recv", daemon=True).start()
+
+    def _timed_out(self, node: int, detail: str) -> None:
+        """Connecting to ``node`` ran out of time: counted as a connection error, node lost."""
+        if self._metrics is not None:
+            self._metrics.peer_errors.labels(self.node_ids[node]).inc()
+        self._lost(node, detail)
 
     def _lost(self, node: int, detail: str) -> None:
         if self._closed or node in self._gone:
@@ -312,7 +314,6 @@ class CommPeers:
         payloads: Sequence[np.ndarray | bytes] = (),
         src_rank: int = -1,
         dst_rank: int = -1,
-        error_kind: int = 0,
     ) -> None:
         """Sends one frame to ``node``; ``req`` gives the op fields of the header.
 
@@ -322,7 +323,7 @@ class CommPeers:
         nbytes = sum(p.nbytes if isinstance(p, np.ndarray) else len(p) for p in payloads)
         r = req or pb.OpRequest()
         header = HEADER.pack(
-            MAGIC, ftype, r.kind, r.dtype, error_kind, r.seq, r.part, r.parts, round_,
+            MAGIC, ftype, r.kind, r.dtype, 0, r.seq, r.part, r.parts, round_,
             src_rank, dst_rank, r.count, r.root, r.reduce_op, nbytes, self.my_node,
         )
         sock = self._socket_for(node, time.monotonic() + self.comm.timeout_s)
@@ -403,7 +404,7 @@ class CommPeers:
         try:
             while True:
                 fields = HEADER.unpack(_recv_exact(sock, HEADER.size))
-                (magic, ftype, kind, dtype, error_kind, seq, part, parts, round_, src_rank, dst_rank,
+                (magic, ftype, kind, dtype, _reserved, seq, part, parts, round_, src_rank, dst_rank,
                  count, root, reduce_op, nbytes, src_node) = fields
                 if magic != MAGIC or src_node != node or nbytes > MAX_PAYLOAD:
                     raise ConnectionError("malformed frame header")
@@ -425,7 +426,7 @@ class CommPeers:
                     raise ConnectionError(f"unknown frame type {ftype}")
                 if self._metrics is not None and nbytes:
                     self._metrics.peer_bytes_received.labels(self.node_ids[node]).inc(nbytes)
-                frame = Frame(ftype, kind, dtype, error_kind, seq, part, parts, round_, src_rank, dst_rank,
+                frame = Frame(ftype, kind, dtype, seq, part, parts, round_, src_rank, dst_rank,
                               count, root, reduce_op, src_node, payload)
                 self._deliver(frame)
         except TimeoutError:

@@ -38,6 +38,11 @@ MIN_ARENA_BYTES = 64 << 10
 MAX_TIMEOUT_MS = 7 * 24 * 3600 * 1000
 
 
+def _check_token(where: str, token: bytes) -> None:
+    if not MIN_TOKEN_BYTES <= len(token) <= MAX_TOKEN_BYTES:
+        raise InvalidRequest(f"{where}: job_token must have {MIN_TOKEN_BYTES}-{MAX_TOKEN_BYTES} bytes")
+
+
 class Registry:
     """Thread-safe tables of communicators and sessions, and the rules for joining them."""
 
@@ -69,8 +74,7 @@ class Registry:
         if not _COMM_ID.match(req.comm_id):
             raise InvalidRequest(f"job {req.job_id}: comm_id {req.comm_id[:260]!r} must be 1-256 printable characters")
         where = f"job {req.job_id} comm {req.comm_id}"
-        if not MIN_TOKEN_BYTES <= len(req.job_token) <= MAX_TOKEN_BYTES:
-            raise InvalidRequest(f"{where}: job_token must have {MIN_TOKEN_BYTES}-{MAX_TOKEN_BYTES} bytes")
+        _check_token(where, req.job_token)
         if not 1 <= req.world_size <= cfg.max_ranks_per_job:
             raise LimitExceeded(
                 f"{where}: world_size {req.world_size} is outside 1..{cfg.max_ranks_per_job} (--max-ranks-per-job)"
@@ -82,9 +86,7 @@ class Registry:
                 f"{where} rank {req.rank}: arena_bytes {req.arena_bytes} is outside "
                 f"{MIN_ARENA_BYTES}..{cfg.max_arena_bytes} (--max-arena-bytes)"
             )
-        if req.timeout_ms > MAX_TIMEOUT_MS:
-            raise InvalidRequest(f"{where}: timeout_ms {req.timeout_ms} exceeds 7 days")
-        timeout_s = req.timeout_ms / 1000 if req.timeout_ms else cfg.default_timeout_s
+        timeout_s = self._timeout_s(where, req.timeout_ms)
         nodes, my_node = self._layout(req, where)
         key = (req.job_id, req.comm_id)
         with self._lock:
@@ -189,11 +191,8 @@ class Registry:
         where = f"rendezvous of job {req.job_id[:64]}"
         if not _JOB_ID.match(req.job_id):
             raise InvalidRequest(f"{where}: job_id must be 1-128 characters of A-Z a-z 0-9 . _ : -")
-        if not MIN_TOKEN_BYTES <= len(req.job_token) <= MAX_TOKEN_BYTES:
-            raise InvalidRequest(f"{where}: job_token must have {MIN_TOKEN_BYTES}-{MAX_TOKEN_BYTES} bytes")
-        if req.timeout_ms > MAX_TIMEOUT_MS:
-            raise InvalidRequest(f"{where}: timeout_ms {req.timeout_ms} exceeds 7 days")
-        timeout_s = req.timeout_ms / 1000 if req.timeout_ms else self.config.default_timeout_s
+        _check_token(where, req.job_token)
+        timeout_s = self._timeout_s(where, req.timeout_ms)
         proof = rendezvous_proof(req.job_token, req.job_id)
         node_id, address = self.config.node_id, self.peer_address or "none"
         if not req.root or req.root == self.peer_address:
@@ -213,6 +212,12 @@ class Registry:
             return list(stub.Meet(meet, timeout=timeout_s + 10).nodes)
         except grpc.RpcError as exc:
             raise RemoteRefusal(exc.code(), f"{where}: the root's daemon at {req.root}: {exc.details() or exc.code()}") from None
+
+    def _timeout_s(self, where: str, timeout_ms: int) -> float:
+        """A client's timeout in seconds; 0 means the daemon's default."""
+        if timeout_ms > MAX_TIMEOUT_MS:
+            raise InvalidRequest(f"{where}: timeout_ms {timeout_ms} exceeds 7 days")
+        return timeout_ms / 1000 if timeout_ms else self.config.default_timeout_s
 
     def find_comm(self, job_id: str, comm_id: str) -> Communicator | None:
         """The communicator a peer daemon asks for, if registered here."""
