@@ -7,7 +7,9 @@ Outputs that are not contiguous go through a contiguous copy written back on com
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -16,7 +18,7 @@ from torch._C import _distributed_c10d as c10d
 from smddp.backend.cuda import CudaCollectives, on_cuda
 from smddp.backend.tensors import as_numpy, check, reduce_op
 from smddp.backend.work import SmddpWork
-from smddp.client import Communicator
+from smddp.client import Communicator, Handle
 from smddp.client.errors import UnsupportedError
 
 BACKEND_NAME = "smddp"
@@ -54,6 +56,34 @@ class _Staging:
         return copy_back
 
 
+def joined(works: list[SmddpWork], result: list[torch.Tensor]) -> SmddpWork:
+    """One Work over several ops (the coalesced collectives), complete when all of them are."""
+    if len(works) == 1 and [id(t) for t in works[0]._result] == [id(t) for t in result]:
+        return works[0]
+    handles = [h for w in works for h in w._handles]
+    finishes = [w._finish for w in works if w._finish is not None]
+
+    def finish() -> None:
+        for f in finishes:
+            f()
+
+    return SmddpWork(handles, result, finish if finishes else None)
+
+
+def _tracked(method: Callable[..., SmddpWork]) -> Callable[..., SmddpWork]:
+    """Records the op's Work while a device coalescing block is open (``_start_coalescing``),
+    so that ``_end_coalescing`` can return one Work that waits for all of them."""
+
+    @functools.wraps(method)
+    def run(self: SmddpProcessGroup, *args: Any, **kwargs: Any) -> SmddpWork:
+        work = method(self, *args, **kwargs)
+        if self._coalesced is not None:
+            self._coalesced.append(work)
+        return work
+
+    return run
+
+
 class SmddpProcessGroup(dist.ProcessGroup):
     """A process group whose collectives the node daemon carries out."""
 
@@ -63,6 +93,7 @@ class SmddpProcessGroup(dist.ProcessGroup):
         self._cuda: CudaCollectives | None = None
         self._group_name = ""
         self._group_desc = ""
+        self._coalesced: list[SmddpWork] | None = None
 
     # -- identity -----------------------------------------------------------------------------
 
@@ -97,6 +128,7 @@ class SmddpProcessGroup(dist.ProcessGroup):
 
     # -- collectives --------------------------------------------------------------------------
 
+    @_tracked
     def allreduce(self, tensors: list[torch.Tensor], opts: c10d.AllreduceOptions | None = None) -> SmddpWork:
         opts = opts if opts is not None else c10d.AllreduceOptions()
         if on_cuda(tensors):
@@ -108,6 +140,7 @@ class SmddpProcessGroup(dist.ProcessGroup):
         handle = self.comm.all_reduce(as_numpy(buf, "all_reduce"), op)
         return SmddpWork([handle], [t], stage.finish())
 
+    @_tracked
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: c10d.AllreduceCoalescedOptions | None = None) -> SmddpWork:
         opts = opts if opts is not None else c10d.AllreduceCoalescedOptions()
         if on_cuda(tensors):
@@ -118,6 +151,7 @@ class SmddpProcessGroup(dist.ProcessGroup):
         handles = [self.comm.all_reduce(as_numpy(b, "all_reduce_coalesced"), op) for b in bufs]
         return SmddpWork(handles, list(tensors), stage.finish())
 
+    @_tracked
     def broadcast(self, tensors: list[torch.Tensor], opts: c10d.BroadcastOptions | None = None) -> SmddpWork:
         opts = opts if opts is not None else c10d.BroadcastOptions()
         t = _one(tensors, "broadcast")
@@ -128,6 +162,7 @@ class SmddpProcessGroup(dist.ProcessGroup):
         handle = self.comm.broadcast(as_numpy(buf, "broadcast"), opts.rootRank)
         return SmddpWork([handle], [t], stage.finish())
 
+    @_tracked
     def reduce(self, tensors: list[torch.Tensor], opts: c10d.ReduceOptions | None = None) -> SmddpWork:
         opts = opts if opts is not None else c10d.ReduceOptions()
         t = _one(tensors, "reduce")
@@ -139,6 +174,7 @@ class SmddpProcessGroup(dist.ProcessGroup):
         handle = self.comm.reduce(as_numpy(buf, "reduce"), opts.rootRank, op)
         return SmddpWork([handle], [t], stage.finish())
 
+    @_tracked
     def allgather(
         self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor], opts: c10d.AllgatherOptions
     ) -> SmddpWork:
@@ -152,13 +188,19 @@ class SmddpProcessGroup(dist.ProcessGroup):
         handle = self.comm.all_gather([as_numpy(b, "all_gather") for b in bufs], as_numpy(src, "all_gather"))
         return SmddpWork([handle], list(outs), stage.finish())
 
+    @_tracked
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: c10d.AllgatherOptions | None = None) -> SmddpWork:
         opts = opts if opts is not None else c10d.AllgatherOptions()
-        what = "all_gather_into_tensor"
         if on_cuda(output, input):
             return self._gpu().all_gather_single(output, input)
-        check(input, what)
         stage = _Staging()
+        handle = self._gather_into(output, input, stage, "all_gather_into_tensor")
+        return SmddpWork([handle], [output], stage.finish())
+
+    _allgather_base = all_gather_single
+
+    def _gather_into(self, output: torch.Tensor, input: torch.Tensor, stage: _Staging, what: str) -> Handle:
+        check(input, what)
         buf = stage.out(output, what)
         if buf.numel() != input.numel() * self.size() or buf.dtype != input.dtype:
             raise UnsupportedError(
@@ -166,11 +208,59 @@ class SmddpProcessGroup(dist.ProcessGroup):
                 f"{input.numel()} x {input.dtype} are gathered"
             )
         pieces = buf.reshape(self.size(), -1)  # concatenated [W*n] and stacked [W, n] alike
-        handle = self.comm.all_gather([as_numpy(p, what) for p in pieces], as_numpy(input, what))
-        return SmddpWork([handle], [output], stage.finish())
+        return self.comm.all_gather([as_numpy(p, what) for p in pieces], as_numpy(input, what))
 
-    _allgather_base = all_gather_single
+    @_tracked
+    def all_gather_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: c10d.AllgatherOptions | None = None
+    ) -> SmddpWork:
+        """all_gather_into_tensor of each pair: functional collectives (DTensor, FSDP2,
+        torch.compile) and the coalescing manager call this."""
+        what = "all_gather_into_tensor_coalesced"
+        self._pairs(outputs, inputs, what)
+        if on_cuda(outputs, inputs):
+            gpu = self._gpu()
+            return joined([gpu.all_gather_single(o, i) for o, i in zip(outputs, inputs)], list(outputs))
+        stage = _Staging()
+        handles = [self._gather_into(o, i, stage, what) for o, i in zip(outputs, inputs)]
+        return SmddpWork(handles, list(outputs), stage.finish())
 
+    # The name torch used before 2.12; C++ still falls back to it.
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    @_tracked
+    def allgather_coalesced(
+        self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor], opts: c10d.AllgatherOptions | None = None
+    ) -> SmddpWork:
+        """all_gather of each input: ``output_lists[r][i]`` receives rank r's ``input_list[i]``."""
+        what = "all_gather_coalesced"
+        if len(output_lists) != self.size() or any(len(lst) != len(input_list) for lst in output_lists):
+            raise UnsupportedError(
+                f"{what}: expected {self.size()} output lists (one per rank) of {len(input_list)} "
+                f"tensors each, got {[len(lst) for lst in output_lists]}"
+            )
+        for i, src in enumerate(input_list):
+            check(src, what)
+            for r in range(self.size()):
+                o = output_lists[r][i]
+                check(o, what)
+                if o.numel() != src.numel() or o.dtype != src.dtype:
+                    raise UnsupportedError(
+                        f"{what}: output [{r}][{i}] has {o.numel()} x {o.dtype} but input {i} has "
+                        f"{src.numel()} x {src.dtype}"
+                    )
+        result = [o for lst in output_lists for o in lst]
+        if on_cuda(output_lists, input_list):
+            gpu = self._gpu()
+            return joined([gpu.allgather([lst[i] for lst in output_lists], src) for i, src in enumerate(input_list)], result)
+        stage = _Staging()
+        handles = []
+        for i, src in enumerate(input_list):
+            bufs = [stage.out(lst[i], what) for lst in output_lists]
+            handles.append(self.comm.all_gather([as_numpy(b, what) for b in bufs], as_numpy(src, what)))
+        return SmddpWork(handles, result, stage.finish())
+
+    @_tracked
     def reduce_scatter(
         self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: c10d.ReduceScatterOptions
     ) -> SmddpWork:
@@ -185,6 +275,7 @@ class SmddpProcessGroup(dist.ProcessGroup):
         handle = self.comm.reduce_scatter(as_numpy(buf, "reduce_scatter"), [as_numpy(x, "reduce_scatter") for x in ins], op)
         return SmddpWork([handle], [out], stage.finish())
 
+    @_tracked
     def reduce_scatter_single(
         self, output: torch.Tensor, input: torch.Tensor, opts: c10d.ReduceScatterOptions
     ) -> SmddpWork:
@@ -192,8 +283,14 @@ class SmddpProcessGroup(dist.ProcessGroup):
         if on_cuda(output, input):
             return self._gpu().reduce_scatter_single(output, input, opts)
         op = reduce_op(opts.reduceOp, what)
-        check(input, what)
         stage = _Staging()
+        handle = self._scatter_from(output, input, op, stage, what)
+        return SmddpWork([handle], [output], stage.finish())
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def _scatter_from(self, output: torch.Tensor, input: torch.Tensor, op: int, stage: _Staging, what: str) -> Handle:
+        check(input, what)
         buf = stage.out(output, what)
         if input.numel() != buf.numel() * self.size() or buf.dtype != input.dtype:
             raise UnsupportedError(
@@ -201,11 +298,50 @@ class SmddpProcessGroup(dist.ProcessGroup):
                 f"{buf.numel()} x {buf.dtype} are expected"
             )
         pieces = input.contiguous().reshape(self.size(), -1)
-        handle = self.comm.reduce_scatter(as_numpy(buf, what), [as_numpy(p, what) for p in pieces], op)
-        return SmddpWork([handle], [output], stage.finish())
+        return self.comm.reduce_scatter(as_numpy(buf, what), [as_numpy(p, what) for p in pieces], op)
 
-    _reduce_scatter_base = reduce_scatter_single
+    @_tracked
+    def reduce_scatter_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: c10d.ReduceScatterOptions | None = None
+    ) -> SmddpWork:
+        """reduce_scatter_tensor of each pair (functional collectives, coalescing manager)."""
+        opts = opts if opts is not None else c10d.ReduceScatterOptions()
+        what = "reduce_scatter_tensor_coalesced"
+        self._pairs(outputs, inputs, what)
+        if on_cuda(outputs, inputs):
+            gpu = self._gpu()
+            return joined([gpu.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)], list(outputs))
+        op = reduce_op(opts.reduceOp, what)
+        stage = _Staging()
+        handles = [self._scatter_from(o, i, op, stage, what) for o, i in zip(outputs, inputs)]
+        return SmddpWork(handles, list(outputs), stage.finish())
 
+    # The name torch used before 2.12; C++ still falls back to it.
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    @staticmethod
+    def _pairs(outputs: list[torch.Tensor], inputs: list[torch.Tensor], what: str) -> None:
+        if len(outputs) != len(inputs):
+            raise UnsupportedError(f"{what}: {len(outputs)} outputs for {len(inputs)} inputs")
+
+    # -- the coalescing manager with a device (NCCL-style): ops run as they come, and
+    # _end_coalescing's Work waits for all of them.
+
+    def _start_coalescing(self, device: torch.device) -> None:
+        if self._coalesced is not None:
+            raise UnsupportedError("coalescing: a coalescing block is already open on this group")
+        self._coalesced = []
+
+    def _end_coalescing(self, device: torch.device) -> SmddpWork:
+        if self._coalesced is None:
+            raise UnsupportedError("coalescing: _end_coalescing without _start_coalescing")
+        works, self._coalesced = self._coalesced, None
+        return joined(works, [t for w in works for t in w._result])
+
+    start_coalescing = _start_coalescing
+    end_coalescing = _end_coalescing
+
+    @_tracked
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: c10d.AllToAllOptions | None = None) -> SmddpWork:
         opts = opts if opts is not None else c10d.AllToAllOptions()
         if on_cuda(outputs, inputs):
@@ -215,6 +351,7 @@ class SmddpProcessGroup(dist.ProcessGroup):
         handle = self.comm.all_to_all([as_numpy(b, "all_to_all") for b in bufs], [as_numpy(x, "all_to_all") for x in inputs])
         return SmddpWork([handle], list(outputs), stage.finish())
 
+    @_tracked
     def all_to_all_single(
         self,
         output: torch.Tensor,
@@ -247,6 +384,7 @@ class SmddpProcessGroup(dist.ProcessGroup):
             raise UnsupportedError(f"{what}: {which} split sizes {list(sizes)} do not split dim 0 of {tuple(t.shape)} into {w} parts")
         return list(torch.split(t, sizes, dim=0))
 
+    @_tracked
     def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: c10d.GatherOptions | None = None) -> SmddpWork:
         opts = opts if opts is not None else c10d.GatherOptions()
         src = _one(inputs, "gather")
@@ -264,6 +402,7 @@ class SmddpProcessGroup(dist.ProcessGroup):
         handle = self.comm.gather([as_numpy(o, "gather") for o in outs] if outs is not None else None, as_numpy(src, "gather"), root)
         return SmddpWork([handle], result, stage.finish())
 
+    @_tracked
     def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: c10d.ScatterOptions | None = None) -> SmddpWork:
         opts = opts if opts is not None else c10d.ScatterOptions()
         out = _one(outputs, "scatter")
@@ -279,10 +418,12 @@ class SmddpProcessGroup(dist.ProcessGroup):
         handle = self.comm.scatter(as_numpy(buf, "scatter"), [as_numpy(x, "scatter") for x in ins] if ins is not None else None, root)
         return SmddpWork([handle], [out], stage.finish())
 
+    @_tracked
     def barrier(self, opts: c10d.BarrierOptions | None = None) -> SmddpWork:
         opts = opts if opts is not None else c10d.BarrierOptions()
         return SmddpWork([self.comm.barrier()], [])
 
+    @_tracked
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> SmddpWork:
         t = _one(tensors, "send")
         if on_cuda(t):
@@ -290,6 +431,7 @@ class SmddpProcessGroup(dist.ProcessGroup):
         handle = self.comm.send(as_numpy(t.contiguous(), "send"), dst, tag)
         return SmddpWork([handle], [t])
 
+    @_tracked
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> SmddpWork:
         t = _one(tensors, "recv")
         if on_cuda(t):

@@ -1,4 +1,10 @@
-"""Torch tensors as numpy arrays for the client, and the reduce ops torch passes."""
+"""Torch tensors as numpy arrays for the client, and the reduce ops torch passes.
+
+The arrays are built from the tensor's data pointer, never with ``Tensor.numpy()``: that call
+marks the tensor's storage as not resizable for good, and FSDP1 frees and re-allocates its flat
+parameters' storage (``_free_storage``), which then fails with "Trying to resize storage that
+is not resizable".
+"""
 
 from __future__ import annotations
 
@@ -42,13 +48,45 @@ def check(t: torch.Tensor, what: str) -> None:
         raise UnsupportedError(f"{what}: dtype {str(t.dtype).removeprefix('torch.')} is not supported ({names})")
 
 
+_TYPESTR = {
+    torch.float16: "<f2", torch.bfloat16: "<i2", torch.float32: "<f4", torch.float64: "<f8",
+    torch.int8: "|i1", torch.uint8: "|u1", torch.int16: "<i2", torch.int32: "<i4",
+    torch.int64: "<i8", torch.bool: "|b1",
+}
+
+
+class _TensorMemory:
+    """Exposes a tensor's memory to numpy through the array interface; the array's ``base``
+    chain ends here, so the tensor lives as long as any array made over it."""
+
+    __slots__ = ("__array_interface__", "tensor")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.tensor = t
+        size = t.element_size()
+        self.__array_interface__ = {
+            "version": 3,
+            "shape": tuple(t.shape),
+            "typestr": _TYPESTR[t.dtype],
+            "data": (t.data_ptr(), False),
+            "strides": tuple(s * size for s in t.stride()),
+        }
+
+
 def as_numpy(t: torch.Tensor, what: str) -> np.ndarray:
-    """A numpy view of ``t`` sharing its memory (bfloat16 through ml_dtypes)."""
+    """A numpy view of ``t`` sharing its memory (bfloat16 through ml_dtypes).
+
+    Leaves the tensor's storage resizable (unlike ``Tensor.numpy()``).
+    """
     check(t, what)
-    t = t.detach()
+    if t.numel() == 0:
+        # No memory to share (the data pointer may be null); an empty array says the same.
+        arr = np.empty(tuple(t.shape), dtype=_TYPESTR[t.dtype])
+    else:
+        arr = np.asarray(_TensorMemory(t.detach()))
     if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return t.numpy()
+        return arr.view(ml_dtypes.bfloat16)
+    return arr
 
 
 def reduce_op(op: dist.ReduceOp, what: str) -> int:
