@@ -131,6 +131,8 @@ class SmddpProcessGroup(dist.ProcessGroup):
     @_tracked
     def allreduce(self, tensors: list[torch.Tensor], opts: c10d.AllreduceOptions | None = None) -> SmddpWork:
         opts = opts if opts is not None else c10d.AllreduceOptions()
+        if len(tensors) == 1 and isinstance(tensors[0], torch.Tensor) and tensors[0].layout == torch.sparse_coo:
+            return self._sparse_allreduce(tensors[0], opts)
         if on_cuda(tensors):
             return self._gpu().allreduce([_one(tensors, "all_reduce")], opts)
         t = _one(tensors, "all_reduce")
@@ -139,6 +141,41 @@ class SmddpProcessGroup(dist.ProcessGroup):
         buf = stage.out(t, "all_reduce")
         handle = self.comm.all_reduce(as_numpy(buf, "all_reduce"), op)
         return SmddpWork([handle], [t], stage.finish())
+
+    def _sparse_allreduce(self, t: torch.Tensor, opts: c10d.AllreduceOptions) -> SmddpWork:
+        """SUM of sparse COO tensors, as gloo does it: every rank gathers every rank's indices
+        and values (padded to the largest count), and sums them in rank order, so that all
+        ranks get the same result; written into ``t`` in place. Blocks until done."""
+        what = "all_reduce (sparse)"
+        if reduce_op(opts.reduceOp, what) != reduce_op(dist.ReduceOp.SUM, what):
+            raise UnsupportedError(f"{what}: only SUM is supported for sparse tensors")
+        src = t.detach().to("cpu").coalesce()
+        indices, values = src.indices().contiguous(), src.values().contiguous()
+        check(values, what)
+        w = self.size()
+        counts = torch.zeros(w, dtype=torch.int64)
+        mine = torch.tensor([indices.shape[1]], dtype=torch.int64)
+        self.comm.all_gather([as_numpy(c, what) for c in counts.split(1)], as_numpy(mine, what)).wait()
+        most = int(counts.max())
+        pad_i = torch.zeros((indices.shape[0], most), dtype=indices.dtype)
+        pad_i[:, : indices.shape[1]] = indices
+        pad_v = torch.zeros((most, *values.shape[1:]), dtype=values.dtype)
+        pad_v[: values.shape[0]] = values
+        all_i = torch.empty((w, *pad_i.shape), dtype=pad_i.dtype)
+        all_v = torch.empty((w, *pad_v.shape), dtype=pad_v.dtype)
+        hi = self.comm.all_gather([as_numpy(x, what) for x in all_i], as_numpy(pad_i, what))
+        hv = self.comm.all_gather([as_numpy(x, what) for x in all_v], as_numpy(pad_v, what))
+        hi.wait()
+        hv.wait()
+        n = [int(c) for c in counts]
+        summed = torch.sparse_coo_tensor(
+            torch.cat([all_i[r, :, : n[r]] for r in range(w)], dim=1),
+            torch.cat([all_v[r, : n[r]] for r in range(w)]),
+            src.shape,
+        ).coalesce()
+        with torch.no_grad():
+            t.copy_(summed.to(t.device))
+        return SmddpWork([], [t])
 
     @_tracked
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: c10d.AllreduceCoalescedOptions | None = None) -> SmddpWork:

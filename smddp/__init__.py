@@ -4,6 +4,16 @@
 already imported, else the moment torch finishes importing. So a training script gets the
 backend whatever its import order, while the daemon and ``smddpctl``, which import
 ``smddp.*`` but never torch, do not pay for importing torch.
+
+Installed as a distribution, smddp also names ``smddp:_torch_autoload`` in torch's
+``torch.backends`` entry point group, which torch calls at the end of its own import: then
+``init_process_group(backend="smddp")`` works without the import. That path only registers
+a creator that imports the backend when a process group is first made, so importing torch
+costs next to nothing more.
+
+Importing smddp also fills torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+...) from an MPI or Slurm launcher's where they are missing (``smddp.launch_env``), and makes
+the ``env://`` rendezvous say how to start the script when they are missing still.
 """
 
 from __future__ import annotations
@@ -11,20 +21,78 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import sys
+from collections.abc import Iterator
 from types import ModuleType
+from typing import Any
+
+from smddp import launch_env
 
 __version__ = "0.1.0"
 
 _TRIGGER = "torch"
+_BACKEND_NAME = "smddp"
+
+# Set when the launcher's environment could not be completed (a job across nodes with no
+# known rendezvous host): the env:// rendezvous raises it instead of torch's bare message.
+_launch_problem: str | None = launch_env.fill()
+
+
+def _create(dist_opts: Any, pg_options: Any) -> Any:
+    """The backend's creator as registered before ``smddp.backend`` is imported."""
+    from smddp.backend import _create as create
+
+    return create(dist_opts, pg_options)
 
 
 def _register() -> None:
-    backend = sys.modules.get("smddp.backend")
-    if backend is not None and not hasattr(backend, "register"):
-        return  # smddp.backend is importing torch itself; it registers when it is done
-    from smddp.backend import register
+    import torch.distributed as dist
 
-    register()
+    if not dist.is_available():
+        return
+    if _BACKEND_NAME not in dist.Backend.backend_list:
+        dist.Backend.register_backend(_BACKEND_NAME, _create, extended_api=True, devices=["cpu", "cuda"])
+    _explain_env_rendezvous()
+
+
+def _torch_autoload() -> None:
+    """torch's ``torch.backends`` entry point: called while torch finishes importing.
+
+    Never raises: torch turns an entry point's exception into a failed ``import torch``, and
+    a training script that does not use smddp must not break over it.
+    """
+    try:
+        _register()
+    except Exception as exc:
+        import warnings
+
+        warnings.warn(f"smddp: could not register backend 'smddp' with torch: {exc!r}; "
+                      "add 'import smddp' to the script", stacklevel=2)
+
+
+def _explain_env_rendezvous() -> None:
+    """Makes ``env://`` say how to start the script when RANK / WORLD_SIZE / MASTER_* are
+    missing (torch's message names the variable only)."""
+    import importlib
+
+    # By module path: torch.distributed's attribute "rendezvous" is the function.
+    handlers = importlib.import_module("torch.distributed.rendezvous")._rendezvous_handlers
+    original = handlers.get("env")
+    if original is None or getattr(original, "_smddp", False):
+        return
+
+    def env_handler(url: str, timeout: Any = None, **kwargs: Any) -> Iterator[Any]:
+        gen = original(url, **kwargs) if timeout is None else original(url, timeout=timeout, **kwargs)
+        try:
+            first = next(gen)
+        except ValueError as exc:
+            if "expected, but not set" not in str(exc):
+                raise
+            raise ValueError(f"{exc}. {_launch_problem or 'smddp: ' + launch_env.HOW_TO_START}") from None
+        yield first
+        yield from gen
+
+    env_handler._smddp = True  # type: ignore[attr-defined]
+    handlers["env"] = env_handler
 
 
 class _RegisterAfterImport(importlib.abc.MetaPathFinder):
