@@ -12,4 +12,15 @@ fi
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet "torch==2.13.0"
 .venv/bin/python -m pip install --quiet -e ".[torch,test,ucx]"
+# --- frameworks (tests/frameworks/): Open MPI for the mpirun tests; Lightning, transformers,
+# DeepSpeed and torch's test utilities, with torch held at its pin (constraints.txt) so that
+# none of them pulls another torch. DeepSpeed builds nothing at install (DS_BUILD_OPS=0) and
+# needs the installed torch (--no-build-isolation); its own dependencies are listed in
+# requirements.txt (--no-deps keeps it from resolving torch).
+if ! command -v mpirun >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin >/dev/null
+fi
+.venv/bin/python -m pip install --quiet -c tests/frameworks/constraints.txt -r tests/frameworks/requirements.txt
+DS_BUILD_OPS=0 .venv/bin/python -m pip install --quiet --no-build-isolation --no-deps "deepspeed==0.19.8"
+# --- end frameworks
 echo "smddp is installed in $(pwd)/.venv"
