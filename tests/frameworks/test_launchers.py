@@ -80,7 +80,6 @@ def _example_args(tmp_path: Path) -> list[str]:
 def _check_example(out: str) -> None:
     assert re.search(rf"^backend=smddp world_size={WORLD} ", out, re.MULTILINE), out
     assert len(re.findall(r"^final accuracy: ([0-9.]+)$", out, re.MULTILINE)) == 1, out  # rank 0 only
-    assert (Path("model") / "model.pt").exists() or "saved checkpoint" in out, out
 
 
 @pytest.mark.slow
