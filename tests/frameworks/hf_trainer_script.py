@@ -1,7 +1,9 @@
 """Hugging Face Trainer with DDP on CPU on backend "smddp" (run under torchrun, 3 processes).
 
-TrainingArguments(ddp_backend="smddp", use_cpu=True); every rank checks that the trained
-weights agree across ranks; rank 0 prints the result.
+On CPU, Accelerate (under the Trainer) picks gloo or mpi itself and refuses
+``ddp_backend="smddp"`` ("Your assigned backend smddp is not available, please use gloo"); it
+uses a default process group that already exists, so the script makes it first. Every rank
+checks that the trained weights agree across ranks; rank 0 prints the result.
 """
 
 import sys
@@ -23,12 +25,13 @@ class Model(torch.nn.Module):
         return {"loss": torch.nn.functional.mse_loss(out, labels), "logits": out}
 
 
+dist.init_process_group(backend="smddp")
 g = torch.Generator().manual_seed(1)
 xs, ys = torch.randn(48, 8, generator=g), torch.randn(48, 1, generator=g)
 data = [{"x": xs[i], "labels": ys[i]} for i in range(48)]
 args = TrainingArguments(
     output_dir=tempfile.mkdtemp(), per_device_train_batch_size=4, max_steps=4, learning_rate=0.1,
-    ddp_backend="smddp", use_cpu=True, report_to=[], save_strategy="no", logging_strategy="no",
+    use_cpu=True, report_to=[], save_strategy="no", logging_strategy="no",
     dataloader_num_workers=0, disable_tqdm=True,
 )
 trainer = Trainer(model=Model(), args=args, train_dataset=data)
