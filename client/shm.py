@@ -115,18 +115,19 @@ class ShmPath:
 
     def check(self) -> None:
         """Raises the communicator's error, if it has one (at the start of every op)."""
-        if self.error is not None:
+        if self.error is not None and getattr(self.error, "kind", None) != pb.SHUTDOWN:
             raise self.error
         if self.q[H_ALARM]:
-            self._raise_alarm()
+            self._raise_alarm(entry=True)
 
-    def _raise_alarm(self) -> None:
+    def _raise_alarm(self, entry: bool = False) -> None:
         found = self.view.failure() or self.view.first_slot_error()
         if found is None:
             return  # the alarm is being raised right now; its message follows
         kind, message = found
-        if kind == pb.SHUTDOWN and not self._alive():
-            # The daemon is gone altogether: say so, as an op sent to it would.
+        if entry and kind == pb.SHUTDOWN and not self._alive():
+            # A new op after the daemon went away: say so, as an op sent to it would. (An
+            # op that was in flight when it stopped says that it was shutting down.)
             self.error = self._gone()
         else:
             self.error = op_error(kind, message)

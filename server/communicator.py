@@ -471,15 +471,16 @@ class Communicator:
             pending = list(self._pending.values())
             self._pending.clear()
             region = self.region
+        in_region = region is not None and not region.all_done()
         if region is not None:
             region.fail(kind, message)  # every rank waiting in the region wakes and raises it
         if self.peers is not None:
             if propagate:
                 self.peers.abort(kind, message)
             self.peers.failed(message)
-        if self._metrics is not None and pending:
+        if self._metrics is not None and (pending or in_region):
             self._metrics.error(kind)
-        log.log(logging.WARNING if pending else log_level, "%s", message, extra=self._log_fields(culprit))
+        log.log(logging.WARNING if pending or in_region else log_level, "%s", message, extra=self._log_fields(culprit))
         for p in pending:
             for session, req, _ in p.arrivals.values():
                 if p.sent is not None and req.kind == pb.SEND:
