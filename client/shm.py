@@ -7,7 +7,7 @@ checks that all signatures agree, then reduces or copies what it needs from the 
 buffers, in rank order, so that every rank gets the same bits. Data buffers alternate with
 the op's parity, so an op needs no trailing synchronisation.
 
-Waiting spins briefly (only when every rank can have a core), then yields, then sleeps on
+Waiting spins briefly (a few microseconds only when ranks share cores), then sleeps on
 the other rank's step word (futex), so an oversubscribed host does not collapse and an idle
 rank costs nothing. While it sleeps it watches the daemon's connection and the region's
 alarm word: the daemon writes a failure there (a rank died, a timeout, shutdown) and wakes
@@ -68,8 +68,10 @@ from smddp.wire import describe, rank_list
 
 _BOUNDS_NS = [int(b * 1e9) for b in LATENCY_BUCKETS]
 SPIN_S = 50e-6  # pure spinning, when every rank has a core
-YIELD_S = 200e-6  # then sched_yield, giving the core to a rank that has work
-SLEEP_SLICE_S = 0.05  # then futex sleeps of this long, checking the daemon in between
+SHORT_SPIN_S = 5e-6  # when ranks share cores: the rank we wait for needs ours
+# Then futex sleeps of this long, checking the daemon in between. No sched_yield phase: on a
+# host shared with other work, one yield gave the core away for 4 ms (measured).
+SLEEP_SLICE_S = 0.05
 # The daemon enforces the op timeout; this is a rank's last resort when it cannot.
 GRACE_S = 30.0
 
@@ -108,7 +110,7 @@ class ShmPath:
         self.skew_base = (slot_start + SKEW_TABLE_OFFSET) // 8
         self.buffers = [[v.data(j, p) for j in range(self.world)] for p in (0, 1)]
         self._typed: dict[tuple[int, np.dtype], list[np.ndarray]] = {}
-        self.spin_s = SPIN_S if usable_cores() >= self.world else 0.0
+        self.spin_s = SPIN_S if usable_cores() >= self.world else SHORT_SPIN_S
         self.error: OpError | DaemonLostError | None = None
 
     # -- synchronisation ----------------------------------------------------------------------
@@ -159,9 +161,6 @@ class ShmPath:
             if q[H_ALARM]:
                 self._raise_alarm()
             if time.perf_counter() < spin_until:
-                continue
-            if time.perf_counter() < spin_until + YIELD_S:
-                os.sched_yield()
                 continue
             break
         else:

@@ -70,7 +70,7 @@ def _time_case(op: str, nbytes: int, groups: dict[str, Any], world: int, rank: i
 
     rounds, per = _rounds(nbytes)
     samples: dict[str, list[float]] = {name: [] for name in groups}
-    for name, g in groups.items():  # warm up both
+    for g in groups.values():  # warm up both
         for _ in range(3):
             call(g)
     for r in range(rounds):
