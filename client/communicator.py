@@ -23,6 +23,7 @@ import numpy as np
 
 from smddp.client.arena import ALIGN, RingAllocator
 from smddp.client.errors import SmddpError, UnsupportedError, op_error
+from smddp.client.progress import ProgressThread
 from smddp.client.session import DaemonSession
 from smddp.client.shm import ShmPath
 from smddp.reduce import _BOOL_UFUNCS, _UFUNCS, reduce_into
@@ -66,6 +67,8 @@ class Handle:
     callbacks: list = field(default_factory=list)
     # An op on the shared-memory path that waits for its completion: (seq, step, finish, count).
     shm: tuple | None = None
+    # Set once an op that the progress thread runs has finished.
+    event: threading.Event | None = None
 
     def wait(self) -> None:
         """Waits for the op, then raises the daemon's error if it failed."""
@@ -163,6 +166,7 @@ class Communicator:
         self._use_shm = single_node and session.world_size > 1 and os.environ.get(ENV_REGION, "1") != "0"
         self._shm: ShmPath | None = None
         self._shm_open: Handle | None = None  # its op whose completion is still due
+        self._progress = ProgressThread(f"smddp-progress-{session.comm_id}")
 
     # -- the engine ---------------------------------------------------------------------------
 
@@ -261,6 +265,9 @@ class Communicator:
                 self._flush_deferred()
 
     def _retire_through(self, handle: Handle) -> None:
+        if handle.event is not None:
+            handle.event.wait()  # the progress thread runs it; nothing to do here
+            return
         with self._lock:
             if handle.shm is not None:
                 self._complete_shm(handle)
@@ -269,6 +276,8 @@ class Communicator:
                 self._retire_oldest()
 
     def _poll(self, handle: Handle) -> bool:
+        if handle.event is not None:
+            return handle.event.is_set()
         if handle.shm is not None:
             if handle.pending and self._shm is not None and self._lock.acquire(blocking=False):
                 try:
@@ -344,7 +353,10 @@ class Communicator:
         input in, then the rank arrives; ``Handle.wait`` runs ``finish(parity)``."""
         with self._lock:
             self._check_open()
-            shm = self._shm_path()
+            try:
+                shm = self._shm_path()
+            except SmddpError as exc:
+                return self._failed_handle(exc)
             if self._shm_open is not None:
                 # Its data must be read before this rank arrives at the next op (double
                 # buffering lets the others run one op ahead, not two).
@@ -353,18 +365,41 @@ class Communicator:
             seq = self._seq
             handle = Handle(self, f"op #{seq}")
             code = WIRE_DTYPES[dtype] if dtype is not None and kind != pb.BARRIER else 0
-            try:
-                shm.check()
-                if fill is not None:
-                    fill(seq & 1)
-                target = shm.publish(seq, kind, code, count, root, reduce_op)
-            except SmddpError as exc:
-                handle.error = exc
+
+            def start() -> bool:
+                try:
+                    shm.check()
+                    if fill is not None:
+                        fill(seq & 1)
+                    target = shm.publish(seq, kind, code, count, root, reduce_op)
+                except SmddpError as exc:
+                    handle.error = exc
+                    return False
+                handle.pending = 1
+                handle.shm = (seq, target, finish, kind, code, nbytes)
+                return True
+
+            if self._progress.busy():
+                # Behind a large op on the progress thread: keep the ranks' order there.
+                handle.event = threading.Event()
+                handle.pending = 1
+
+                def run() -> None:
+                    if start():
+                        self._complete_shm(handle)
+                    handle.pending = 0
+                    handle.event.set()  # type: ignore[union-attr]
+
+                self._progress.submit(run)
                 return handle
-            handle.pending = 1
-            handle.shm = (seq, target, finish, kind, code, nbytes)
-            self._shm_open = handle
+            if start():
+                self._shm_open = handle
             return handle
+
+    def _failed_handle(self, exc: SmddpError) -> Handle:
+        handle = Handle(self, "op")
+        handle.error = exc
+        return handle
 
     def _fits(self, nbytes: int) -> bool:
         return self._use_shm and nbytes <= self._shm_data_bytes()
@@ -482,41 +517,50 @@ class Communicator:
         """
         with self._lock:
             self._check_open()
-            handle = Handle(self, "")
             try:
                 shm = self._shm_path()
-                if self._shm_open is not None:
-                    self._complete_shm(self._shm_open)
-                shm.check()
             except SmddpError as exc:
-                handle.error = exc
-                return handle
+                return self._failed_handle(exc)
+            if self._shm_open is not None:
+                self._complete_shm(self._shm_open)
             maps = self._peer_maps
             assert maps is not None
             self._seq += 1
             seq = self._seq
-            handle.description = f"op #{seq}"
+            handle = Handle(self, f"op #{seq}", pending=1, event=threading.Event())
             code = WIRE_DTYPES[dtype]
             s = dtype.itemsize
             per = max(1, min(self.chunk_bytes, self._slot_bytes) // s)
             chunks = max(1, -(-n // per))
-            first = True
-            try:
-                for c in range(chunks):
-                    a, b = c * per, min(n, (c + 1) * per)
-                    base = self._slots[self._direct_count % 2]
-                    self._direct_count += 1
-                    slots = [pm[base : base + (b - a) * s].view(dtype) for pm in maps]
-                    for _ in work(a, b, slots):
-                        if first:
-                            shm.wait(shm.publish(seq, kind, code, count, root, reduce_op), seq)
-                            shm.agree(seq)
-                            first = False
-                        else:
-                            shm.wait(shm.bump(), seq)
-                shm.done(seq, kind, code, count * s)
-            except SmddpError as exc:
-                handle.error = exc
+            # Which of the two slots each chunk uses, fixed now: every rank numbers them alike.
+            first_slot = self._direct_count
+            self._direct_count += chunks
+
+            def run() -> None:
+                first = True
+                try:
+                    shm.check()
+                    for c in range(chunks):
+                        a, b = c * per, min(n, (c + 1) * per)
+                        base = self._slots[(first_slot + c) % 2]
+                        slots = [pm[base : base + (b - a) * s].view(dtype) for pm in maps]
+                        for _ in work(a, b, slots):
+                            if first:
+                                shm.wait(shm.publish(seq, kind, code, count, root, reduce_op), seq)
+                                shm.agree(seq)
+                                first = False
+                            else:
+                                shm.wait(shm.bump(), seq)
+                    shm.done(seq, kind, code, count * s)
+                except SmddpError as exc:
+                    handle.error = exc
+                except Exception as exc:  # a bug must fail the op, not hang its waiters
+                    handle.error = SmddpError(f"rank {self.rank}: op #{seq} failed in the progress thread: {exc!r}")
+                finally:
+                    handle.pending = 0
+                    handle.event.set()  # type: ignore[union-attr]
+
+            self._progress.submit(run)
             return handle
 
     def _direct_all_reduce(self, flat: np.ndarray, reduce_op: int) -> Handle:
@@ -816,6 +860,7 @@ class Communicator:
         with self._lock:
             if self._closed:
                 return
+            self._progress.stop()
             if self._shm_open is not None:
                 self._complete_shm(self._shm_open)
             while self._outstanding:
