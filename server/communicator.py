@@ -19,6 +19,7 @@ import numpy as np
 
 from smddp.server import collectives, gpu, multinode
 from smddp.server.errors import FailedPrecondition, InvalidRequest, OpMismatch, SmddpError
+from smddp.server.logthrottle import refusals
 from smddp.server.peer_transport import FRAME_DATA, CommPeers, Frame, PeerError
 from smddp.server.session import Session
 from smddp.v1 import smddp_pb2 as pb
@@ -37,6 +38,7 @@ from smddp.wire import (
 log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
+    from smddp.server.limits import BufferAccount
     from smddp.server.metrics import Metrics
 
 @dataclass
@@ -66,6 +68,10 @@ def _signature(req: pb.OpRequest) -> tuple[int, ...]:
 
 class Communicator:
     """The ranks of one process group of one job, as registered with this daemon."""
+
+    # The job's share of the bytes the daemon may hold for sends that wait for their
+    # receives (set by the registry; None: unbounded).
+    buffers: BufferAccount | None = None
 
     def __init__(
         self,
@@ -205,11 +211,20 @@ class Communicator:
                 elif req.kind == pb.SEND and len(participants) == 2 and not req.HasField("cuda"):
                     # Eager send: copy the chunk out and let the sender go on. Otherwise two
                     # ranks that isend to each other before receiving block on full arenas.
-                    try:
-                        pending.sent = session.arena.view(req.input, NUMPY_DTYPES[req.dtype]).copy()  # type: ignore[union-attr]
-                        early = True
-                    except SmddpError:
-                        pass  # a bad region is reported when the recv meets it
+                    # Within the job's budget only: beyond it the send waits for its recv.
+                    if self.buffers is None or self.buffers.try_take(req.input.nbytes):
+                        try:
+                            pending.sent = session.arena.view(req.input, NUMPY_DTYPES[req.dtype]).copy()  # type: ignore[union-attr]
+                            early = True
+                        except SmddpError:
+                            if self.buffers is not None:
+                                self.buffers.give(req.input.nbytes)  # a bad region is reported when the recv meets it
+                    else:
+                        refusals.log(
+                            log, logging.INFO, "send held back", "%s: %s's send of %d bytes to rank %d waits for its "
+                            "receive: %s", self.name(), session.label(), req.input.nbytes, req.root,
+                            self.buffers.limit_text(req.input.nbytes),
+                        )
         if failure is not None:
             self._reply_error(session, req, *failure)
         elif ready is not None:
@@ -396,6 +411,8 @@ class Communicator:
                 s.reply(pb.OpReply(request_id=r.request_id, ok=True))
 
     def _run_p2p(self, sessions: list[Session], reqs: list[pb.OpRequest], sent: np.ndarray | None = None) -> None:
+        if sent is not None and self.buffers is not None:
+            self.buffers.give(sent.nbytes)  # the copy is dropped once this call returns, whatever it does
         send, recv = (reqs[0], reqs[1]) if reqs[0].kind == pb.SEND else (reqs[1], reqs[0])
         s_send, s_recv = (sessions[0], sessions[1]) if reqs[0].kind == pb.SEND else (sessions[1], sessions[0])
         if recv.kind != pb.RECV or send.kind != pb.SEND:
@@ -471,6 +488,8 @@ class Communicator:
         for p in pending:
             for session, req, _ in p.arrivals.values():
                 if p.sent is not None and req.kind == pb.SEND:
+                    if self.buffers is not None:
+                        self.buffers.give(p.sent.nbytes)
                     continue  # answered when it arrived
                 self._reply_error(session, req, kind, message)
 
