@@ -182,8 +182,10 @@ class Daemon:
         notify.notify(notify.READY)
         self._watchdog_pinger.start()
         log.info(
-            "smddpd serving (node %s, pid %d, peers %s); listening: %s",
-            cfg.node_id, os.getpid(), "on" if self._peers is not None else "off (--peer-bind off)",
+            "smddpd serving on %s (node %s, pid %d, peers %s); listening: %s",
+            cfg.socket, cfg.node_id, os.getpid(),
+            f"{self.registry.peer_address}, data over {cfg.peer_transport} port {self._peers.data_port}"
+            if self._peers is not None else "off (--peer-bind off)",
             ", ".join(self.listeners),
         )
 

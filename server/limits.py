@@ -34,17 +34,21 @@ class Counts:
         self._held: Counter[int] = Counter()
         self._lock = threading.Lock()
 
-    def take(self, uid: int, n: int = 1) -> None:
+    def take(self, uid: int, n: int = 1, where: str = "") -> None:
         """Counts ``n`` more for ``uid``.
+
+        Args:
+            where: what the refusal's message starts with (``job J comm C``, say).
 
         Raises:
             LimitExceeded: the uid's or the daemon's limit would be passed.
         """
+        prefix = f"{where}: " if where else ""
         with self._lock:
             if self._held[uid] + n > self.per_uid:
-                raise LimitExceeded(f"uid {uid} already holds {self._held[uid]} {self.what} ({self._flags[0]} {self.per_uid})")
+                raise LimitExceeded(f"{prefix}uid {uid} already holds {self._held[uid]} {self.what} ({self._flags[0]} {self.per_uid})")
             if self.total is not None and self._held[ALL] + n > self.total:
-                raise LimitExceeded(f"the daemon already holds {self._held[ALL]} {self.what} ({self._flags[1]} {self.total})")
+                raise LimitExceeded(f"{prefix}the daemon already holds {self._held[ALL]} {self.what} ({self._flags[1]} {self.total})")
             self._held[uid] += n
             self._held[ALL] += n
 

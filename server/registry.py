@@ -409,9 +409,9 @@ class Registry:
                         f"{comm.name()} {session.label()}: wrong job token: uid {uid} already runs job "
                         f"{comm.job_id} here with another token"
                     )
-                self._ranks_per_uid.take(uid)
+                self._ranks_per_uid.take(uid, where=comm.name())
                 try:
-                    self._jobs_per_uid.take(uid)
+                    self._jobs_per_uid.take(uid, where=comm.name())
                 except LimitExceeded:
                     self._ranks_per_uid.give(uid)
                     raise
@@ -420,7 +420,7 @@ class Registry:
             elif job.owner != uid:
                 raise PermissionDenied(f"{comm.name()}: uid {uid} may not join job {comm.job_id}, which belongs to uid {job.owner}")
             else:
-                self._ranks_per_uid.take(uid)
+                self._ranks_per_uid.take(uid, where=comm.name())
             session.uid = uid
             self._unattached.pop(session.session_id, None)
 
