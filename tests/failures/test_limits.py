@@ -617,3 +617,52 @@ def test_peer_listeners_are_off_unless_configured_and_the_startup_line_lists_all
     ports = {port for _addr, port in _tcp_listeners(d.proc.pid)}
     listed = {int(p) for p in re.findall(r"127\.0\.0\.1:(\d+)", line)}
     assert ports <= listed, (ports, line)
+
+
+@pytest.mark.timeout(300)
+def test_queued_sends_from_another_node_are_bounded(loopback_daemons):
+    budget = 128 * MIB
+    a, b = loopback_daemons([(), ("--max-buffered-bytes-per-uid", str(budget))])
+    layout = [
+        pb.NodeSpec(node_id=n.node_id, peer_address=stub(n.daemon.socket).Info(pb.InfoRequest(), timeout=10).peer_address, ranks=[r])
+        for r, n in enumerate((a, b))
+    ]
+    token = secrets.token_bytes(32)
+    box: list = []
+    t = threading.Thread(target=lambda: box.append(
+        connect("remote-sends", token, 1, 2, socket_path=b.daemon.socket, nodes=layout, arena_bytes=64 * MIB, timeout_s=60)))
+    t.start()
+    c0 = connect("remote-sends", token, 0, 2, socket_path=a.daemon.socket, nodes=layout, arena_bytes=64 * MIB, timeout_s=60)
+    t.join(60)
+    c1 = box[0]
+    before = rss_mb(b.daemon.proc.pid)
+    n = 16 * MIB  # 64 MiB of float32 per send
+    sent = [np.full(n, i, dtype=np.float32) for i in range(8)]
+    errors: list[Exception] = []
+
+    def send_all() -> None:
+        try:
+            for x in sent:
+                c0.send(x, 1).wait()
+        except Exception as exc:  # the test checks it below
+            errors.append(exc)
+
+    sender = threading.Thread(target=send_all)
+    sender.start()
+    peak = before
+    until = time.monotonic() + 8
+    while time.monotonic() < until and sender.is_alive():
+        peak = max(peak, rss_mb(b.daemon.proc.pid))
+        time.sleep(0.05)
+    sender.join(60)
+    # The receiving daemon failed the communicator at its budget instead of holding 512 MiB,
+    # naming the limit, on both nodes.
+    with pytest.raises(Exception, match=r"before it posted the receive, and this daemon may hold no more: uid 0 holds \d+ bytes of sends waiting for their receives \(--max-buffered-bytes-per-uid 134217728\)") as info:
+        c1.recv(np.empty(n, dtype=np.float32), 0).wait()
+    print(info.value)
+    print(f"receiving daemon RSS {before:.0f} MB before, peak {peak:.0f} MB (budget {budget // MIB} MiB, 512 MiB sent)")
+    assert peak - before < budget / MIB + 150, (before, peak)
+    assert errors and "may hold no more" in str(errors[0]), errors
+    c0.close()
+    c1.close()
+    pair_all_reduce(b.daemon.socket, "after-remote-sends")
