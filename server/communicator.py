@@ -53,6 +53,7 @@ class Pending:
     arrivals: dict[int, tuple[Session, pb.OpRequest, float]] = field(default_factory=dict)
     # A send that arrived before its recv: a copy of its data; the sender was answered already.
     sent: np.ndarray | None = None
+    held_back: str = ""  # why such a send was not copied (the daemon's buffer limit)
 
     def missing(self) -> list[int]:
         return [r for r in self.participants if r not in self.arrivals]
@@ -220,10 +221,10 @@ class Communicator:
                             if self.buffers is not None:
                                 self.buffers.give(req.input.nbytes)  # a bad region is reported when the recv meets it
                     else:
+                        pending.held_back = self.buffers.limit_text(req.input.nbytes)
                         refusals.log(
                             log, logging.INFO, "send held back", "%s: %s's send of %d bytes to rank %d waits for its "
-                            "receive: %s", self.name(), session.label(), req.input.nbytes, req.root,
-                            self.buffers.limit_text(req.input.nbytes),
+                            "receive: %s", self.name(), session.label(), req.input.nbytes, req.root, pending.held_back,
                         )
         if failure is not None:
             self._reply_error(session, req, *failure)
@@ -507,6 +508,7 @@ class Communicator:
             ]
             req = next(iter(p.arrivals.values()))[1]
             culprit = self.members.get(missing[0]) if len(missing) == 1 else None
+            held_back = next((q.held_back for q in self._pending.values() if q.held_back), "")
         waited = now - p.first_arrival
         arrived = sorted(p.arrivals)
         message = (
@@ -514,6 +516,10 @@ class Communicator:
             f"{rank_list(missing)} never arrived ({', '.join(labels)}) while "
             f"{rank_list(arrived)} waited {waited:.1f} s (timeout {self.timeout_s:.1f} s)"
         )
+        if held_back:
+            # A rank that sends more than the daemon holds before receiving waits for its
+            # receives; if it never posts them first, this is why.
+            message += f"; sends wait for their receives since {held_back}"
         self.fail(pb.TIMEOUT, message, culprit=culprit)
 
     def close(self) -> None:

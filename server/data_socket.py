@@ -187,13 +187,11 @@ class DataSocketServer:
     def _serve(self, conn: socket.socket, pid: int, uid: int) -> None:
         session: Session | None = None
         detail = "connection closed"
-        handshaking = True
         try:
             try:
                 session = self._attach(conn, pid, uid)
             finally:
-                self._handshakes.give(uid)
-                handshaking = False
+                self._handshakes.give(uid)  # attached or not, its handshake is over
             if session is None:
                 return
             buf = bytearray(MAX_MESSAGE_BYTES)  # reused: a fresh 1 MiB object per op is costly
@@ -227,7 +225,6 @@ class DataSocketServer:
         except ValueError as exc:
             detail = str(exc)
         finally:
-            assert not handshaking
             if session is not None:
                 self._registry.connection_lost(session, detail)
             with self._lock:

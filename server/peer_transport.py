@@ -15,6 +15,7 @@ service, so that they reach a node whose data connections are not up yet.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import itertools
@@ -31,6 +32,7 @@ from typing import TYPE_CHECKING, Protocol
 import grpc
 import numpy as np
 
+from smddp.server.logthrottle import refusals
 from smddp.server.tls import TlsSocket
 from smddp.v1 import smddp_pb2 as pb
 from smddp.wire import rank_list
@@ -645,11 +647,19 @@ class PeerNetwork:
         return tls
 
     def _accept_loop(self) -> None:
+        backoff = 0.01
         while not self._stopping:
             try:
                 sock, addr = self._sock.accept()
-            except OSError:
-                return
+            except OSError as exc:
+                if self._stopping or exc.errno in (errno.EBADF, errno.EINVAL):
+                    return  # closed by stop()
+                # EMFILE and the like pass: wait and try again rather than stop for good.
+                refusals.log(log, logging.WARNING, "peer accept failing", "cannot accept a peer data connection: %s; retrying", exc)
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 1.0)
+                continue
+            backoff = 0.01
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             threading.Thread(target=self._accept_tcp, args=(sock, f"{addr[0]}:{addr[1]}"), name="smddp-peer-hello", daemon=True).start()
 

@@ -259,7 +259,7 @@ class Registry:
         """
         where = f"rendezvous of job {req.job_id[:64]}"
         if not JOB_ID.match(req.job_id):
-            raise InvalidRequest(f"rendezvous: job_id {quote(req.job_id)} must be 1-128 characters of A-Z a-z 0-9 . _ : -")
+            raise InvalidRequest(f"rendezvous of job {quote(req.job_id)}: job_id must be 1-128 characters of A-Z a-z 0-9 . _ : -")
         _check_token(where, req.job_token)
         if req.root:
             check_peer_address(where, "root", req.root)
