@@ -71,7 +71,10 @@ class SafeText(logging.Filter):
     """
 
     def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
+        try:
+            message = record.getMessage()
+        except Exception:  # a bad format: the handler reports it as it always did
+            return True
         safe = escape(message)
         if safe is not message:
             record.msg, record.args = safe, None
