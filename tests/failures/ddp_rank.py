@@ -2,8 +2,8 @@
 
 Started directly (the test sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) or by torchrun
 (which sets them). Trains a small MLP with DistributedDataParallel until its process group
-fails, writes what it saw to ``<out>/rank<R>.json``, destroys the process group and lets the
-error end the process, so that a survivor exits with status 1 of its own accord.
+fails, writes what it saw to ``<out>/rank<R>.json``, tries a plain all_reduce (its message goes
+in the record as ``after``), destroys the process group and lets the error end the process, so that a survivor exits with status 1 of its own accord.
 
 SPEC fields:
 - ``out``: folder for the result files.
@@ -13,8 +13,9 @@ SPEC fields:
 - ``hook``: "none", "allreduce_hook", "fp16_compress_hook" or "builtin" (the C++ FP16_COMPRESS).
 - ``mismatch``: "" or "model" (the victim's last layer is a Conv1d whose weight has one more
   dimension: the same parameter count, so DDP's own check lets it through, and its shape
-  check's all_gather differs in size) or "bucket" (the victim's buckets are smaller, so its
-  bucket all_reduces differ in count from the others').
+  check's all_gather differs in size) or "hook" (the victim alone compresses its gradients
+  to float16 with ``fp16_compress_hook``, so its bucket all_reduces in ``backward()`` differ
+  in dtype from the others').
 - ``steps``: train this many steps and finish cleanly (0: until the group fails).
 - ``run_s``: give up after this long (the result then says no error came).
 
@@ -60,9 +61,10 @@ def _model(rank: int, spec: dict[str, Any]) -> nn.Module:
 
 
 def _ddp(model: nn.Module, rank: int, spec: dict[str, Any]) -> DDP:
-    cap = 0.0005 if spec.get("mismatch") == "bucket" and rank == spec["victim"] else 0.002
-    ddp = DDP(model, bucket_cap_mb=cap)  # several buckets of a few hundred floats
+    ddp = DDP(model, bucket_cap_mb=0.002)  # several buckets of a few hundred floats
     hook = spec.get("hook", "none")
+    if spec.get("mismatch") == "hook" and rank == spec["victim"]:
+        hook = "fp16_compress_hook"
     if hook == "allreduce_hook":
         ddp.register_comm_hook(None, default_hooks.allreduce_hook)
     elif hook == "fp16_compress_hook":
@@ -110,6 +112,10 @@ def main() -> None:
     except dist.DistBackendError as exc:
         record.update(type=type(exc).__name__, module=type(exc).__module__, message=str(exc),
                       failed_at=time.time())
+        try:
+            dist.all_reduce(torch.ones(4))
+        except dist.DistBackendError as later:
+            record["after"] = str(later)
         started = time.monotonic()
         dist.destroy_process_group()
         record["destroy_s"] = time.monotonic() - started

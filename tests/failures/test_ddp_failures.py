@@ -117,9 +117,12 @@ def wait_exit(p: Proc, what: str, timeout_s: float = 60.0) -> int:
         pytest.fail(f"{what} did not end within {timeout_s} s:\n{p.output()}")
 
 
-def survivors(procs: list[Proc], ranks: list[int], out: Path, failed_at: float | None) -> list[dict[str, Any]]:
+def survivors(
+    procs: list[Proc], ranks: list[int], out: Path, failed_at: float | None, same_after: bool = True
+) -> list[dict[str, Any]]:
     """Waits for ``ranks`` to exit; checks status 1 (not a signal), a named DistBackendError
-    within BOUND_S of ``failed_at`` and a working destroy_process_group; returns their records."""
+    within BOUND_S of ``failed_at``, a working destroy_process_group and (``same_after``) the
+    same message from a plain all_reduce afterwards; returns their records."""
     records = []
     for r in ranks:
         rc = wait_exit(procs[r], f"rank {r}")
@@ -129,6 +132,8 @@ def survivors(procs: list[Proc], ranks: list[int], out: Path, failed_at: float |
         got = json.loads(path.read_text())
         assert got["module"] == "smddp.backend.errors", got
         assert got["destroy_s"] < 5.0, got
+        if same_after:
+            assert got["after"] == got["message"], got  # a plain collective says the same
         assert f"smddp.backend.errors.{got['type']}: " in procs[r].output(), procs[r].output()
         if failed_at is not None:
             took = got["failed_at"] - failed_at
@@ -193,18 +198,20 @@ def test_daemon_stops(sig: int, system_daemon: Any, env: dict[str, str], tmp_pat
         time.sleep(0.5)
         stopped_at = time.time()
         system_daemon.proc.send_signal(sig)
-        got = survivors(procs, [0, 1, 2], tmp_path, stopped_at)
+        # The first error says how the connection ended, later ones that the daemon is gone.
+        got = survivors(procs, [0, 1, 2], tmp_path, stopped_at, same_after=False)
     finally:
         kill_all(procs)
     system_daemon.proc.wait(timeout=30)
     for g in got:
         assert g["type"] == "SmddpDaemonLostError", g
-        assert g["message"].startswith("smddpd "), g  # names the daemon and what happened to it
+        for m in (g["message"], g["after"]):
+            assert m.startswith(f"smddpd at {system_daemon.socket}"), g  # names the daemon
     print([g["message"] for g in got])
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("mismatch", ["model", "bucket"])
+@pytest.mark.parametrize("mismatch", ["model", "hook"])
 def test_mismatch(mismatch: str, env: dict[str, str], tmp_path: Path) -> None:
     procs = launch_direct(env, tmp_path, mismatch=mismatch)
     try:
@@ -214,7 +221,7 @@ def test_mismatch(mismatch: str, env: dict[str, str], tmp_path: Path) -> None:
     for g in got:
         assert g["type"] == "SmddpMismatchError", g
         assert g["message"] == got[0]["message"]
-        assert re.match(rf"{JOB}: op #\d+ ", g["message"]) and f"rank {VICTIM} called" in g["message"], g
+        assert re.fullmatch(rf"{JOB}: rank {VICTIM} called .+ as op #\d+ while ranks 0-1 called .+", g["message"]), g
     spread = max(g["failed_at"] for g in got) - min(g["failed_at"] for g in got)
     assert spread < BOUND_S, spread
     print(got[0]["message"])
