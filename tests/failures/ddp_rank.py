@@ -19,7 +19,9 @@ SPEC fields:
 - ``steps``: train this many steps and finish cleanly (0: until the group fails).
 - ``run_s``: give up after this long (the result then says no error came).
 
-Prints ``ready`` after the first step, ``step N`` after every later one.
+Prints ``pid RANK PID`` at the start, ``ready RANK ATTEMPT TIME`` after the first step,
+``step N`` after every later one, and ``failing RANK TIME`` just before raising on purpose
+(TIME: seconds since the epoch).
 """
 
 from __future__ import annotations
@@ -89,12 +91,16 @@ def train(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
     step = 0
     while time.monotonic() < deadline and (not spec.get("steps") or step < spec["steps"]):
         if _fails_now(rank, step, spec):
+            print(f"failing {rank} {time.time():.3f}", flush=True)
             raise RuntimeError(f"rank {rank} fails on purpose at step {step}")
         x = torch.randn(16, 8, generator=data)
         opt.zero_grad()
         F.mse_loss(ddp(x), x.sum(dim=1, keepdim=True).sin()).backward()
         opt.step()
-        print("ready" if step == 0 else f"step {step}", flush=True)
+        if step == 0:
+            print(f"ready {rank} {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')} {time.time():.3f}", flush=True)
+        else:
+            print(f"step {step}", flush=True)
         step += 1
     return {"steps": step, "params": [p.detach().sum().item() for p in ddp.parameters()]}
 
@@ -105,6 +111,7 @@ def main() -> None:
     out = Path(spec["out"])
     record: dict[str, Any] = {"rank": rank, "pid": os.getpid(),
                               "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}
+    print(f"pid {rank} {os.getpid()}", flush=True)
     torch.set_num_threads(1)
     dist.init_process_group("smddp", timeout=timedelta(seconds=spec.get("pg_timeout_s", 60)))
     try:

@@ -15,107 +15,29 @@ import json
 import os
 import re
 import signal
-import socket
-import subprocess
-import sys
-import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
-
-pytest.importorskip("torch")
-
-HERE = Path(__file__).resolve().parent
-RANK_MAIN = HERE / "ddp_rank.py"
-WORLD = 3
-VICTIM = 2
-BOUND_S = 5.0
-NODE = "node-a"
-JOB = r"job j[0-9a-f]{16} comm 0"
-DEAD_RANK = (
-    rf"{JOB}: rank {VICTIM} \(pid (?P<pid>\d+), node {NODE}\) disconnected without leaving the communicator "
-    r"\((connection closed|connection error: \[Errno 104\] Connection reset by peer)\); "
-    r"its process died or closed its connection"
+from ddp_launch import (
+    BOUND_S,
+    DEAD_RANK,
+    JOB,
+    NODE,
+    VICTIM,
+    Proc,
+    failures,
+    kill_all,
+    launch_direct,
+    launch_torchrun,
+    pids,
+    root_cause,
+    wait_exit,
+    wait_ready,
 )
 
-
-def free_port() -> int:
-    """A TCP port nothing listens on right now, for MASTER_PORT."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class Proc:
-    """A rank (or torchrun) process, its output lines and when each came."""
-
-    proc: subprocess.Popen
-    lines: list[str] = field(default_factory=list)
-    ready: threading.Event = field(default_factory=threading.Event)
-
-    def pump(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip("\n"))
-            if line.strip().endswith("ready"):
-                self.ready.set()
-        self.ready.set()  # ended: whoever waits must look at the exit status
-
-    def output(self) -> str:
-        return "\n".join(self.lines)[-6000:]
-
-
-def start(cmd: list[str], env: dict[str, str]) -> Proc:
-    proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    p = Proc(proc)
-    threading.Thread(target=p.pump, daemon=True).start()
-    return p
-
-
-def spec_arg(out: Path, **spec: Any) -> str:
-    return json.dumps({"out": str(out), "victim": VICTIM, "fail": "none", "hook": "none", **spec})
-
-
-def launch_direct(env: dict[str, str], out: Path, **spec: Any) -> list[Proc]:
-    """WORLD ranks of ``ddp_rank.py``, each a process of its own, env:// rendezvous."""
-    port = str(free_port())
-    arg = spec_arg(out, **spec)
-    return [
-        start([sys.executable, str(RANK_MAIN), arg],
-              dict(env, RANK=str(r), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=port))
-        for r in range(WORLD)
-    ]
-
-
-def wait_ready(procs: list[Proc], timeout_s: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    for i, p in enumerate(procs):
-        if not p.ready.wait(max(0.0, deadline - time.monotonic())) or p.proc.poll() is not None:
-            kill_all(procs)
-            pytest.fail(f"rank {i} never trained a step:\n{p.output()}")
-
-
-def kill_all(procs: list[Proc]) -> None:
-    for p in procs:
-        if p.proc.poll() is None:
-            os.killpg(p.proc.pid, signal.SIGKILL)
-            p.proc.wait()
-
-
-def wait_exit(p: Proc, what: str, timeout_s: float = 60.0) -> int:
-    try:
-        return p.proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.proc.pid, signal.SIGKILL)
-        p.proc.wait()
-        pytest.fail(f"{what} did not end within {timeout_s} s:\n{p.output()}")
-
+pytest.importorskip("torch")
 
 def survivors(
     procs: list[Proc], ranks: list[int], out: Path, failed_at: float | None, same_after: bool = True
@@ -225,3 +147,36 @@ def test_mismatch(mismatch: str, env: dict[str, str], tmp_path: Path) -> None:
     spread = max(g["failed_at"] for g in got) - min(g["failed_at"] for g in got)
     assert spread < BOUND_S, spread
     print(got[0]["message"])
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("how", ["raise", "SIGKILL"])
+def test_under_torchrun(how: str, env: dict[str, str], tmp_path: Path) -> None:
+    """torchrun ends the job and its summary names rank VICTIM as the root cause; no rank
+    crashes: each survivor raised SmddpRankFailedError or was ended by torchrun's SIGTERM."""
+    run = launch_torchrun(env, tmp_path, fail="raise" if how == "raise" else "none", fail_step=3)
+    try:
+        if how == "SIGKILL":
+            wait_ready([run])
+            deadline = time.monotonic() + 60
+            while len(pids(run)) < 3 or sum(line.startswith("ready ") for line in run.lines) < 3:
+                assert time.monotonic() < deadline and run.proc.poll() is None, run.output()
+                time.sleep(0.1)
+            time.sleep(0.5)
+            os.kill(pids(run)[VICTIM], signal.SIGKILL)
+        rc = wait_exit(run, "torchrun", timeout_s=120)
+    finally:
+        kill_all([run])
+    out = run.output()
+    assert rc == 1, out
+    cause = root_cause(out)
+    assert cause["rank"] == f"{VICTIM} (local_rank: {VICTIM})", out
+    assert cause["exitcode"].startswith("1 " if how == "raise" else "-9 "), out
+    assert "Segmentation fault" not in out and "SIGSEGV" not in out, out
+    for rank, code in failures(out).items():
+        if rank != VICTIM:
+            assert code.startswith(("1 ", "-15 ")), f"rank {rank}: {code}\n{out}"
+            if code.startswith("1 "):
+                got = json.loads((tmp_path / f"rank{rank}-a0.json").read_text())
+                assert got["type"] == "SmddpRankFailedError" and re.fullmatch(DEAD_RANK, got["message"]), got
+    print(how, {r: c for r, c in failures(out).items()})
