@@ -85,10 +85,12 @@ def _listening(path: str) -> bool:
 def clean_stale_folders(tmp: str | None = None, now: float | None = None) -> list[str]:
     """Removes this user's embedded-daemon folders whose daemon is gone.
 
-    A folder counts as stale when it is a real directory owned by this uid and either its
-    socket (older than BIND_GRACE_S) refuses connections, or it has no socket and is older than START_TIMEOUT_S (a
-    daemon that died before it bound; a younger one may still be starting). Other users'
-    folders and anything else found inside a folder are left alone.
+    A folder counts as stale when it is a real directory owned by this uid that holds
+    nothing but the daemon's unix sockets (``smddpd.sock``, ``smddpd.sock.data``), none of
+    which accepts a connection any more and all older than BIND_GRACE_S, or that is empty
+    and older than START_TIMEOUT_S (a daemon that died before it bound; a younger one may
+    still be starting). Other users' folders, and folders holding anything else, are left
+    alone.
 
     Returns:
         The folders removed.
@@ -101,25 +103,31 @@ def clean_stale_folders(tmp: str | None = None, now: float | None = None) -> lis
             st = os.lstat(folder)
             if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
                 continue
-            sock = os.path.join(folder, SOCKET_NAME)
-            try:
-                sock_st: os.stat_result | None = os.lstat(sock)
-            except FileNotFoundError:
-                sock_st = None
-            if sock_st is None:
-                if now - st.st_mtime < START_TIMEOUT_S:
-                    continue
-            elif not stat.S_ISSOCK(sock_st.st_mode) or now - sock_st.st_mtime < BIND_GRACE_S or _listening(sock):
+            sockets = [os.path.join(folder, name) for name in os.listdir(folder)]
+            if not sockets and now - st.st_mtime < START_TIMEOUT_S:
                 continue
-            else:
-                os.unlink(sock)
-            os.rmdir(folder)  # fails, and keeps the folder, when something else is inside
+            if not all(_dead_socket(path, now) for path in sockets):
+                continue
+            for path in sockets:
+                os.unlink(path)
+            os.rmdir(folder)
         except OSError:
             continue
         removed.append(folder)
     if removed:
         log.info("smddp: removed %d folder(s) of embedded daemons that are gone: %s", len(removed), ", ".join(removed))
     return removed
+
+
+def _dead_socket(path: str, now: float) -> bool:
+    """Whether ``path`` is a daemon's socket, old enough and refusing connections."""
+    st = os.lstat(path)
+    return (
+        os.path.basename(path).startswith(SOCKET_NAME)
+        and stat.S_ISSOCK(st.st_mode)
+        and now - st.st_mtime >= BIND_GRACE_S
+        and not _listening(path)
+    )
 
 
 def start_embedded_daemon(tried: list[str] | None = None, peer_host: str | None = None) -> str:
