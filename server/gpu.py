@@ -30,9 +30,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from smddp.server import gpu_kernels
-from smddp.server.errors import FailedPrecondition, InvalidRequest
+from smddp.server.errors import FailedPrecondition, InvalidRequest, SmddpError
 from smddp.v1 import smddp_pb2 as pb
-from smddp.wire import KIND_NAMES, REDUCING_KINDS, ROOTED_KINDS, describe_request, rank_list
+from smddp.wire import (
+    KIND_NAMES,
+    REDUCING_KINDS,
+    ROOTED_KINDS,
+    describe_request,
+    rank_list,
+    reduce_op_check,
+)
 
 if TYPE_CHECKING:
     from smddp.server.communicator import Communicator
@@ -115,6 +122,10 @@ class Runtime(Protocol):
 
     def copy(self, stream: Any, device: int, dst: int, src: int, nbytes: int) -> None:
         """Queues a device-to-device copy on ``stream``."""
+
+    def prepare(self, device: int, key: tuple[int, int, int, int]) -> None:
+        """Compiles and loads the reduction module of ``key`` (dtype, reduce op, fan-in,
+        fan-out) for ``device``; called outside the daemon's lock (a compile takes ~1 s)."""
 
 
 # -- per-rank handles ---------------------------------------------------------------------------
@@ -283,8 +294,15 @@ class GpuOps:
                     ) from None
                 try:
                     size = self.rt.mapped_size(address)
-                except CudaCallError:
-                    size = buf.alloc_bytes
+                except CudaCallError as exc:
+                    # Never the size the rank declares (alloc_bytes): a rank could then make
+                    # the kernels write past what was mapped.
+                    self._quietly(lambda: self.rt.close_memory(address, device))
+                    raise InvalidRequest(
+                        f"{session.label()}: the size of its allocation at 0x{buf.alloc_base:x} "
+                        f"cannot be read from the mapping ({exc}); smddpd refuses a GPU range "
+                        "it cannot bound"
+                    ) from None
                 opened = _Opened(address, device, size)
                 self._memory[buf.ipc_handle] = opened
             opened.refs += 1
@@ -447,12 +465,40 @@ class GpuOps:
             FailedPrecondition: a GPU the daemon cannot see or reach.
         """
         _check_all_gpu(ranks, reqs)
+        self._prepare(sessions, reqs)
         with self._lock:
             self.collect()
             resolved = [self._resolve(comm, r, s, q) for r, s, q in zip(ranks, sessions, reqs)]
             work = _Work(self, comm, resolved)
             work.plan()
             work.run()
+
+    def _prepare(self, sessions: Sequence[Session], reqs: Sequence[pb.OpRequest]) -> None:
+        """Compiles the op's kernels before the lock is taken: one job's first op of a new
+        dtype or fan-in never stalls the other jobs' ops (``_Work.reduce`` finds them ready).
+        Bad requests are left to ``execute``'s checks, which name the problem."""
+        req = reqs[0]
+        if req.kind not in REDUCING_KINDS or gpu_kernels.SPECS.get(req.dtype) is None:
+            return
+        if reduce_op_check(req.dtype, req.reduce_op):
+            return
+        w = len(reqs)
+        try:
+            devices = [self._device(s, q.cuda.device_uuid) for s, q in zip(sessions, reqs)]
+        except SmddpError:
+            return
+        if req.kind == pb.ALL_REDUCE:
+            wanted = {(d, (req.dtype, req.reduce_op, w, w)) for d in devices}
+        elif req.kind == pb.REDUCE:
+            root = req.root if 0 <= req.root < w else 0
+            wanted = {(devices[root], (req.dtype, req.reduce_op, w, 1))}
+        else:  # REDUCE_SCATTER
+            wanted = {(d, (req.dtype, req.reduce_op, w, 1)) for d in devices}
+        for device, key in sorted(wanted):
+            try:
+                self.rt.prepare(device, key)
+            except CudaCallError:
+                return  # the launch meets it again and fails the op with the message
 
     def execute_p2p(
         self,
@@ -712,11 +758,37 @@ def ops(node_id: str = "") -> GpuOps:
             from smddp.server.gpu_runtime import CupyRuntime, GpuUnavailable
 
             try:
-                _ops = GpuOps(CupyRuntime(), chunk_bytes=_chunk_bytes)
+                test_runtime = _test_runtime()
+                runtime = test_runtime if test_runtime is not None else CupyRuntime()
+                _ops = GpuOps(runtime, chunk_bytes=_chunk_bytes)
             except GpuUnavailable as exc:
                 where = f"smddpd on node {node_id}" if node_id else "smddpd"
                 raise FailedPrecondition(f"{where} cannot carry GPU tensors: {exc}") from None
         return _ops
+
+
+# TEST ONLY. Names a factory of a ``Runtime`` to use instead of CuPy, as FILE.py:FUNCTION
+# (tests/server/gpu_fakes.py:ipc_runtime), so that a real smddpd runs GPU ops on a fake GPU
+# in tests without one. Honoured only when set; never set it on a real node.
+TEST_RUNTIME_ENV = "SMDDP_TEST_GPU_RUNTIME"
+
+
+def _test_runtime() -> Runtime | None:
+    import os
+
+    spec = os.environ.get(TEST_RUNTIME_ENV)
+    if not spec:
+        return None
+    import importlib.util
+
+    path, _, name = spec.rpartition(":")
+    module_spec = importlib.util.spec_from_file_location("smddp_test_gpu_runtime", path)
+    if module_spec is None or module_spec.loader is None or not name:
+        raise FailedPrecondition(f"{TEST_RUNTIME_ENV}={spec!r} does not name FILE.py:FUNCTION")
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    log.warning("smddpd runs GPU ops on the TEST runtime %s (%s is set)", spec, TEST_RUNTIME_ENV)
+    return getattr(module, name)()
 
 
 def active() -> GpuOps | None:

@@ -1,21 +1,30 @@
 """A fake ``gpu.Runtime`` for tests without a GPU: host memory stands in for GPU memory.
 
 Ranks' allocations are numpy byte buffers named by fake CUDA IPC handles; the daemon's
-mappings get addresses of their own. Kernels and copies run at once on the host (with the
-host path's ``reduce_into``), and every call is logged, so tests check both the bytes and
-the order of waits, work and records on each stream.
+mappings get addresses of their own. Copies run at once on the host; a reduction runs the
+very kernel the daemon would launch: the module ``gpu_kernels.reduce_module`` generates for
+the launch's dtype, op and fan-in/fan-out, its kernel body evaluated by the C interpreter of
+``c_subset`` (so the bits come from the generated code, never from the host path's
+``reduce_into``, which the tests compare them with). Every call is logged, so tests check
+both the bytes and the order of waits, work and records on each stream.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from smddp.reduce import reduce_into
+sys.path.insert(0, str(Path(__file__).parent))
+
+import c_subset
+
 from smddp.server import gpu_kernels
 from smddp.server.gpu import CudaCallError
 from smddp.v1 import smddp_pb2 as pb
@@ -60,6 +69,7 @@ class FakeRuntime:
     log: list[tuple] = field(default_factory=list)
     no_peer: set[tuple[int, int]] = field(default_factory=set)
     pending_marks: bool = False  # event_done answers False while set
+    size_unknown: bool = False  # mapped_size fails while set (as cuPointerGetAttributes can)
     allocations: dict[bytes, Allocation] = field(default_factory=dict)
     mapped: dict[int, Allocation] = field(default_factory=dict)
     opened_events: dict[bytes, int] = field(default_factory=dict)
@@ -108,6 +118,8 @@ class FakeRuntime:
         self.log.append(("close_memory", address, device))
 
     def mapped_size(self, address: int) -> int:
+        if self.size_unknown:
+            raise CudaCallError("cuPointerGetAttributes: CUDA_ERROR_INVALID_VALUE")
         return self.mapped[address].data.size
 
     def open_event(self, handle: bytes, device: int) -> Any:
@@ -173,15 +185,30 @@ class FakeRuntime:
         outs = [self._resolve(a + off, nbytes).view(np_dtype) for a in outputs]
         self.log.append(("reduce", stream, dtype, reduce_op, len(inputs), len(outputs), launch))
         # What the kernel computes: every input read before any output is written.
-        result = np.empty(launch.count, dtype=np_dtype)
-        reduce_into([result], [x.copy() for x in ins], reduce_op)
-        for o in outs:
-            o[...] = result
+        storage = c_subset.CTYPES[gpu_kernels.SPECS[dtype].storage]
+        program, body = kernel(dtype, reduce_op, len(inputs), len(outputs), launch.vectorized)
+        results = c_subset.run_body(program, body, [x.view(storage).copy() for x in ins])
+        for k, o in enumerate(outs):
+            o.view(storage)[...] = results[f"out{k}"]
+
+    def prepare(self, device: int, key: tuple[int, int, int, int]) -> None:
+        self.log.append(("prepare", device, key))
+        kernel(*key, False)  # the module is generated (and parsed) once, as the real one compiles
 
     def copy(self, stream: Any, device: int, dst: int, src: int, nbytes: int) -> None:
         assert stream.device == device
         self.log.append(("copy", stream, dst, src, nbytes))
         self._resolve(dst, nbytes)[...] = self._resolve(src, nbytes)
+
+
+@functools.cache
+def kernel(
+    dtype: int, reduce_op: int, fan_in: int, fan_out: int, vectorized: bool
+) -> tuple[c_subset.Program, list[str]]:
+    """The generated module's program (its C helpers) and the launched kernel's body."""
+    source = gpu_kernels.reduce_module(dtype, reduce_op, fan_in, fan_out)
+    name = gpu_kernels.kernel_name(dtype, reduce_op, fan_in, fan_out, vectorized)
+    return c_subset.load_program(source), c_subset.kernel_bodies(source)[name]
 
 
 def uuid(device: int) -> bytes:

@@ -451,6 +451,28 @@ def test_a_range_outside_its_allocation_is_refused() -> None:
     assert not w.rt.calls("reduce")
 
 
+def test_a_mapping_of_unknown_size_is_refused_whatever_the_rank_declares() -> None:
+    """The daemon bounds ranges by what it mapped, never by the rank's alloc_bytes."""
+    w = World([0, 0])
+    w.rt.size_unknown = True
+    bufs = [w.buffer(r, 64, pb.FLOAT32) for r in range(2)]
+    reqs = [
+        request(pb.ALL_REDUCE, pb.FLOAT32, 64, r, [b], [b], reduce_op=pb.SUM)
+        for r, b in enumerate(bufs)
+    ]
+    reqs[0].cuda.inputs[0].alloc_bytes = 1 << 40  # a lie that would cover any range
+    with pytest.raises(
+        InvalidRequest,
+        match=r"rank 0 \(pid 1000, node n1\): the size of its allocation at 0x[0-9a-f]+ cannot "
+        r"be read from the mapping \(cuPointerGetAttributes: CUDA_ERROR_INVALID_VALUE\)",
+    ):
+        w.run(reqs)
+    assert not w.rt.calls("reduce") and not w.rt.calls("record")
+    # The mapping it could not bound is closed again, not kept.
+    assert [c[1] for c in w.rt.calls("close_memory")] == [w.rt.calls("open_memory")[0][3]]
+    assert not w.rt.mapped
+
+
 def test_a_gpu_the_daemon_cannot_see_is_named() -> None:
     w = World([0, 0])
     bufs = [w.buffer(r, 64, pb.FLOAT32) for r in range(2)]
