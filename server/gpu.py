@@ -786,6 +786,9 @@ def _test_runtime() -> Runtime | None:
     if module_spec is None or module_spec.loader is None or not name:
         raise FailedPrecondition(f"{TEST_RUNTIME_ENV}={spec!r} does not name FILE.py:FUNCTION")
     module = importlib.util.module_from_spec(module_spec)
+    import sys
+
+    sys.modules[module_spec.name] = module  # dataclasses look their module up there
     module_spec.loader.exec_module(module)
     log.warning("smddpd runs GPU ops on the TEST runtime %s (%s is set)", spec, TEST_RUNTIME_ENV)
     return getattr(module, name)()

@@ -296,3 +296,85 @@ def request(
         reduce_op=reduce_op,
         cuda=cuda,
     )
+
+
+# -- TEST ONLY: the fake runtime of a real smddpd (SMDDP_TEST_GPU_RUNTIME) ------------------------
+
+MEM_PREFIX = b"fakeipc:"  # tests/gpu/fake_device.py: a rank's "IPC handle" names a shared file
+EVENT_PREFIX = b"fakeevt:"
+
+
+@dataclass(eq=False)
+class SharedEvent:
+    """A rank's interprocess event of tests/gpu/fake_device.py: a counter in a shared file."""
+
+    path: str
+
+    def count(self) -> int:
+        with open(self.path, "rb") as f:
+            return int.from_bytes(f.read(8), "little", signed=True)
+
+    def bump(self) -> None:
+        with open(self.path, "r+b") as f:
+            value = int.from_bytes(f.read(8), "little", signed=True)
+            f.seek(0)
+            f.write((value + 1).to_bytes(8, "little", signed=True))
+
+    def __repr__(self) -> str:
+        return f"event {self.path}"
+
+
+@dataclass
+class IpcFakeRuntime(FakeRuntime):
+    """FakeRuntime whose handles name the ranks' shared files: the daemon maps their "GPU
+    memory" and bumps their done events; waits check that the rank recorded ready."""
+
+    def open_memory(self, handle: bytes, device: int) -> int:
+        if not handle.startswith(MEM_PREFIX):
+            return super().open_memory(handle, device)
+        path = handle[len(MEM_PREFIX) :].rstrip(b"\0").decode()
+        try:
+            data = np.memmap(path, dtype=np.uint8, mode="r+")
+        except OSError as exc:
+            raise CudaCallError(f"cudaIpcOpenMemHandle: cudaErrorInvalidValue ({exc})") from None
+        self.allocations[handle] = Allocation(data, device, 0, handle)
+        return super().open_memory(handle, device)
+
+    def close_memory(self, address: int, device: int) -> None:
+        alloc = self.mapped[address]
+        super().close_memory(address, device)
+        self.allocations.pop(alloc.handle, None)
+
+    def open_event(self, handle: bytes, device: int) -> Any:
+        if not handle.startswith(EVENT_PREFIX):
+            return super().open_event(handle, device)
+        self.log.append(("open_event", handle, device))
+        return SharedEvent(handle[len(EVENT_PREFIX) :].rstrip(b"\0").decode())
+
+    def wait_event(self, stream: Any, event: Any, device: int) -> None:
+        super().wait_event(stream, event, device)
+        if isinstance(event, SharedEvent) and event.count() < 1:
+            raise CudaCallError(f"the rank never recorded {event!r} before the op")
+
+    def record_event(self, event: Any, stream: Any, device: int) -> None:
+        super().record_event(event, stream, device)
+        if isinstance(event, SharedEvent):
+            event.bump()
+
+    def reduce(self, stream: Any, device: int, *args: Any) -> None:
+        super().reduce(stream, device, *args)
+        self._trim()
+
+    def copy(self, stream: Any, device: int, dst: int, src: int, nbytes: int) -> None:
+        super().copy(stream, device, dst, src, nbytes)
+        self._trim()
+
+    def _trim(self) -> None:
+        # A daemon serves many ops: keep the log bounded.
+        if len(self.log) > 100_000:
+            del self.log[: len(self.log) // 2]
+
+
+def ipc_runtime() -> IpcFakeRuntime:
+    """The factory SMDDP_TEST_GPU_RUNTIME names: GPU 0 (fake_device.UUID0)."""
+    return IpcFakeRuntime(devices={uuid(0): 0})
