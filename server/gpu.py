@@ -711,10 +711,13 @@ class _Work:
         working = list(dict.fromkeys(step.device for step in self.steps))
         involved = list(dict.fromkeys(working + [r.device for r in ranks]))
         cs = self.ops._comm_streams(self.comm)
+        streams: dict[int, Any] = {}
+        queued = False
         try:
             streams = {d: cs.stream(d) for d in involved}
             for device in involved:
                 for r in ranks:
+                    queued = True
                     self.rt.wait_event(streams[device], r.ready, device)
             for step in self.steps:
                 step.run(streams[step.device])
@@ -728,6 +731,16 @@ class _Work:
             for r in ranks:
                 self.rt.record_event(r.done, streams[r.device], r.device)
         except CudaCallError as exc:
+            if queued:
+                # Kernels may be queued that write the ranks' buffers: each rank's done
+                # event still follows them, so its stream (and its allocator) waits for them
+                # before reusing the memory, though the op fails.
+                for r in ranks:
+                    stream = streams.get(r.device)
+                    if stream is not None:
+                        self.ops._quietly(
+                            lambda r=r, s=stream: self.rt.record_event(r.done, s, r.device)
+                        )
             raise FailedPrecondition(
                 f"{self.who}: a CUDA call failed while queueing the op: {exc}"
             ) from None

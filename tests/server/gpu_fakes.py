@@ -70,6 +70,7 @@ class FakeRuntime:
     no_peer: set[tuple[int, int]] = field(default_factory=set)
     pending_marks: bool = False  # event_done answers False while set
     size_unknown: bool = False  # mapped_size fails while set (as cuPointerGetAttributes can)
+    fail_reduce_at: int = -1  # the launch (counting from 0) that fails, e.g. a bad launch
     allocations: dict[bytes, Allocation] = field(default_factory=dict)
     mapped: dict[int, Allocation] = field(default_factory=dict)
     opened_events: dict[bytes, int] = field(default_factory=dict)
@@ -176,6 +177,10 @@ class FakeRuntime:
         launch: gpu_kernels.Launch,
     ) -> None:
         assert stream.device == device
+        if len(self.calls("reduce")) == self.fail_reduce_at:
+            raise CudaCallError(
+                "launching the reduction kernel: CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES"
+            )
         np_dtype = NUMPY_DTYPES[dtype]
         nbytes = launch.count * np_dtype.itemsize
         off = launch.start * np_dtype.itemsize

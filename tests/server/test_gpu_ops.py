@@ -9,7 +9,6 @@ are opened once and released only after the work queued before has finished; and
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 import time
 from pathlib import Path
@@ -473,6 +472,50 @@ def test_a_mapping_of_unknown_size_is_refused_whatever_the_rank_declares() -> No
     assert not w.rt.mapped
 
 
+def test_a_launch_failing_midway_still_records_every_done_event() -> None:
+    """Launches already queued write the ranks' buffers: their done events must follow them
+    (the ranks' streams, and so their allocators, wait on those), though the op fails."""
+    w = World([0, 0])
+    w.ops.chunk_bytes = 1 << 16
+    w.rt.fail_reduce_at = 2  # the third launch of a several-launch op
+    n = 1 << 16
+    bufs = [w.buffer(r, n, pb.FLOAT32) for r in range(2)]
+    with pytest.raises(
+        FailedPrecondition,
+        match=r"a CUDA call failed while queueing the op: launching the reduction kernel: "
+        "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES",
+    ):
+        w.run(
+            [
+                request(pb.ALL_REDUCE, pb.FLOAT32, n, r, [b], [b], reduce_op=pb.SUM)
+                for r, b in enumerate(bufs)
+            ]
+        )
+    (stream,) = [c[1] for c in w.rt.calls("new_stream")]
+    calls = stream_log(w.rt, stream)
+    assert calls == [
+        "wait ready0",
+        "wait ready1",
+        "reduce",
+        "reduce",
+        "record done0",
+        "record done1",
+    ]
+
+
+def test_an_op_refused_before_any_work_records_nothing() -> None:
+    w = World([0, 0])
+    bufs = [w.buffer(r, 64, pb.FLOAT32) for r in range(2)]
+    reqs = [
+        request(pb.ALL_REDUCE, pb.FLOAT32, 64, r, [b], [b], reduce_op=pb.SUM)
+        for r, b in enumerate(bufs)
+    ]
+    reqs[1].cuda.outputs[0].nbytes = 128
+    with pytest.raises(InvalidRequest):
+        w.run(reqs)
+    assert not w.rt.calls("record") and not w.rt.calls("wait")
+
+
 def test_a_gpu_the_daemon_cannot_see_is_named() -> None:
     w = World([0, 0])
     bufs = [w.buffer(r, 64, pb.FLOAT32) for r in range(2)]
@@ -549,16 +592,16 @@ def test_all_to_all_split_sizes_must_agree() -> None:
         w.run([request(pb.ALL_TO_ALL, pb.INT32, 8, r, sends[r], recvs[r]) for r in range(2)])
 
 
-@pytest.mark.skipif(importlib.util.find_spec("cupy") is not None, reason="CuPy is installed here")
 def test_without_cupy_the_daemon_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(gpu, "_ops", None)
+    monkeypatch.delenv(gpu.TEST_RUNTIME_ENV, raising=False)
+    monkeypatch.setitem(sys.modules, "cupy", None)  # where CuPy is installed: as if it were not
     with pytest.raises(
         FailedPrecondition,
         match=r"smddpd on node n7 cannot carry GPU tensors: CuPy is not installed .*smddp\[cuda\]",
     ):
         gpu.ops("n7")
     assert gpu.active() is None
-    assert "cupy" not in sys.modules
 
 
 def test_releasing_a_rank_waits_only_for_its_own_communicators_work() -> None:
