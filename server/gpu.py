@@ -154,7 +154,8 @@ class _Mapping:
 class _RankHandles:
     """The open mappings (by the rank's allocation base) and events (by handle) of one rank."""
 
-    mappings: collections.OrderedDict[int, _Mapping] = field(
+    # By (allocation base, device the mapping was opened on).
+    mappings: collections.OrderedDict[tuple[int, int], _Mapping] = field(
         default_factory=collections.OrderedDict
     )
     events: collections.OrderedDict[bytes, tuple[Any, int]] = field(
@@ -170,6 +171,7 @@ class _Resolved:
 
     rank: int
     session: Session
+    handles: _RankHandles
     req: pb.OpRequest
     device: int
     ready: Any
@@ -217,7 +219,10 @@ class GpuOps:
             weakref.WeakKeyDictionary()
         )
         self._devices: dict[bytes, int] = {}
-        self._memory: dict[bytes, _Opened] = {}
+        # Mappings by (handle, device): a handle is opened on each GPU whose kernels or
+        # copies access it (as NCCL does): memory opened on one GPU and read from another
+        # is an illegal address there.
+        self._memory: dict[tuple[bytes, int], _Opened] = {}
         self._events: dict[bytes, _Opened] = {}
         self._peers: set[tuple[int, int]] = set()
         # What to release once the work queued before it has finished: (events marking that
@@ -276,14 +281,15 @@ class GpuOps:
             raise InvalidRequest(
                 f"{session.label()}: a CUDA IPC memory handle has {len(buf.ipc_handle)} bytes, not 64"
             )
-        mapping = handles.mappings.get(buf.alloc_base)
+        key = (buf.alloc_base, device)
+        mapping = handles.mappings.get(key)
         if mapping is not None and mapping.handle != buf.ipc_handle:
             # The rank freed that allocation and got a new one at the same address.
-            del handles.mappings[buf.alloc_base]
-            self._bury_mapping(handles, mapping)
+            for k in [k for k in handles.mappings if k[0] == buf.alloc_base]:
+                self._bury_mapping(handles, handles.mappings.pop(k))
             mapping = None
         if mapping is None:
-            opened = self._memory.get(buf.ipc_handle)
+            opened = self._memory.get((buf.ipc_handle, device))
             if opened is None:
                 try:
                     address = self.rt.open_memory(buf.ipc_handle, device)
@@ -304,15 +310,15 @@ class GpuOps:
                         "it cannot bound"
                     ) from None
                 opened = _Opened(address, device, size)
-                self._memory[buf.ipc_handle] = opened
+                self._memory[(buf.ipc_handle, device)] = opened
             opened.refs += 1
             mapping = _Mapping(buf.ipc_handle, opened.obj, device, opened.size)
-            handles.mappings[buf.alloc_base] = mapping
+            handles.mappings[key] = mapping
             while len(handles.mappings) > MAX_MAPPINGS_PER_RANK:
                 _, old = handles.mappings.popitem(last=False)
                 self._bury_mapping(handles, old)
         else:
-            handles.mappings.move_to_end(buf.alloc_base)
+            handles.mappings.move_to_end(key)
         if buf.offset + buf.nbytes > mapping.size:
             raise InvalidRequest(
                 f"{session.label()}: GPU range [{buf.offset}, {buf.offset + buf.nbytes}) lies outside "
@@ -334,6 +340,7 @@ class GpuOps:
         return _Resolved(
             rank=rank,
             session=session,
+            handles=handles,
             req=req,
             device=device,
             ready=ready,
@@ -347,9 +354,9 @@ class GpuOps:
     # -- releasing ----------------------------------------------------------------------------
 
     def _bury_mapping(self, handles: _RankHandles, mapping: _Mapping) -> None:
-        self._bury(handles, lambda: self._unref(self._memory, mapping.handle))
+        self._bury(handles, lambda: self._unref(self._memory, (mapping.handle, mapping.device)))
 
-    def _unref(self, table: dict[bytes, _Opened], handle: bytes) -> None:
+    def _unref(self, table: dict[Any, _Opened], handle: Any) -> None:
         """Drops one rank entry's reference; the last one closes the handle."""
         opened = table.get(handle)
         if opened is None:
@@ -524,7 +531,7 @@ class GpuOps:
                     f"send of {a.in_bytes[0]} bytes from rank {a.rank} meets a recv of {b.out_bytes[0]} bytes"
                 )
             work = _Work(self, comm, [a, b])
-            work.copy(b.device, b.outputs[0], a.inputs[0], a.in_bytes[0])
+            work.copy(b.device, b.outputs[0], work.inp(a, 0, b.device), a.in_bytes[0], a.device)
             work.run()
 
 
@@ -560,6 +567,18 @@ class _Work:
 
     # -- building blocks ------------------------------------------------------------------------
 
+    def inp(self, r: _Resolved, i: int, device: int) -> int:
+        """Rank ``r``'s input ``i`` as mapped on ``device`` (opened there if needed)."""
+        if device == r.device:
+            return r.inputs[i]
+        return self.ops._map(r.session, r.handles, r.req.cuda.inputs[i], device)
+
+    def outp(self, r: _Resolved, i: int, device: int) -> int:
+        """Rank ``r``'s output ``i`` as mapped on ``device``."""
+        if device == r.device:
+            return r.outputs[i]
+        return self.ops._map(r.session, r.handles, r.req.cuda.outputs[i], device)
+
     def _need(self, r: _Resolved, inputs: int | None, outputs: int | None) -> None:
         got = (len(r.inputs), len(r.outputs))
         want = (
@@ -579,10 +598,13 @@ class _Work:
                 f"{want_elements} x {self.itemsize} were expected (tensors of mismatched sizes?)"
             )
 
-    def copy(self, device: int, dst: int, src: int, nbytes: int) -> None:
-        """A device-to-device copy on ``device``'s stream (skipped when in place or empty)."""
+    def copy(self, device: int, dst: int, src: int, nbytes: int, peer: int | None = None) -> None:
+        """A device-to-device copy on ``device``'s stream (skipped when in place or empty),
+        from memory of GPU ``peer`` (peer access enabled first)."""
         if dst == src or nbytes == 0:
             return
+        if peer is not None:
+            self.ops._peer(device, peer, self.who)
         self.steps.append(_Step(device, lambda s: self.rt.copy(s, device, dst, src, nbytes)))
 
     def reduce(
@@ -656,19 +678,43 @@ class _Work:
         elif kind == pb.BROADCAST:
             src = ranks[root]
             for r in ranks:
-                self.copy(r.device, r.outputs[0], src.inputs[0], n * self.itemsize)
+                self.copy(
+                    r.device,
+                    r.outputs[0],
+                    self.inp(src, 0, r.device),
+                    n * self.itemsize,
+                    src.device,
+                )
         elif kind in (pb.ALL_GATHER, pb.GATHER):
             for t in ranks:
                 for r in ranks[: len(t.outputs)]:
-                    self.copy(t.device, t.outputs[r.rank], r.inputs[0], n * self.itemsize)
+                    self.copy(
+                        t.device,
+                        t.outputs[r.rank],
+                        self.inp(r, 0, t.device),
+                        n * self.itemsize,
+                        r.device,
+                    )
         elif kind == pb.SCATTER:
             src = ranks[root]
             for d in ranks:
-                self.copy(d.device, d.outputs[0], src.inputs[d.rank], n * self.itemsize)
+                self.copy(
+                    d.device,
+                    d.outputs[0],
+                    self.inp(src, d.rank, d.device),
+                    n * self.itemsize,
+                    src.device,
+                )
         elif kind == pb.ALL_TO_ALL:
             for d in ranks:
                 for s in ranks:
-                    self.copy(d.device, d.outputs[s.rank], s.inputs[d.rank], s.in_bytes[d.rank])
+                    self.copy(
+                        d.device,
+                        d.outputs[s.rank],
+                        self.inp(s, d.rank, d.device),
+                        s.in_bytes[d.rank],
+                        s.device,
+                    )
 
     def _plan_reduction(self, kind: int, n: int, root: int) -> None:
         ranks = self.ranks
@@ -677,20 +723,26 @@ class _Work:
             # Rank d's output is reduced on d's GPU from every rank's block d.
             for d in ranks:
                 self.reduce(
-                    d.device, [r.inputs[d.rank] for r in ranks], [d.outputs[0]], n, everywhere
+                    d.device,
+                    [self.inp(r, d.rank, d.device) for r in ranks],
+                    [d.outputs[0]],
+                    n,
+                    everywhere,
                 )
             return
-        inputs = [r.inputs[0] for r in ranks]
         if kind == pb.REDUCE:
-            self.reduce(ranks[root].device, inputs, [ranks[root].outputs[0]], n, everywhere)
+            at = ranks[root].device
+            inputs = [self.inp(r, 0, at) for r in ranks]
+            self.reduce(at, inputs, [ranks[root].outputs[0]], n, everywhere)
             return
         # all_reduce: one segment per GPU (in rank order of first use), each reduced once and
         # written to every rank's output; on one GPU this is a single pass.
         devices = list(dict.fromkeys(r.device for r in ranks))
-        outputs = [r.outputs[0] for r in ranks]
         align = max(1, gpu_kernels.VECTOR_BYTES // self.itemsize)
         for device, (a, b) in zip(devices, gpu_kernels.split(n, len(devices), align)):
             if b > a:
+                inputs = [self.inp(r, 0, device) for r in ranks]
+                outputs = [self.outp(r, 0, device) for r in ranks]
                 off = a * self.itemsize
                 self.reduce(
                     device, [x + off for x in inputs], [x + off for x in outputs], b - a, everywhere

@@ -188,7 +188,18 @@ class FakeRuntime:
             assert all((a + off) % gpu_kernels.VECTOR_BYTES == 0 for a in [*inputs, *outputs])
         ins = [self._resolve(a + off, nbytes).view(np_dtype) for a in inputs]
         outs = [self._resolve(a + off, nbytes).view(np_dtype) for a in outputs]
-        self.log.append(("reduce", stream, dtype, reduce_op, len(inputs), len(outputs), launch))
+        self.log.append(
+            (
+                "reduce",
+                stream,
+                dtype,
+                reduce_op,
+                len(inputs),
+                len(outputs),
+                launch,
+                [a + off for a in [*inputs, *outputs]],
+            )
+        )
         # What the kernel computes: every input read before any output is written.
         storage = c_subset.CTYPES[gpu_kernels.SPECS[dtype].storage]
         program, body = kernel(dtype, reduce_op, len(inputs), len(outputs), launch.vectorized)

@@ -642,3 +642,67 @@ def test_a_rank_in_two_communicators_opens_its_handles_once() -> None:
     assert not rt.calls("close_memory")  # the other communicator's entry still uses it
     ops.release_rank(members[1][0])
     assert [c[1] for c in rt.calls("close_memory")] == [rt.calls("open_memory")[0][3]]
+
+
+def test_handles_are_opened_on_the_gpu_whose_kernels_use_them() -> None:
+    """Each GPU reduces with mappings opened on itself (never another GPU's mapping of the
+    same handle), and each handle opens once per GPU that uses it."""
+    w = World([0, 1])
+    n = 4096
+    bufs = [w.buffer(r, n, pb.FLOAT32) for r in range(2)]
+    vals = [fill(b, r) for r, b in enumerate(bufs)]
+    for seq in (1, 2):
+        w.run(
+            [
+                request(
+                    pb.ALL_REDUCE, pb.FLOAT32, n, r, [b], [b], device=r, reduce_op=pb.SUM, seq=seq
+                )
+                for r, b in enumerate(bufs)
+            ]
+        )
+    first = host_reduce(vals, pb.SUM)
+    assert all(bits(b.array()) == bits(host_reduce([first, first], pb.SUM)) for b in bufs)
+    opened_on = {c[3]: c[2] for c in w.rt.calls("open_memory")}  # address -> device
+    assert sorted((c[1], c[2]) for c in w.rt.calls("open_memory")) == sorted(
+        (b.alloc.handle, d) for b in bufs for d in (0, 1)
+    )  # every allocation on both GPUs, once
+    for call in w.rt.calls("reduce"):
+        stream, inputs_outputs = call[1], call[7]
+        assert {opened_on[_base(w.rt, a)] for a in inputs_outputs} == {stream.device}
+
+
+def test_a_copy_across_gpus_enables_peer_access_and_reads_a_local_mapping() -> None:
+    w = World([0, 1])
+    bufs = [w.buffer(r, 100, pb.INT32) for r in range(2)]
+    vals = [fill(b, r) for r, b in enumerate(bufs)]
+    w.run(
+        [
+            request(pb.BROADCAST, pb.INT32, 100, r, [b], [b], device=r, root=0)
+            for r, b in enumerate(bufs)
+        ]
+    )
+    assert bits(bufs[1].array()) == bits(vals[0])
+    assert ("enable_peer", 1, 0) in w.rt.log
+    opened_on = {c[3]: c[2] for c in w.rt.calls("open_memory")}
+    (copy,) = w.rt.calls("copy")
+    assert copy[1].device == 1 and opened_on[_base(w.rt, copy[3])] == 1  # src mapped on GPU 1
+
+
+def test_a_copy_between_gpus_without_peer_access_is_refused() -> None:
+    rt = FakeRuntime(devices={uuid(0): 0, uuid(1): 1}, no_peer={(1, 0)})
+    w = World([0, 1], rt)
+    bufs = [w.buffer(r, 16, pb.INT32) for r in range(2)]
+    with pytest.raises(FailedPrecondition, match="GPU 1 cannot access the memory of GPU 0"):
+        w.run(
+            [
+                request(pb.BROADCAST, pb.INT32, 16, r, [b], [b], device=r, root=0)
+                for r, b in enumerate(bufs)
+            ]
+        )
+    assert not w.rt.calls("copy") and not w.rt.calls("record")
+
+
+def _base(rt: FakeRuntime, address: int) -> int:
+    """The daemon-side mapping an address lies in."""
+    (base,) = [b for b, a in rt.mapped.items() if b <= address < b + a.data.size]
+    return base
