@@ -11,7 +11,8 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet "torch==2.13.0"
-.venv/bin/python -m pip install --quiet -e ".[torch,test,ucx]"
+# nvrtc-check: CuPy and NVRTC (no GPU needed) compile the daemon's kernels in the tests.
+.venv/bin/python -m pip install --quiet -e ".[torch,test,ucx,nvrtc-check]"
 # --- frameworks (tests/frameworks/): Open MPI for the mpirun tests; Lightning, transformers,
 # DeepSpeed and torch's test utilities, with torch held at its pin (constraints.txt) so that
 # none of them pulls another torch. DeepSpeed builds nothing at install (DS_BUILD_OPS=0) and
