@@ -1,8 +1,8 @@
 """DeepSpeed ZeRO stages 1, 2 and 3 on backend "smddp" (run under torchrun, DS_ACCELERATOR=cpu).
 
-Each stage trains the same model on the same global batch (each rank its share); rank 0
-prints the all-reduced mean loss of every step, which must equal one process's loss on the
-whole batch, and every rank checks that all ranks hold the same parameters.
+Each stage trains the same model on the same global batch (each rank its share); every rank
+checks that all ranks hold the same parameters, and rank 0 prints the all-reduced mean loss of
+every step, which the test compares with the same run on gloo (DS_TEST_BACKEND=gloo).
 """
 
 import json
@@ -17,9 +17,10 @@ import torch.distributed as dist
 
 STEPS, BATCH = 3, 2
 
-deepspeed.init_distributed(dist_backend="smddp")
+BACKEND = os.environ.get("DS_TEST_BACKEND", "smddp")
+deepspeed.init_distributed(dist_backend=BACKEND)
 rank, world = dist.get_rank(), dist.get_world_size()
-assert dist.get_backend() == "smddp", dist.get_backend()
+assert dist.get_backend() == BACKEND, dist.get_backend()
 
 
 def model():
@@ -30,20 +31,6 @@ def model():
 def data(step):
     g = torch.Generator().manual_seed(100 + step)
     return torch.randn(world * BATCH, 8, generator=g), torch.randn(world * BATCH, 1, generator=g)
-
-
-def reference():
-    m = model()
-    opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    losses = []
-    for step in range(STEPS):
-        x, y = data(step)
-        loss = torch.nn.functional.mse_loss(m(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
 
 
 results = {}
@@ -75,11 +62,7 @@ for stage in (1, 2, 3):
     results[stage] = losses
     engine.destroy()
 
-ref = reference()
-for stage, losses in results.items():
-    for a, b in zip(losses, ref):
-        assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), f"stage {stage}: losses {losses} vs one process {ref}"
 if rank == 0:
-    print("deepspeed ok " + json.dumps({"reference": ref, **{f"zero{k}": v for k, v in results.items()}}), flush=True)
+    print("deepspeed ok " + json.dumps({f"zero{k}": v for k, v in results.items()}), flush=True)
 dist.destroy_process_group()
 sys.exit(0)

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -38,8 +40,16 @@ def _need(module: str) -> None:
 @pytest.mark.timeout(RUN_TIMEOUT_S + 60)
 def test_deepspeed_zero_1_2_3(tmp_path: Path) -> None:
     _need("deepspeed")
-    out = _torchrun("deepspeed_script.py", tmp_path, {"DS_ACCELERATOR": "cpu"})
-    assert "deepspeed ok " in out, out
+    losses = {}
+    for backend in ("gloo", "smddp"):
+        out = _torchrun("deepspeed_script.py", tmp_path, {"DS_ACCELERATOR": "cpu", "DS_TEST_BACKEND": backend})
+        found = re.findall(r"^deepspeed ok (.*)$", out, re.MULTILINE)
+        assert len(found) == 1, out
+        losses[backend] = json.loads(found[0])
+    # The same training on both backends: sums in another order round differently, no more.
+    assert losses["smddp"].keys() == losses["gloo"].keys() == {"zero1", "zero2", "zero3"}
+    for stage, got in losses["smddp"].items():
+        assert got == pytest.approx(losses["gloo"][stage], rel=1e-5), (stage, losses)
 
 
 @pytest.mark.slow
