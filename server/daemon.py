@@ -126,6 +126,7 @@ class Daemon:
             os.chown(cfg.socket, -1, gid)
         os.chmod(cfg.socket, mode)
         self._grpc = server
+        grpc_bind_port = 0
         if cfg.grpc_bind:
             # The TCP listener is for probes and monitoring: health and reflection only, never
             # the Node service (registration and ops stay on the local socket).
@@ -140,7 +141,7 @@ class Daemon:
             reflection.enable_server_reflection(
                 (health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), tcp
             )
-            tcp.add_insecure_port(cfg.grpc_bind)
+            grpc_bind_port = tcp.add_insecure_port(cfg.grpc_bind)
             tcp.start()
             self._tcp = tcp
         self._data = DataSocketServer(self.data_socket_path, self.registry, mode, gid)
@@ -154,10 +155,13 @@ class Daemon:
         notify.notify(notify.READY)
         self._watchdog_pinger.start()
         log.info(
-            "smddpd serving on %s (node %s, pid %d, peers %s)",
+            "smddpd serving on %s (node %s, pid %d, peers %s, http %s, grpc-bind %s)",
             cfg.socket, cfg.node_id, os.getpid(),
             f"{self.registry.peer_address}, data over {cfg.peer_transport} port {self._peers.data_port}"
             if self._peers is not None else "off",
+            # Every listener, with the port it got (a bind to port 0 picks one).
+            f"{cfg.http_bind.rpartition(':')[0]}:{self.http.port}" if self.http is not None else "off",
+            f"{cfg.grpc_bind.rpartition(':')[0]}:{grpc_bind_port} (health only)" if cfg.grpc_bind else "off",
         )
 
     def _start_peers(self) -> None:

@@ -43,7 +43,7 @@ class CupyRuntime:
         except ImportError as exc:
             raise GpuUnavailable(
                 f"CuPy is not installed in the daemon's environment ({exc}); install the "
-                "'cuda' extra (pip install 'smddp[cuda]', i.e. cupy-cuda12x)"
+                "'cuda' extra where smddpd runs (pip install '.[cuda]' in smddp's checkout, i.e. cupy-cuda12x)"
             ) from None
         self.cp = cupy
         self.rt = cupy.cuda.runtime
