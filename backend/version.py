@@ -26,6 +26,8 @@ SUPPORTED = "torch>=2.13,<3"
 class UnsupportedTorchError(ImportError):
     """The installed torch is outside the range the backend supports."""
 
+    unsupported_torch = True  # what smddp's import hook looks for (it imports no torch itself)
+
 
 def _release(version: str) -> tuple[int, int]:
     match = re.match(r"(\d+)\.(\d+)", version)
