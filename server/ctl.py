@@ -12,6 +12,7 @@ import json
 import math
 import os
 import sys
+import time
 from collections import defaultdict
 from typing import Any
 
@@ -57,7 +58,8 @@ def _fail(target: str, exc: grpc.RpcError) -> SystemExit:
     """The exit message of a failed call; a socket nobody answers on says so."""
     hint = ""
     if exc.code() == grpc.StatusCode.UNAVAILABLE and target.startswith("unix:"):
-        hint = " (the socket exists but no daemon answers: smddpd stopped, or the socket is another's)"
+        hint = (" (the socket exists but no daemon answers on it: a smddpd that stopped without removing "
+                "it; a new smddpd on that socket replaces it)")
     elif exc.code() == grpc.StatusCode.UNIMPLEMENTED and not target.startswith("unix:"):
         hint = " (a --grpc-bind listener serves health only: run smddpctl on that node, with --socket)"
     return SystemExit(f"smddpctl: {target}: {exc.code().name}: {exc.details()}{hint}")
@@ -77,14 +79,30 @@ def _print_json(message: Any) -> None:
     print(json.dumps(MessageToDict(message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)))
 
 
-def cmd_health(args: argparse.Namespace) -> int:
-    target = _target(args)
+def _check(target: str, service: str) -> str:
     stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(target))
     try:
-        reply = stub.Check(health_pb2.HealthCheckRequest(service=args.service), timeout=TIMEOUT_S)
-        status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+        reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=TIMEOUT_S)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
     except grpc.RpcError as exc:
-        status = f"UNREACHABLE ({exc.code().name}: {exc.details()})"
+        return f"UNREACHABLE ({exc.code().name}: {exc.details()})"
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    deadline = time.monotonic() + args.wait
+    while True:
+        # With --wait, a daemon still starting has no socket yet, or does not answer: retry.
+        try:
+            target = _target(args)
+        except SystemExit:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.1)
+            continue
+        status = _check(target, args.service)
+        if status == "SERVING" or time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
     if args.json:
         print(json.dumps({"target": target, "service": args.service, "status": status}))
     else:
@@ -319,6 +337,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     h = sub.add_parser("health", help="grpc.health.v1 status (exit 1 unless SERVING)")
     h.add_argument("--service", default="", help="service name ('' for the whole daemon, or smddp.v1.Node)")
+    h.add_argument(
+        "--wait", type=float, default=0.0, metavar="SECONDS",
+        help="wait up to SECONDS for the daemon to serve (for scripts that start one)",
+    )
     h.set_defaults(func=cmd_health)
     s = sub.add_parser("status", help="jobs, communicators, ranks and ops in flight (who is missing)")
     s.set_defaults(func=cmd_status)
