@@ -125,8 +125,9 @@ def test_quick_start(tmp_path: Path) -> None:
         if not had_model:
             shutil.rmtree(REPO / "model", ignore_errors=True)
     assert "started an embedded daemon for this job" in out, out[-3000:]
-    accuracy = [float(a) for a in re.findall(r"final accuracy: (\d\.\d+)", out)]
-    assert len(accuracy) == 2 and min(accuracy) > 0.9, out[-3000:]
+    accuracy = [float(a) for a in re.findall(r"final accuracy: (\d\.\d+)", out)]  # rank 0 tests
+    assert len(accuracy) == 1 and accuracy[0] > 0.9, out[-3000:]
+    assert "rank 0 saved checkpoint to" in out
 
 
 @pytest.mark.slow
@@ -150,6 +151,6 @@ def test_system_daemon(copy: Path, tmp_path: Path) -> None:
     assert "smddpd serving on /run/smddp/smddpd.sock" in out, out[-3000:]
     assert "smddp: using the smddpd that answers at /run/smddp/smddpd.sock" in out, out[-3000:]
     assert "started an embedded daemon" not in out, out[-3000:]
-    assert len(re.findall(r"final accuracy: \d\.\d+", out)) == 2, out[-3000:]
+    assert len(re.findall(r"final accuracy: 0\.9\d+", out)) == 1, out[-3000:]
     # smddpctl metrics: the job's ops, as the system daemon counted them.
     assert re.search(r"^all_reduce\s+float32\s+\d+\s", out, re.M), out[-3000:]
