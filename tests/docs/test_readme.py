@@ -102,7 +102,9 @@ def _run(script: str, cwd: Path, env: dict[str, str], prefix: list[str] | None =
 def copy(tmp_path: Path) -> Path:
     """A copy of the checkout (without .git or the venv), whose .venv is the checkout's."""
     dest = tmp_path / "smddp"
-    ignore = shutil.ignore_patterns(".git", ".venv", "model", "__pycache__", ".pytest_cache", ".ruff_cache", "*.egg-info")
+    ignore = shutil.ignore_patterns(
+        ".git", ".venv", "model", "build", "dist", "__pycache__", ".pytest_cache", ".ruff_cache", "*.egg-info"
+    )
     shutil.copytree(REPO, dest, ignore=ignore, symlinks=True)
     (dest / ".venv").symlink_to(REPO / ".venv")
     return dest
