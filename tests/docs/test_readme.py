@@ -87,7 +87,8 @@ def test_no_block_runs_a_bare_program() -> None:
 
 
 def _run(script: str, cwd: Path, env: dict[str, str], prefix: list[str] | None = None) -> str:
-    path = cwd / ".readme-block.sh"
+    # The block goes beside TMPDIR (the test's own folder), never into the checkout.
+    path = Path(env["TMPDIR"]) / "readme-block.sh"
     path.write_text(script)
     proc = subprocess.run(
         [*(prefix or []), "bash", "-euo", "pipefail", str(path)],
