@@ -8,6 +8,7 @@ its own, then loaded once per device (a module's functions belong to one device'
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import threading
@@ -27,6 +28,10 @@ _EVENT_DISABLE_TIMING = 2
 _MEMCPY_DEFAULT = 4
 # cudaIpcMemLazyEnablePeerAccess
 _IPC_LAZY_PEER = 1
+# cudaHostAllocPortable | cudaHostAllocMapped
+_HOST_ALLOC_PORTABLE_MAPPED = 1 | 2
+# CU_STREAM_WAIT_VALUE_GEQ: (int32_t)(*addr - value) >= 0, so tickets may wrap around.
+_WAIT_VALUE_GEQ = 0
 # cudaErrorNotReady, cudaErrorPeerAccessAlreadyEnabled
 _NOT_READY = 600
 _PEER_ALREADY_ENABLED = 704
@@ -98,6 +103,7 @@ class CupyRuntime:
             raise GpuUnavailable(str(exc)) from None
         self._driver = drv
         self._grid: dict[int, int] = {}
+        self._wait_value: Any = None
         self._archs: dict[int, str] = {}
         self._binaries: dict[tuple[tuple[int, int, int, int], str], bytes] = {}
         self._compiling: dict[tuple[tuple[int, int, int, int], str], threading.Lock] = {}
@@ -183,6 +189,41 @@ class CupyRuntime:
     def synchronize(self, stream: Any, device: int) -> None:
         with self._on(device):
             self._call("cudaStreamSynchronize", self.rt.streamSynchronize, stream)
+
+    def new_flag(self, device: int) -> Any:
+        # Pinned, mapped and portable host memory: every GPU's streams can read it, and with
+        # unified addressing its device address is its host address.
+        with self._on(device):
+            address = int(
+                self._call("cudaHostAlloc", self.rt.hostAlloc, 4, _HOST_ALLOC_PORTABLE_MAPPED)
+            )
+        ctypes.c_uint32.from_address(address).value = 0
+        return address
+
+    def set_flag(self, flag: Any, value: int) -> None:
+        ctypes.c_uint32.from_address(flag).value = value & 0xFFFFFFFF
+
+    def wait_flag(self, stream: Any, flag: Any, value: int, device: int) -> None:
+        with self._on(device):
+            status = self._wait_value32()(stream, flag, value & 0xFFFFFFFF, _WAIT_VALUE_GEQ)
+        if status != 0:
+            raise CudaCallError(f"cuStreamWaitValue32: CUDA error {status}")
+
+    def destroy_flag(self, flag: Any) -> None:
+        self._call("cudaFreeHost", self.rt.freeHost, flag)
+
+    def _wait_value32(self) -> Any:
+        """cuStreamWaitValue32 of the driver (its _v2 entry point where there is one)."""
+        if self._wait_value is None:
+            try:
+                lib = ctypes.CDLL(cuda_driver.LIBRARY)
+            except OSError as exc:
+                raise CudaCallError(f"cuStreamWaitValue32: {exc}") from None
+            fn = getattr(lib, "cuStreamWaitValue32_v2", None) or lib.cuStreamWaitValue32
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+            self._wait_value = fn
+        return self._wait_value
 
     def enable_peer(self, device: int, peer: int) -> None:
         if not self._call("cudaDeviceCanAccessPeer", self.rt.deviceCanAccessPeer, device, peer):
