@@ -154,7 +154,7 @@ TESTS_TIMEOUT=300
 [ "$QUICK" = 1 ] && TESTS_TIMEOUT=180
 say "tests/gpu (log: $OUT/gpu-tests.log) at $(elapsed)"
 SMDDP_REQUIRE_GPU=1 SMDDP_GPU_QUICK=$QUICK timeout "$TESTS_TIMEOUT" "$PY" -m pytest -q -rs -p no:cacheprovider \
-  --rootdir "$REPO" -c "$REPO/pyproject.toml" --junitxml="$OUT/gpu-tests.xml" \
+  --rootdir "$REPO" -c "$REPO/pyproject.toml" --junitxml="$OUT/gpu-tests.xml" -m gpu \
   "$REPO/tests/gpu" 2>&1 | tee "$OUT/gpu-tests.log"
 TESTS_RC=${PIPESTATUS[0]}
 COUNTS=$("$PY" - "$OUT/gpu-tests.xml" <<'EOF' 2>/dev/null
