@@ -508,7 +508,13 @@ def limits_rank(rank: int, world: int, init_file: str, device: int) -> dict[str,
             dist.all_reduce(x)
         out["capture"] = "no error"
     except Exception as exc:
-        out["capture"] = f"{type(exc).__name__}: {exc}"
+        # Ending the capture may raise over ours: keep the whole chain.
+        chain = []
+        e: BaseException | None = exc
+        while e is not None:
+            chain.append(f"{type(e).__name__}: {e}")
+            e = e.__context__
+        out["capture"] = " <- ".join(chain)
     torch.cuda.synchronize()
     n = (1 << 31) + 17
     big = torch.full((n,), rank + 1, dtype=torch.int8, device=dev)
