@@ -36,9 +36,7 @@ class Arena:
             try:
                 seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
             except OSError as exc:
-                raise InvalidRequest(
-                    f"{owner}: the arena fd is not a sealable memfd ({exc})"
-                ) from None
+                raise InvalidRequest(f"{owner}: the arena fd is not a sealable memfd ({exc})") from None
             if seals & REQUIRED_SEALS != REQUIRED_SEALS:
                 raise InvalidRequest(f"{owner}: the arena memfd must be sealed with F_SEAL_SHRINK")
             size = os.fstat(fd).st_size

@@ -39,7 +39,6 @@ log = logging.getLogger(__name__)
 if TYPE_CHECKING:
     from smddp.server.metrics import Metrics
 
-
 @dataclass
 class Pending:
     """One chunk that some ranks have submitted and others not yet."""
@@ -62,15 +61,7 @@ def _signature(req: pb.OpRequest) -> tuple[int, ...]:
     count = 0 if req.kind == pb.ALL_TO_ALL else req.count
     root = req.root if req.kind in ROOTED_KINDS else -1
     op = req.reduce_op if req.kind in REDUCING_KINDS else 0
-    return (
-        req.kind,
-        req.dtype if req.kind != pb.BARRIER else 0,
-        count,
-        root,
-        op,
-        req.parts,
-        req.direct,
-    )
+    return (req.kind, req.dtype if req.kind != pb.BARRIER else 0, count, root, op, req.parts, req.direct)
 
 
 class Communicator:
@@ -124,12 +115,7 @@ class Communicator:
             self.members[session.rank] = session
 
     def remove(
-        self,
-        session: Session,
-        why: str,
-        kind: int,
-        log_level: int = logging.WARNING,
-        fail: bool = True,
+        self, session: Session, why: str, kind: int, log_level: int = logging.WARNING, fail: bool = True
     ) -> bool:
         """Removes a rank. Others' pending and later ops fail, since they can no longer complete.
 
@@ -165,9 +151,7 @@ class Communicator:
                 within the timeout.
         """
         if self.peers is not None:
-            raise FailedPrecondition(
-                f"{self.name()}: direct arena access is for single-node communicators"
-            )
+            raise FailedPrecondition(f"{self.name()}: direct arena access is for single-node communicators")
         deadline = time.monotonic() + self.timeout_s
         with self._attached:
             while True:
@@ -179,9 +163,7 @@ class Communicator:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     missing = [r for r, s in enumerate(ready) if s is None or s.arena is None]
-                    raise FailedPrecondition(
-                        f"{self.name()}: {rank_list(missing)} did not attach within {self.timeout_s:.0f} s"
-                    )
+                    raise FailedPrecondition(f"{self.name()}: {rank_list(missing)} did not attach within {self.timeout_s:.0f} s")
                 self._attached.wait(min(remaining, 0.5))
 
     def failed(self) -> tuple[int, str] | None:
@@ -203,11 +185,7 @@ class Communicator:
             self._validate(session, req)
         except SmddpError as exc:
             # A rank that sends an impossible op leaves the others waiting forever: fail all.
-            self.fail(
-                exc.kind,
-                f"{self.name()}: {session.label()} sent an invalid op: {exc}",
-                culprit=session,
-            )
+            self.fail(exc.kind, f"{self.name()}: {session.label()} sent an invalid op: {exc}", culprit=session)
             self._reply_error(session, req, exc.kind, str(exc))
             return
         with self._lock:
@@ -256,16 +234,12 @@ class Communicator:
             raise InvalidRequest(f"unknown dtype {req.dtype} in {KIND_NAMES[req.kind]}")
         if req.parts < 1 or req.part >= req.parts:
             raise InvalidRequest(f"chunk {req.part} of {req.parts} is impossible")
-        if (
-            req.kind in ROOTED_KINDS or req.kind in P2P_KINDS
-        ) and not 0 <= req.root < self.world_size:
+        if (req.kind in ROOTED_KINDS or req.kind in P2P_KINDS) and not 0 <= req.root < self.world_size:
             raise InvalidRequest(
                 f"{describe_request(req)}: rank {req.root} is outside a world of {self.world_size}"
             )
         if req.kind in P2P_KINDS and req.root == session.rank:
-            raise InvalidRequest(
-                f"{describe_request(req)}: a rank cannot send to or receive from itself"
-            )
+            raise InvalidRequest(f"{describe_request(req)}: a rank cannot send to or receive from itself")
         if req.kind in REDUCING_KINDS:
             problem = reduce_op_check(req.dtype, req.reduce_op)
             if problem:
@@ -329,9 +303,7 @@ class Communicator:
 
             def send() -> None:
                 try:
-                    self.peers.send(
-                        node, FRAME_DATA, req, 0, [data], src_rank=session.rank, dst_rank=req.root
-                    )  # type: ignore[union-attr]
+                    self.peers.send(node, FRAME_DATA, req, 0, [data], src_rank=session.rank, dst_rank=req.root)  # type: ignore[union-attr]
                 except PeerError as exc:
                     self.fail(pb.RANK_FAILED, f"{self.name()}: {exc}")
                     self._reply_error(session, req, pb.RANK_FAILED, f"{self.name()}: {exc}")
@@ -352,9 +324,7 @@ class Communicator:
                 out = session.arena.view(req.output, NUMPY_DTYPES[req.dtype])  # type: ignore[union-attr]
                 data = frame.payload.view(out.dtype)
                 if data.size != out.size:
-                    raise InvalidRequest(
-                        f"send of {data.size} elements meets a recv of {out.size} elements"
-                    )
+                    raise InvalidRequest(f"send of {data.size} elements meets a recv of {out.size} elements")
                 out[:] = data
             except SmddpError as exc:
                 msg = f"{self.name()}: {exc}"
@@ -386,12 +356,7 @@ class Communicator:
             msg = f"{self.name()}: {exc}"
             self.fail(exc.kind, msg)
             for s, r in zip(sessions, reqs):
-                self._reply_error(
-                    s,
-                    r,
-                    self._failed[0] if self._failed else exc.kind,
-                    self._failed[1] if self._failed else msg,
-                )
+                self._reply_error(s, r, self._failed[0] if self._failed else exc.kind, self._failed[1] if self._failed else msg)
             return
         except SmddpError as exc:
             msg = str(exc) if str(exc).startswith(self.name()) else f"{self.name()}: {exc}"
@@ -413,10 +378,7 @@ class Communicator:
         last = max(arrivals, key=lambda a: a[2])
         op_key = pending.key[:-1]
         start, nbytes = self._progress.pop(op_key, (pending.first_arrival, 0))
-        nbytes += sum(
-            r.input.nbytes + sum(b.nbytes for b in r.send_blocks) + gpu.request_bytes(r)
-            for r in reqs
-        )
+        nbytes += sum(r.input.nbytes + sum(b.nbytes for b in r.send_blocks) + gpu.request_bytes(r) for r in reqs)
         final = reqs[0].part + 1 == reqs[0].parts
         if final:
             with self._lock:
@@ -428,28 +390,17 @@ class Communicator:
         # Count the op before any rank hears of it, so that a scrape after wait() sees it.
         if final and self._metrics is not None:
             skew = last[2] - pending.first_arrival
-            self._metrics.op_done(
-                self, reqs[0], time.monotonic() - start, last[0].rank, skew, nbytes
-            )
+            self._metrics.op_done(self, reqs[0], time.monotonic() - start, last[0].rank, skew, nbytes)
         for s, r in zip(sessions, reqs):
             if pending.sent is None or r.kind != pb.SEND:
                 s.reply(pb.OpReply(request_id=r.request_id, ok=True))
 
-    def _run_p2p(
-        self, sessions: list[Session], reqs: list[pb.OpRequest], sent: np.ndarray | None = None
-    ) -> None:
+    def _run_p2p(self, sessions: list[Session], reqs: list[pb.OpRequest], sent: np.ndarray | None = None) -> None:
         send, recv = (reqs[0], reqs[1]) if reqs[0].kind == pb.SEND else (reqs[1], reqs[0])
-        s_send, s_recv = (
-            (sessions[0], sessions[1]) if reqs[0].kind == pb.SEND else (sessions[1], sessions[0])
-        )
+        s_send, s_recv = (sessions[0], sessions[1]) if reqs[0].kind == pb.SEND else (sessions[1], sessions[0])
         if recv.kind != pb.RECV or send.kind != pb.SEND:
             raise InvalidRequest("a send must meet a recv")
-        if (send.dtype, send.count, send.parts, send.tag) != (
-            recv.dtype,
-            recv.count,
-            recv.parts,
-            recv.tag,
-        ):
+        if (send.dtype, send.count, send.parts, send.tag) != (recv.dtype, recv.count, recv.parts, recv.tag):
             raise InvalidRequest(
                 f"{s_send.label()} called {describe_request(send)} (tag {send.tag}) as message "
                 f"#{send.seq} to rank {s_recv.rank}, which called {describe_request(recv)} "
@@ -463,9 +414,7 @@ class Communicator:
             return
         out = s_recv.arena.view(recv.output, sent.dtype)  # type: ignore[union-attr]
         if out.size != sent.size:
-            raise InvalidRequest(
-                f"send of {sent.size} elements from rank {s_send.rank} meets a recv of {out.size} elements"
-            )
+            raise InvalidRequest(f"send of {sent.size} elements from rank {s_send.rank} meets a recv of {out.size} elements")
         out[:] = sent
 
     def _check_match(self, pending: Pending, reqs: list[pb.OpRequest]) -> None:
@@ -477,10 +426,7 @@ class Communicator:
             return
         # Name the minority first: "rank 3 called X as op #17 while ranks 0-2 called Y".
         ordered = sorted(groups.items(), key=lambda kv: (len(kv[1]), kv[1][0]))
-        calls = [
-            f"{rank_list(ranks)} called {describe_request(by_rank[ranks[0]])}"
-            for _, ranks in ordered
-        ]
+        calls = [f"{rank_list(ranks)} called {describe_request(by_rank[ranks[0]])}" for _, ranks in ordered]
         text = f"{calls[0]} as op #{pending.seq} while " + " and ".join(calls[1:])
         raise OpMismatch(f"{self.name()}: {text}")
 
@@ -521,12 +467,7 @@ class Communicator:
             self.peers.failed(message)
         if self._metrics is not None and pending:
             self._metrics.error(kind)
-        log.log(
-            logging.WARNING if pending else log_level,
-            "%s",
-            message,
-            extra=self._log_fields(culprit),
-        )
+        log.log(logging.WARNING if pending else log_level, "%s", message, extra=self._log_fields(culprit))
         for p in pending:
             for session, req, _ in p.arrivals.values():
                 if p.sent is not None and req.kind == pb.SEND:

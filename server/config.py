@@ -99,18 +99,14 @@ def build_parser() -> argparse.ArgumentParser:
         "given by --config / SMDDP_CONFIG; flags win over the environment, which wins over "
         "the file.",
     )
-    parser.add_argument(
-        "--config", help="TOML file with any of the settings below (env SMDDP_CONFIG)"
-    )
+    parser.add_argument("--config", help="TOML file with any of the settings below (env SMDDP_CONFIG)")
     for f in fields(DaemonConfig):
         flag = "--" + f.name.replace("_", "-")
         env = ENV_PREFIX + f.name.upper()
         default = DaemonConfig.__dataclass_fields__[f.name].default
         shown = default if default != "" else ("auto" if f.name in _DERIVED else "none")
         kind = {"int": int, "float": float}.get(str(f.type), str)
-        parser.add_argument(
-            flag, type=kind, default=None, help=f"{_HELP[f.name]} (env {env}; default {shown})"
-        )
+        parser.add_argument(flag, type=kind, default=None, help=f"{_HELP[f.name]} (env {env}; default {shown})")
     return parser
 
 
@@ -140,9 +136,7 @@ def load(argv: list[str] | None = None, environ: dict[str, str] | None = None) -
             kind = _KINDS.get(str(names[name].type), str)
             accepted = (int, float) if kind is float else (kind,)
             if isinstance(value, bool) or not isinstance(value, accepted):
-                parser.error(
-                    f"config file {config_file}: {key} = {value!r} is not a valid {kind.__name__}"
-                )
+                parser.error(f"config file {config_file}: {key} = {value!r} is not a valid {kind.__name__}")
             values[name] = value
     for name in names:
         raw = env.get(ENV_PREFIX + name.upper())
@@ -166,9 +160,7 @@ def load(argv: list[str] | None = None, environ: dict[str, str] | None = None) -
     if transport not in ("tcp", "ucx"):
         parser.error(f"peer_transport: {transport!r} is not one of tcp, ucx")
     if transport == "ucx" and any(tls):
-        parser.error(
-            "peer_transport ucx carries no TLS: use tcp with --tls-cert, or ucx on a trusted network without it"
-        )
+        parser.error("peer_transport ucx carries no TLS: use tcp with --tls-cert, or ucx on a trusted network without it")
     for name in ("data_port", "ucx_port"):
         if not 0 <= values.get(name, 0) <= 65535:
             parser.error(f"{name}: {values[name]} is not a port number (0..65535)")

@@ -27,9 +27,7 @@ def _target(args: argparse.Namespace) -> str:
     for path in paths:
         if os.path.exists(path):
             return "unix:" + path
-    raise SystemExit(
-        f"smddpctl: no smddpd socket at {', '.join(paths)} (use --socket or SMDDP_SOCKET)"
-    )
+    raise SystemExit(f"smddpctl: no smddpd socket at {', '.join(paths)} (use --socket or SMDDP_SOCKET)")
 
 
 def cmd_health(args: argparse.Namespace) -> int:
@@ -59,33 +57,19 @@ def _status(args: argparse.Namespace) -> pb.StatusReply:
 def cmd_status(args: argparse.Namespace) -> int:
     st = _status(args)
     if args.json:
-        print(
-            json.dumps(
-                MessageToDict(
-                    st, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
-                )
-            )
-        )
+        print(json.dumps(MessageToDict(st, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)))
         return 0
-    print(
-        f"node {st.node_id}  smddpd {st.version}  up {st.uptime_seconds:.0f} s  communicators {len(st.comms)}"
-    )
+    print(f"node {st.node_id}  smddpd {st.version}  up {st.uptime_seconds:.0f} s  communicators {len(st.comms)}")
     for c in st.comms:
         state = f"FAILED: {c.failed}" if c.failed else "ok"
-        print(
-            f"  job {c.job_id} comm {c.comm_id}: {len(c.ranks)}/{c.world_size} ranks, {c.ops_completed} ops, {state}"
-        )
+        print(f"  job {c.job_id} comm {c.comm_id}: {len(c.ranks)}/{c.world_size} ranks, {c.ops_completed} ops, {state}")
         for r in c.ranks:
-            print(
-                f"    rank {r.rank} (global {r.global_rank}) pid {r.pid} node {r.node_id} ops {r.ops_completed}"
-                f"{'' if r.attached else ' (not attached)'}"
-            )
+            print(f"    rank {r.rank} (global {r.global_rank}) pid {r.pid} node {r.node_id} ops {r.ops_completed}"
+                  f"{'' if r.attached else ' (not attached)'}")
         for p in c.pending:
             missing = ", ".join(map(str, p.missing_ranks)) or "-"
-            print(
-                f"    waiting: op #{p.seq} chunk {p.part} {p.description} for {p.waited_seconds:.1f} s; "
-                f"arrived {', '.join(map(str, p.arrived_ranks))}; missing {missing}"
-            )
+            print(f"    waiting: op #{p.seq} chunk {p.part} {p.description} for {p.waited_seconds:.1f} s; "
+                  f"arrived {', '.join(map(str, p.arrived_ranks))}; missing {missing}")
     return 0
 
 
@@ -97,15 +81,7 @@ def cmd_topology(args: argparse.Namespace) -> int:
     except grpc.RpcError as exc:
         raise SystemExit(f"smddpctl: {target}: {exc.code().name}: {exc.details()}") from None
     if args.json:
-        print(
-            json.dumps(
-                MessageToDict(
-                    topo,
-                    preserving_proto_field_name=True,
-                    always_print_fields_with_no_presence=True,
-                )
-            )
-        )
+        print(json.dumps(MessageToDict(topo, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)))
         return 0
     if topo.peer_address:
         transport = pb.Transport.Name(topo.peer_transport).lower()
@@ -117,14 +93,10 @@ def cmd_topology(args: argparse.Namespace) -> int:
         print(f"  {d.kind} {d.index}: {d.name}")
     for job in topo.jobs:
         local = ", ".join(map(str, job.local_ranks))
-        print(
-            f"  job {job.job_id} comm {job.comm_id}: {len(job.nodes)} node(s), local ranks {local}"
-        )
+        print(f"  job {job.job_id} comm {job.comm_id}: {len(job.nodes)} node(s), local ranks {local}")
         for n in job.nodes:
             here = "  (this node)" if set(n.ranks) == set(job.local_ranks) else ""
-            print(
-                f"    {n.node_id}  {n.peer_address or '-'}  ranks {', '.join(map(str, n.ranks))}{here}"
-            )
+            print(f"    {n.node_id}  {n.peer_address or '-'}  ranks {', '.join(map(str, n.ranks))}{here}")
     return 0
 
 
@@ -156,21 +128,17 @@ def main(argv: list[str] | None = None) -> int:
         0 on success; 1 when the daemon is not healthy.
     """
     parser = argparse.ArgumentParser(prog="smddpctl", description="Look at a node's smddpd.")
-    parser.add_argument(
-        "--socket", help="the daemon's unix socket (default SMDDP_SOCKET or the standard paths)"
-    )
-    parser.add_argument(
-        "--address", help="a gRPC target instead of the socket, e.g. node1:7471 (health only)"
-    )
+    parser.add_argument("--socket", help="the daemon's unix socket (default SMDDP_SOCKET or the standard paths)")
+    parser.add_argument("--address", help="a gRPC target instead of the socket, e.g. node1:7471 (health only)")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     sub = parser.add_subparsers(dest="command", required=True)
     h = sub.add_parser("health", help="grpc.health.v1 status")
     h.add_argument("--service", default="", help="service name ('' for the whole daemon)")
     h.set_defaults(func=cmd_health)
     sub.add_parser("status", help="jobs, ranks and ops in flight").set_defaults(func=cmd_status)
-    sub.add_parser(
-        "topology", help="this node, its devices and the node layout of every communicator"
-    ).set_defaults(func=cmd_topology)
+    sub.add_parser("topology", help="this node, its devices and the node layout of every communicator").set_defaults(
+        func=cmd_topology
+    )
     m = sub.add_parser("metrics", help="the Prometheus metrics")
     m.add_argument("--http", default="127.0.0.1:9464", help="the daemon's --http-bind address")
     m.set_defaults(func=cmd_metrics)

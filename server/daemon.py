@@ -117,11 +117,7 @@ class Daemon:
         pb_grpc.add_NodeServicer_to_server(NodeService(self.registry), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
-            (
-                NODE_SERVICE,
-                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                reflection.SERVICE_NAME,
-            ),
+            (NODE_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             server,
         )
         server.add_insecure_port("unix:" + cfg.socket)
@@ -142,11 +138,7 @@ class Daemon:
             )
             health_pb2_grpc.add_HealthServicer_to_server(self.health, tcp)
             reflection.enable_server_reflection(
-                (
-                    health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                    reflection.SERVICE_NAME,
-                ),
-                tcp,
+                (health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), tcp
             )
             tcp.add_insecure_port(cfg.grpc_bind)
             tcp.start()
@@ -163,12 +155,9 @@ class Daemon:
         self._watchdog_pinger.start()
         log.info(
             "smddpd serving on %s (node %s, pid %d, peers %s)",
-            cfg.socket,
-            cfg.node_id,
-            os.getpid(),
+            cfg.socket, cfg.node_id, os.getpid(),
             f"{self.registry.peer_address}, data over {cfg.peer_transport} port {self._peers.data_port}"
-            if self._peers is not None
-            else "off",
+            if self._peers is not None else "off",
         )
 
     def _start_peers(self) -> None:
@@ -178,12 +167,7 @@ class Daemon:
         tls_files = (cfg.tls_cert, cfg.tls_key, cfg.tls_ca) if cfg.tls_cert else None
         transport = pb.UCX if cfg.peer_transport == "ucx" else pb.TCP
         self._peers = PeerNetwork(
-            host,
-            cfg.data_port,
-            transport,
-            self.registry.find_comm,
-            PeerControl(tls_files),
-            cfg.ucx_port,
+            host, cfg.data_port, transport, self.registry.find_comm, PeerControl(tls_files), cfg.ucx_port,
             tls=tls.contexts(*tls_files) if tls_files else None,
         )
         server = grpc.server(
@@ -204,9 +188,7 @@ class Daemon:
             detail = ""
         if not port:
             self._peers.stop()
-            raise RuntimeError(
-                f"cannot listen for other daemons on {cfg.peer_bind} (--peer-bind){detail}"
-            )
+            raise RuntimeError(f"cannot listen for other daemons on {cfg.peer_bind} (--peer-bind){detail}")
         server.start()
         self._peer_grpc = server
         self._peers.start()
@@ -246,10 +228,7 @@ class Daemon:
 
     def alive(self) -> bool:
         """True while the daemon's own watchdog loop keeps ticking."""
-        return (
-            not self.stopped.is_set()
-            and time.monotonic() - self.last_tick < 10 * WATCHDOG_PERIOD_S + 5
-        )
+        return not self.stopped.is_set() and time.monotonic() - self.last_tick < 10 * WATCHDOG_PERIOD_S + 5
 
     def ready(self) -> tuple[bool, str]:
         """Whether new jobs are welcome, and why not."""

@@ -108,9 +108,7 @@ class DataSocketServer:
                 return
             with self._lock:
                 self._conns.add(conn)
-            threading.Thread(
-                target=self._serve, args=(conn,), name="smddp-data-conn", daemon=True
-            ).start()
+            threading.Thread(target=self._serve, args=(conn,), name="smddp-data-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
         session: Session | None = None
@@ -193,9 +191,7 @@ class DataSocketServer:
         lock = channel.lock if isinstance(channel, SocketChannel) else threading.Lock()
         with lock:
             try:
-                socket.send_fds(
-                    conn, [pack(MSG_PEER_ARENAS_REPLY, reply.SerializeToString())], sent
-                )
+                socket.send_fds(conn, [pack(MSG_PEER_ARENAS_REPLY, reply.SerializeToString())], sent)
             except OSError:
                 pass
 

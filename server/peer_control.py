@@ -77,19 +77,10 @@ class PeerService(pb_grpc.PeerServicer):
         """The communicator ``req`` names, once its proof and node index check out."""
         comm = self._registry.find_comm(req.job_id, req.comm_id)
         if comm is None or comm.peers is None:
-            context.abort(
-                grpc.StatusCode.NOT_FOUND,
-                f"job {req.job_id[:64]} comm {req.comm_id[:64]} is not registered here yet",
-            )
+            context.abort(grpc.StatusCode.NOT_FOUND, f"job {req.job_id[:64]} comm {req.comm_id[:64]} is not registered here yet")
         if not hmac.compare_digest(req.proof, token_proof(comm.token, comm.job_id, comm.comm_id)):
-            log.warning(
-                "refused a Peer call from %s: wrong job token for job %s",
-                context.peer(),
-                comm.job_id,
-            )
-            context.abort(
-                grpc.StatusCode.PERMISSION_DENIED, f"wrong job token for job {comm.job_id}"
-            )
+            log.warning("refused a Peer call from %s: wrong job token for job %s", context.peer(), comm.job_id)
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"wrong job token for job {comm.job_id}")
         if not 0 <= req.node < len(comm.peers.node_ids) or req.node == comm.peers.my_node:
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -117,59 +108,33 @@ class PeerService(pb_grpc.PeerServicer):
                 "of a job must run the same --peer-transport",
             )
         if request.peer.node > peers.my_node:
-            context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"{comm.name()}: the node of lower index joins the higher, not node {caller}",
-            )
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{comm.name()}: the node of lower index joins the higher, not node {caller}")
         failure = comm.failed()
         if failure is not None:
-            context.abort(
-                grpc.StatusCode.ABORTED,
-                f"the communicator already failed on node {peers.node_ids[peers.my_node]}: {failure[1]}",
-            )
-        return pb.JoinReply(
-            node_id=peers.node_ids[peers.my_node], data_port=self._network.data_port
-        )
+            context.abort(grpc.StatusCode.ABORTED, f"the communicator already failed on node {peers.node_ids[peers.my_node]}: {failure[1]}")
+        return pb.JoinReply(node_id=peers.node_ids[peers.my_node], data_port=self._network.data_port)
 
     @_counted
     def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortReply:
         comm = self._comm(request.peer, context)
         # The node that failed warns there; here it is news only if an op was waiting (fail()
         # then warns anyway), e.g. not when that node's ranks simply left.
-        comm.fail(
-            request.kind or pb.ABORTED,
-            request.message[:65536],
-            propagate=False,
-            log_level=logging.INFO,
-        )
+        comm.fail(request.kind or pb.ABORTED, request.message[:65536], propagate=False, log_level=logging.INFO)
         return pb.AbortReply()
 
     @_counted
-    def PeerStatus(
-        self, request: pb.PeerStatusRequest, context: grpc.ServicerContext
-    ) -> pb.PeerStatusReply:
+    def PeerStatus(self, request: pb.PeerStatusRequest, context: grpc.ServicerContext) -> pb.PeerStatusReply:
         comm = self._comm(request.peer, context)
         assert comm.peers is not None
-        return pb.PeerStatusReply(
-            node_id=comm.peers.node_ids[comm.peers.my_node], comm=comm.status()
-        )
+        return pb.PeerStatusReply(node_id=comm.peers.node_ids[comm.peers.my_node], comm=comm.status())
 
     @_counted
     def Meet(self, request: pb.MeetRequest, context: grpc.ServicerContext) -> pb.RendezvousReply:
-        timeout_s = (
-            min(request.timeout_ms, MAX_TIMEOUT_MS) / 1000
-            if request.timeout_ms
-            else self._registry.config.default_timeout_s
-        )
+        timeout_s = min(request.timeout_ms, MAX_TIMEOUT_MS) / 1000 if request.timeout_ms else self._registry.config.default_timeout_s
         try:
             nodes = self._registry.rendezvous.meet(
-                request.job_id,
-                request.proof,
-                request.rank,
-                request.world_size,
-                request.node_id[:256],
-                request.peer_address[:300],
-                timeout_s,
+                request.job_id, request.proof, request.rank, request.world_size, request.node_id[:256],
+                request.peer_address[:300], timeout_s,
             )
         except SmddpError as exc:
             context.abort(exc.code, str(exc))
@@ -203,9 +168,7 @@ class PeerControl:
                 else:
                     # The certificate must name the node the layout puts at this address.
                     channel = grpc.secure_channel(
-                        address,
-                        self._credentials,
-                        options=[("grpc.ssl_target_name_override", node_id)],
+                        address, self._credentials, options=[("grpc.ssl_target_name_override", node_id)]
                     )
                 self._channels[key] = channel
         return pb_grpc.PeerStub(channel)

@@ -67,9 +67,7 @@ MAX_PAYLOAD = 1 << 34
 
 # Added to a TLS failure that is not a certificate refusal (e.g. TLS on one side only).
 TLS_SETUP_HINT = " (do both daemons run with --tls-cert, --tls-key and --tls-ca of the same CA?)"
-RETRYABLE_JOIN = frozenset(
-    {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
-)
+RETRYABLE_JOIN = frozenset({grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 
 
 def _tls_refusal(details: str, tls: bool, node_id: str) -> str | None:
@@ -192,9 +190,7 @@ class CommPeers:
         self._aborts: list[threading.Thread] = []  # Abort calls in flight
         for node in range(len(node_ids)):
             if node > my_node:
-                threading.Thread(
-                    target=self._connect, args=(node,), name="smddp-peer-connect", daemon=True
-                ).start()
+                threading.Thread(target=self._connect, args=(node,), name="smddp-peer-connect", daemon=True).start()
         threading.Thread(target=self._heartbeat, name="smddp-peer-heartbeat", daemon=True).start()
 
     # -- connections --------------------------------------------------------------------------
@@ -204,28 +200,20 @@ class CommPeers:
 
     def peer_request(self) -> pb.PeerRequest:
         """What every call to another node's Peer service starts with."""
-        return pb.PeerRequest(
-            job_id=self.comm.job_id, comm_id=self.comm.comm_id, node=self.my_node, proof=self._proof
-        )
+        return pb.PeerRequest(job_id=self.comm.job_id, comm_id=self.comm.comm_id, node=self.my_node, proof=self._proof)
 
     def _join(self, node: int, deadline: float) -> int | None:
         """Asks ``node``'s Peer service to join; its data port, or None once the node is lost."""
         stub = self.network.control.stub(self.addresses[node], self.node_ids[node])
-        request = pb.JoinRequest(
-            peer=self.peer_request(), node_ids=self.node_ids, transport=self.network.transport
-        )
+        request = pb.JoinRequest(peer=self.peer_request(), node_ids=self.node_ids, transport=self.network.transport)
         while not self._closed:
             try:
                 timeout = max(0.1, min(HEARTBEAT_TIMEOUT_S, deadline - time.monotonic()))
                 return stub.Join(request, timeout=timeout).data_port
             except grpc.RpcError as exc:
                 code, details = exc.code(), exc.details() or str(exc.code())
-                details = details.split("last error: ", 1)[
-                    -1
-                ]  # not gRPC's "failed to connect to all addresses"
-            log.debug(
-                "%s: joining node %s: %s: %s", self.comm.name(), self.node_ids[node], code, details
-            )
+                details = details.split("last error: ", 1)[-1]  # not gRPC's "failed to connect to all addresses"
+            log.debug("%s: joining node %s: %s: %s", self.comm.name(), self.node_ids[node], code, details)
             refusal = _tls_refusal(details, self.network.tls, self.node_ids[node])
             if refusal is not None:
                 self._lost(node, f"refused our connection: {refusal}")
@@ -234,10 +222,7 @@ class CommPeers:
                 self._lost(node, f"refused to join: {details}")
                 return None
             if time.monotonic() > deadline:
-                self._timed_out(
-                    node,
-                    f"did not let this node join within {self.comm.timeout_s:.0f} s ({details})",
-                )
+                self._timed_out(node, f"did not let this node join within {self.comm.timeout_s:.0f} s ({details})")
                 return None
             time.sleep(CONNECT_RETRY_S)
         return None
@@ -249,9 +234,7 @@ class CommPeers:
             return
         host = parse_address(self.addresses[node])[0]
         job, comm = self.comm.job_id.encode(), self.comm.comm_id.encode()
-        hello = (
-            HELLO.pack(HELLO_MAGIC, len(job), len(comm), self.my_node) + job + comm + self._proof
-        )
+        hello = HELLO.pack(HELLO_MAGIC, len(job), len(comm), self.my_node) + job + comm + self._proof
         for _ in range(CONNECTIONS_PER_PEER):
             while not self._closed:
                 sock: Connection | None = None
@@ -276,10 +259,7 @@ class CommPeers:
                     self._lost(node, f"refused our connection: {message}")
                     return
                 if time.monotonic() > deadline:
-                    self._timed_out(
-                        node,
-                        f"did not accept a connection within {self.comm.timeout_s:.0f} s ({message})",
-                    )
+                    self._timed_out(node, f"did not accept a connection within {self.comm.timeout_s:.0f} s ({message})")
                     return
                 time.sleep(CONNECT_RETRY_S)
 
@@ -293,9 +273,7 @@ class CommPeers:
             self._socks.setdefault(node, []).append(sock)
             self._send_locks[sock] = threading.Lock()
             self._cond.notify_all()
-        threading.Thread(
-            target=self._receive, args=(node, sock), name="smddp-peer-recv", daemon=True
-        ).start()
+        threading.Thread(target=self._receive, args=(node, sock), name="smddp-peer-recv", daemon=True).start()
 
     def _timed_out(self, node: int, detail: str) -> None:
         """Connecting to ``node`` ran out of time: counted as a connection error, node lost."""
@@ -306,7 +284,9 @@ class CommPeers:
     def _lost(self, node: int, detail: str) -> None:
         if self._closed or node in self._gone:
             return
-        message = f"{self.comm.name()}: lost node {self.node_ids[node]} (daemon at {self.addresses[node]}): {detail}"
+        message = (
+            f"{self.comm.name()}: lost node {self.node_ids[node]} (daemon at {self.addresses[node]}): {detail}"
+        )
         self.comm.fail(pb.RANK_FAILED, message, propagate=True)
 
     # -- sending ------------------------------------------------------------------------------
@@ -343,22 +323,8 @@ class CommPeers:
         nbytes = sum(p.nbytes if isinstance(p, np.ndarray) else len(p) for p in payloads)
         r = req or pb.OpRequest()
         header = HEADER.pack(
-            MAGIC,
-            ftype,
-            r.kind,
-            r.dtype,
-            0,
-            r.seq,
-            r.part,
-            r.parts,
-            round_,
-            src_rank,
-            dst_rank,
-            r.count,
-            r.root,
-            r.reduce_op,
-            nbytes,
-            self.my_node,
+            MAGIC, ftype, r.kind, r.dtype, 0, r.seq, r.part, r.parts, round_,
+            src_rank, dst_rank, r.count, r.root, r.reduce_op, nbytes, self.my_node,
         )
         sock = self._socket_for(node, time.monotonic() + self.comm.timeout_s)
         with self._send_locks[sock]:
@@ -367,15 +333,9 @@ class CommPeers:
                 for p in payloads:
                     if len(p):
                         # As bytes: a memoryview cannot carry ml_dtypes' bfloat16 ('E').
-                        sock.sendall(
-                            memoryview(np.ascontiguousarray(p).view(np.uint8))
-                            if isinstance(p, np.ndarray)
-                            else p
-                        )
+                        sock.sendall(memoryview(np.ascontiguousarray(p).view(np.uint8)) if isinstance(p, np.ndarray) else p)
             except OSError as exc:
-                raise PeerError(
-                    f"sending to node {self.node_ids[node]} ({self.addresses[node]}) failed: {exc}"
-                ) from None
+                raise PeerError(f"sending to node {self.node_ids[node]} ({self.addresses[node]}) failed: {exc}") from None
         if self._metrics is not None and nbytes:
             self._metrics.peer_bytes_sent.labels(self.node_ids[node]).inc(nbytes)
 
@@ -390,21 +350,12 @@ class CommPeers:
 
         def tell(node: int) -> None:
             try:
-                self.network.control.stub(self.addresses[node], self.node_ids[node]).Abort(
-                    request, timeout=ABORT_WAIT_S
-                )
+                self.network.control.stub(self.addresses[node], self.node_ids[node]).Abort(request, timeout=ABORT_WAIT_S)
             except grpc.RpcError as exc:
-                log.info(
-                    "%s: could not tell node %s of the failure: %s",
-                    self.comm.name(),
-                    self.node_ids[node],
-                    exc.details(),
-                )
+                log.info("%s: could not tell node %s of the failure: %s", self.comm.name(), self.node_ids[node], exc.details())
 
         for node in self.peer_nodes():
-            thread = threading.Thread(
-                target=tell, args=(node,), name="smddp-peer-abort", daemon=True
-            )
+            thread = threading.Thread(target=tell, args=(node,), name="smddp-peer-abort", daemon=True)
             thread.start()
             self._aborts.append(thread)
 
@@ -413,9 +364,7 @@ class CommPeers:
         name = f"node {self.node_ids[node]}"
         try:
             stub = self.network.control.stub(self.addresses[node], self.node_ids[node])
-            status = stub.PeerStatus(
-                pb.PeerStatusRequest(peer=self.peer_request()), timeout=STATUS_WAIT_S
-            ).comm
+            status = stub.PeerStatus(pb.PeerStatusRequest(peer=self.peer_request()), timeout=STATUS_WAIT_S).comm
         except grpc.RpcError as exc:
             return f"{name} does not answer either ({exc.details() or exc.code()})"
         if status.failed:
@@ -433,9 +382,7 @@ class CommPeers:
         return f"{name} says " + "; ".join(waits)
 
     def _heartbeat(self) -> None:
-        header = HEADER.pack(
-            MAGIC, FRAME_HEARTBEAT, 0, 0, 0, 0, 0, 0, 0, -1, -1, 0, 0, 0, 0, self.my_node
-        )
+        header = HEADER.pack(MAGIC, FRAME_HEARTBEAT, 0, 0, 0, 0, 0, 0, 0, -1, -1, 0, 0, 0, 0, self.my_node)
         while not self._closed:
             time.sleep(HEARTBEAT_PERIOD_S)
             with self._cond:
@@ -457,24 +404,8 @@ class CommPeers:
         try:
             while True:
                 fields = HEADER.unpack(_recv_exact(sock, HEADER.size))
-                (
-                    magic,
-                    ftype,
-                    kind,
-                    dtype,
-                    _reserved,
-                    seq,
-                    part,
-                    parts,
-                    round_,
-                    src_rank,
-                    dst_rank,
-                    count,
-                    root,
-                    reduce_op,
-                    nbytes,
-                    src_node,
-                ) = fields
+                (magic, ftype, kind, dtype, _reserved, seq, part, parts, round_, src_rank, dst_rank,
+                 count, root, reduce_op, nbytes, src_node) = fields
                 if magic != MAGIC or src_node != node or nbytes > MAX_PAYLOAD:
                     raise ConnectionError("malformed frame header")
                 payload = np.empty(nbytes, dtype=np.uint8)
@@ -495,29 +426,12 @@ class CommPeers:
                     raise ConnectionError(f"unknown frame type {ftype}")
                 if self._metrics is not None and nbytes:
                     self._metrics.peer_bytes_received.labels(self.node_ids[node]).inc(nbytes)
-                frame = Frame(
-                    ftype,
-                    kind,
-                    dtype,
-                    seq,
-                    part,
-                    parts,
-                    round_,
-                    src_rank,
-                    dst_rank,
-                    count,
-                    root,
-                    reduce_op,
-                    src_node,
-                    payload,
-                )
+                frame = Frame(ftype, kind, dtype, seq, part, parts, round_, src_rank, dst_rank,
+                              count, root, reduce_op, src_node, payload)
                 self._deliver(frame)
         except TimeoutError:
             if not said_bye:
-                self._lost(
-                    node,
-                    f"silent for {HEARTBEAT_TIMEOUT_S:.0f} s (no heartbeat: partitioned or hung)",
-                )
+                self._lost(node, f"silent for {HEARTBEAT_TIMEOUT_S:.0f} s (no heartbeat: partitioned or hung)")
         except (OSError, ConnectionError, struct.error) as exc:
             if not said_bye:
                 self._lost(node, f"connection broke ({exc})")
@@ -549,9 +463,7 @@ class CommPeers:
             while key not in self._mail:
                 self._check_open()
                 if node in self._gone:
-                    raise PeerError(
-                        f"op #{seq}: the ranks of node {self.node_ids[node]} have all left the communicator"
-                    )
+                    raise PeerError(f"op #{seq}: the ranks of node {self.node_ids[node]} have all left the communicator")
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
@@ -565,9 +477,7 @@ class CommPeers:
             kind=pb.TIMEOUT,
         )
 
-    def on_p2p(
-        self, src_rank: int, dst_rank: int, seq: int, part: int, callback: Callable[[Frame], None]
-    ) -> None:
+    def on_p2p(self, src_rank: int, dst_rank: int, seq: int, part: int, callback: Callable[[Frame], None]) -> None:
         """Calls ``callback`` with the matching p2p frame, now or when it arrives."""
         key = ("p", src_rank, dst_rank, seq, part)
         with self._cond:
@@ -648,10 +558,7 @@ class PeerNetwork:
             self._sock.bind((host or "0.0.0.0", data_port))
         except OSError as exc:
             self._sock.close()
-            raise OSError(
-                exc.errno,
-                f"cannot listen for data connections on {host}:{data_port} (--data-port): {exc.strerror}",
-            ) from None
+            raise OSError(exc.errno, f"cannot listen for data connections on {host}:{data_port} (--data-port): {exc.strerror}") from None
         self._sock.listen(256)
         self.tcp_port: int = self._sock.getsockname()[1]
         if transport == pb.UCX:
@@ -709,23 +616,14 @@ class PeerNetwork:
             except OSError:
                 return
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(
-                target=self._accept_tcp,
-                args=(sock, f"{addr[0]}:{addr[1]}"),
-                name="smddp-peer-hello",
-                daemon=True,
-            ).start()
+            threading.Thread(target=self._accept_tcp, args=(sock, f"{addr[0]}:{addr[1]}"), name="smddp-peer-hello", daemon=True).start()
 
     def _accept_tcp(self, sock: socket.socket, who: str) -> None:
         try:
             sock.settimeout(HEARTBEAT_TIMEOUT_S)
             if self._server_tls is not None:
                 if sock.recv(len(HELLO_MAGIC), socket.MSG_PEEK | socket.MSG_WAITALL) == HELLO_MAGIC:
-                    _answer(
-                        sock,
-                        HELLO_REFUSED,
-                        "this daemon takes peer connections over TLS only (--tls-cert)",
-                    )
+                    _answer(sock, HELLO_REFUSED, "this daemon takes peer connections over TLS only (--tls-cert)")
                     sock.close()
                     return
                 tls = TlsSocket(sock, self._server_tls, server_side=True)
@@ -744,11 +642,7 @@ class PeerNetwork:
             sock.settimeout(HEARTBEAT_TIMEOUT_S)
             magic, job_len, comm_len, node = HELLO.unpack(_recv_exact(sock, HELLO.size))
             if magic != HELLO_MAGIC:
-                tls_hint = (
-                    " (it speaks TLS: this daemon has no --tls-cert)"
-                    if magic[:2] == b"\x16\x03"
-                    else ""
-                )
+                tls_hint = " (it speaks TLS: this daemon has no --tls-cert)" if magic[:2] == b"\x16\x03" else ""
                 raise ConnectionError(f"not an smddp peer{tls_hint}")
             job_id = _recv_exact(sock, job_len).decode()
             comm_id = _recv_exact(sock, comm_len).decode()
@@ -756,22 +650,16 @@ class PeerNetwork:
             comm = self._find(job_id, comm_id)
             peers = comm.peers if comm is not None else None
             if comm is None or peers is None:
-                _answer(
-                    sock, HELLO_RETRY, f"job {job_id} comm {comm_id} is not registered here yet"
-                )
+                _answer(sock, HELLO_RETRY, f"job {job_id} comm {comm_id} is not registered here yet")
                 sock.close()
                 return
             if not hmac.compare_digest(proof, token_proof(comm.token, job_id, comm_id)):
-                log.warning(
-                    "refused a peer connection from %s: wrong job token for job %s", who, job_id
-                )
+                log.warning("refused a peer connection from %s: wrong job token for job %s", who, job_id)
                 _answer(sock, HELLO_REFUSED, f"wrong job token for job {job_id}")
                 sock.close()
                 return
             if not 0 <= node < len(peers.node_ids) or node == peers.my_node:
-                log.warning(
-                    "refused a peer connection from %s: node index %d is not a peer", who, node
-                )
+                log.warning("refused a peer connection from %s: node index %d is not a peer", who, node)
                 _answer(sock, HELLO_REFUSED, f"node index {node} is not a peer of this node")
                 sock.close()
                 return

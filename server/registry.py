@@ -40,9 +40,7 @@ MAX_TIMEOUT_MS = 7 * 24 * 3600 * 1000
 
 def _check_token(where: str, token: bytes) -> None:
     if not MIN_TOKEN_BYTES <= len(token) <= MAX_TOKEN_BYTES:
-        raise InvalidRequest(
-            f"{where}: job_token must have {MIN_TOKEN_BYTES}-{MAX_TOKEN_BYTES} bytes"
-        )
+        raise InvalidRequest(f"{where}: job_token must have {MIN_TOKEN_BYTES}-{MAX_TOKEN_BYTES} bytes")
 
 
 class Registry:
@@ -72,13 +70,9 @@ class Registry:
         """
         cfg = self.config
         if not _JOB_ID.match(req.job_id):
-            raise InvalidRequest(
-                f"job_id {req.job_id[:140]!r} must be 1-128 characters of A-Z a-z 0-9 . _ : -"
-            )
+            raise InvalidRequest(f"job_id {req.job_id[:140]!r} must be 1-128 characters of A-Z a-z 0-9 . _ : -")
         if not _COMM_ID.match(req.comm_id):
-            raise InvalidRequest(
-                f"job {req.job_id}: comm_id {req.comm_id[:260]!r} must be 1-256 printable characters"
-            )
+            raise InvalidRequest(f"job {req.job_id}: comm_id {req.comm_id[:260]!r} must be 1-256 printable characters")
         where = f"job {req.job_id} comm {req.comm_id}"
         _check_token(where, req.job_token)
         if not 1 <= req.world_size <= cfg.max_ranks_per_job:
@@ -99,9 +93,7 @@ class Registry:
             token = self._job_tokens.get(req.job_id)
             if token is None:
                 if len(self._job_tokens) >= cfg.max_jobs:
-                    raise LimitExceeded(
-                        f"{where}: the daemon already serves {cfg.max_jobs} jobs (--max-jobs)"
-                    )
+                    raise LimitExceeded(f"{where}: the daemon already serves {cfg.max_jobs} jobs (--max-jobs)")
             elif not secrets.compare_digest(token, req.job_token):
                 raise Unauthenticated(f"{where} rank {req.rank}: wrong job token")
             comm = self._comms.get(key)
@@ -110,25 +102,14 @@ class Registry:
                 # must hold two chunks (plus alignment) for them to pipeline.
                 chunk = max(4096, min(cfg.chunk_bytes, req.arena_bytes // 4) // 64 * 64)
                 comm = Communicator(
-                    req.job_id,
-                    req.comm_id,
-                    req.world_size,
-                    req.job_token,
-                    timeout_s,
-                    chunk,
-                    self.metrics,
-                    nodes=nodes,
-                    my_node=my_node,
+                    req.job_id, req.comm_id, req.world_size, req.job_token, timeout_s, chunk, self.metrics,
+                    nodes=nodes, my_node=my_node,
                 )
                 if len(comm.nodes) > 1:
                     comm.attach_peers(
                         CommPeers(
-                            comm,
-                            my_node,
-                            [n.node_id for n in req.nodes],
-                            [n.peer_address for n in req.nodes],
-                            self.metrics,
-                            self.network,
+                            comm, my_node, [n.node_id for n in req.nodes], [n.peer_address for n in req.nodes],
+                            self.metrics, self.network,
                         )
                     )
                 self._comms[key] = comm
@@ -139,19 +120,14 @@ class Registry:
                         f"{where}: rank {req.rank} registered with world_size {req.world_size} "
                         f"but the communicator has {comm.world_size} ranks"
                     )
-                if (
-                    comm.nodes != (nodes or [list(range(req.world_size))])
-                    or comm.my_node != my_node
-                ):
+                if comm.nodes != (nodes or [list(range(req.world_size))]) or comm.my_node != my_node:
                     raise FailedPrecondition(
                         f"{where}: rank {req.rank} describes the job's nodes differently than the "
                         "ranks registered before it"
                     )
                 if req.rank in comm.members:
                     other = comm.members[req.rank]
-                    raise FailedPrecondition(
-                        f"{where}: rank {req.rank} is already registered ({other.label()})"
-                    )
+                    raise FailedPrecondition(f"{where}: rank {req.rank} is already registered ({other.label()})")
                 if req.arena_bytes // 4 < comm.chunk_bytes:
                     raise InvalidRequest(
                         f"{where} rank {req.rank}: arena of {req.arena_bytes} bytes is smaller than "
@@ -183,12 +159,7 @@ class Registry:
             raise InvalidRequest(f"{where}: node ids repeat in the layout: {ids}")
         for spec in req.nodes:
             ranks = list(spec.ranks)
-            if (
-                not ranks
-                or ranks != sorted(set(ranks))
-                or any(r >= req.world_size for r in ranks)
-                or seen & set(ranks)
-            ):
+            if not ranks or ranks != sorted(set(ranks)) or any(r >= req.world_size for r in ranks) or seen & set(ranks):
                 raise InvalidRequest(
                     f"{where}: node {spec.node_id} lists ranks {ranks[:16]}: expected ascending, distinct "
                     f"ranks below {req.world_size} that no other node lists"
@@ -196,9 +167,7 @@ class Registry:
             seen |= set(ranks)
             nodes.append(ranks)
         if len(seen) != req.world_size:
-            raise InvalidRequest(
-                f"{where}: the layout places {len(seen)} of {req.world_size} ranks"
-            )
+            raise InvalidRequest(f"{where}: the layout places {len(seen)} of {req.world_size} ranks")
         my_node = next(i for i, ranks in enumerate(nodes) if req.rank in ranks)
         if len(nodes) > 1:
             if not self.peer_address or self.network is None:
@@ -210,9 +179,7 @@ class Registry:
                 try:
                     parse_address(spec.peer_address)
                 except ValueError:
-                    raise InvalidRequest(
-                        f"{where}: node {spec.node_id} has no valid peer address ({spec.peer_address!r})"
-                    ) from None
+                    raise InvalidRequest(f"{where}: node {spec.node_id} has no valid peer address ({spec.peer_address!r})") from None
         return nodes, my_node
 
     def meet(self, req: pb.RendezvousRequest) -> list[pb.NodeSpec]:
@@ -229,34 +196,22 @@ class Registry:
         proof = rendezvous_proof(req.job_token, req.job_id)
         node_id, address = self.config.node_id, self.peer_address or "none"
         if not req.root or req.root == self.peer_address:
-            return self.rendezvous.meet(
-                req.job_id, proof, req.rank, req.world_size, node_id, address, timeout_s
-            )
+            return self.rendezvous.meet(req.job_id, proof, req.rank, req.world_size, node_id, address, timeout_s)
         if self.network is None:
-            raise FailedPrecondition(
-                f"{where}: the root is another daemon ({req.root}) but this one has no peers (--peer-bind off)"
-            )
+            raise FailedPrecondition(f"{where}: the root is another daemon ({req.root}) but this one has no peers (--peer-bind off)")
         try:
             parse_address(req.root)
         except ValueError:
             raise InvalidRequest(f"{where}: root {req.root[:100]!r} is not HOST:PORT") from None
         stub = self.network.control.stub(req.root, req.root_node_id or parse_address(req.root)[0])
         meet = pb.MeetRequest(
-            job_id=req.job_id,
-            proof=proof,
-            rank=req.rank,
-            world_size=req.world_size,
-            node_id=node_id,
-            peer_address=address,
-            timeout_ms=int(timeout_s * 1000),
+            job_id=req.job_id, proof=proof, rank=req.rank, world_size=req.world_size, node_id=node_id,
+            peer_address=address, timeout_ms=int(timeout_s * 1000),
         )
         try:
             return list(stub.Meet(meet, timeout=timeout_s + 10).nodes)
         except grpc.RpcError as exc:
-            raise RemoteRefusal(
-                exc.code(),
-                f"{where}: the root's daemon at {req.root}: {exc.details() or exc.code()}",
-            ) from None
+            raise RemoteRefusal(exc.code(), f"{where}: the root's daemon at {req.root}: {exc.details() or exc.code()}") from None
 
     def _timeout_s(self, where: str, timeout_ms: int) -> float:
         """A client's timeout in seconds; 0 means the daemon's default."""
@@ -290,9 +245,7 @@ class Registry:
         comm = session.comm
         try:
             if session.arena is not None:
-                raise FailedPrecondition(
-                    f"{comm.name()}: {session.label()} has already attached its arena"
-                )
+                raise FailedPrecondition(f"{comm.name()}: {session.label()} has already attached its arena")
             with self._lock:
                 owner = self._job_owner.setdefault(comm.job_id, uid)
             if owner != uid:
@@ -323,12 +276,7 @@ class Registry:
         self._drop(session, why, pb.RANK_FAILED)
 
     def _drop(
-        self,
-        session: Session,
-        why: str,
-        kind: int,
-        log_level: int = logging.WARNING,
-        fail: bool = True,
+        self, session: Session, why: str, kind: int, log_level: int = logging.WARNING, fail: bool = True
     ) -> None:
         with self._lock:
             if session.closed:

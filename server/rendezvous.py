@@ -51,9 +51,7 @@ def rendezvous_proof(token: bytes, job_id: str) -> bytes:
 class _Meeting:
     world_size: int
     proof: bytes
-    arrivals: dict[int, tuple[str, str]] = field(
-        default_factory=dict
-    )  # rank -> (node id, peer address)
+    arrivals: dict[int, tuple[str, str]] = field(default_factory=dict)  # rank -> (node id, peer address)
     layout: list[pb.NodeSpec] | None = None
     answered: int = 0
 
@@ -67,14 +65,7 @@ class RendezvousTable:
         self._cond = threading.Condition()
 
     def meet(
-        self,
-        job_id: str,
-        proof: bytes,
-        rank: int,
-        world_size: int,
-        node_id: str,
-        peer_address: str,
-        timeout_s: float,
+        self, job_id: str, proof: bytes, rank: int, world_size: int, node_id: str, peer_address: str, timeout_s: float
     ) -> list[pb.NodeSpec]:
         """Waits until all ``world_size`` ranks of ``job_id`` arrived; returns the layout.
 
@@ -89,9 +80,7 @@ class RendezvousTable:
                 "passes its node layout to Register itself (as torch jobs do from their store)"
             )
         if not job_id or not world_size > 0 or rank >= world_size:
-            raise InvalidRequest(
-                f"{where}: rank {rank} of world size {world_size} is not a rank of a job"
-            )
+            raise InvalidRequest(f"{where}: rank {rank} of world size {world_size} is not a rank of a job")
         if not node_id or not peer_address:
             raise InvalidRequest(f"{where}: rank {rank} arrived without a node id and peer address")
         deadline = time.monotonic() + timeout_s
@@ -99,9 +88,7 @@ class RendezvousTable:
             meeting = self._meetings.get(job_id)
             if meeting is None:
                 if len(self._meetings) >= self._max:
-                    raise LimitExceeded(
-                        f"{where}: this daemon already hosts {self._max} rendezvous (--max-jobs)"
-                    )
+                    raise LimitExceeded(f"{where}: this daemon already hosts {self._max} rendezvous (--max-jobs)")
                 meeting = self._meetings[job_id] = _Meeting(world_size, proof)
             if not hmac.compare_digest(meeting.proof, proof):
                 raise PermissionDenied(f"{where}: rank {rank} has the wrong job token")
@@ -110,9 +97,7 @@ class RendezvousTable:
                     f"{where}: rank {rank} says the world size is {world_size}, earlier ranks said {meeting.world_size}"
                 )
             if rank in meeting.arrivals or meeting.layout is not None:
-                raise FailedPrecondition(
-                    f"{where}: rank {rank} arrived twice (from node {node_id})"
-                )
+                raise FailedPrecondition(f"{where}: rank {rank} arrived twice (from node {node_id})")
             for other, (other_node, other_address) in meeting.arrivals.items():
                 if other_node == node_id and other_address != peer_address:
                     raise FailedPrecondition(
@@ -130,9 +115,7 @@ class RendezvousTable:
                     del meeting.arrivals[rank]
                     if not meeting.arrivals:
                         self._meetings.pop(job_id, None)
-                    missing = [
-                        r for r in range(world_size) if r not in meeting.arrivals and r != rank
-                    ]
+                    missing = [r for r in range(world_size) if r not in meeting.arrivals and r != rank]
                     raise RendezvousTimeout(
                         f"{where}: {rank_list(missing)} did not arrive within {timeout_s:.0f} s "
                         f"({len(meeting.arrivals) + 1} of {world_size} ranks came)"

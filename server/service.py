@@ -37,9 +37,7 @@ class NodeService(pb_grpc.NodeServicer):
     def __init__(self, registry: Registry) -> None:
         self._registry = registry
 
-    def Register(
-        self, request: pb.RegisterRequest, context: grpc.ServicerContext
-    ) -> pb.RegisterReply:
+    def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.RegisterReply:
         try:
             session = self._registry.register(request)
         except SmddpError as exc:
@@ -54,9 +52,7 @@ class NodeService(pb_grpc.NodeServicer):
             daemon_version=__version__,
         )
 
-    def Ops(
-        self, request_iterator: Iterator[pb.OpRequest], context: grpc.ServicerContext
-    ) -> Iterator[pb.OpReply]:
+    def Ops(self, request_iterator: Iterator[pb.OpRequest], context: grpc.ServicerContext) -> Iterator[pb.OpReply]:
         try:
             first = next(request_iterator)
         except StopIteration:
@@ -90,13 +86,9 @@ class NodeService(pb_grpc.NodeServicer):
                 return
             yield reply
 
-    def Deregister(
-        self, request: pb.DeregisterRequest, context: grpc.ServicerContext
-    ) -> pb.DeregisterReply:
+    def Deregister(self, request: pb.DeregisterRequest, context: grpc.ServicerContext) -> pb.DeregisterReply:
         try:
-            session: Session = self._registry.authenticate(
-                request.session_id, request.session_secret
-            )
+            session: Session = self._registry.authenticate(request.session_id, request.session_secret)
         except SmddpError as exc:
             context.abort(exc.code, str(exc))
         self._registry.deregister(session)
@@ -115,18 +107,14 @@ class NodeService(pb_grpc.NodeServicer):
             data_port=network.data_port if network is not None else 0,
         )
 
-    def Rendezvous(
-        self, request: pb.RendezvousRequest, context: grpc.ServicerContext
-    ) -> pb.RendezvousReply:
+    def Rendezvous(self, request: pb.RendezvousRequest, context: grpc.ServicerContext) -> pb.RendezvousReply:
         try:
             nodes = self._registry.meet(request)
         except SmddpError as exc:
             context.abort(exc.code, str(exc))
         return pb.RendezvousReply(nodes=nodes)
 
-    def Topology(
-        self, request: pb.TopologyRequest, context: grpc.ServicerContext
-    ) -> pb.TopologyReply:
+    def Topology(self, request: pb.TopologyRequest, context: grpc.ServicerContext) -> pb.TopologyReply:
         network = self._registry.network
         reply = pb.TopologyReply(
             node_id=self._registry.config.node_id,
@@ -137,9 +125,7 @@ class NodeService(pb_grpc.NodeServicer):
             data_port=network.data_port if network is not None else 0,
         )
         for comm in self._registry.comms():
-            layout = reply.jobs.add(
-                job_id=comm.job_id, comm_id=comm.comm_id, local_ranks=comm.local_ranks
-            )
+            layout = reply.jobs.add(job_id=comm.job_id, comm_id=comm.comm_id, local_ranks=comm.local_ranks)
             ids = comm.peers.node_ids if comm.peers else [self._registry.config.node_id]
             addrs = comm.peers.addresses if comm.peers else [self._registry.peer_address]
             for node_id, addr, ranks in zip(ids, addrs, comm.nodes):

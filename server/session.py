@@ -48,12 +48,7 @@ class Session:
 
     def log_fields(self) -> dict[str, object]:
         """``extra=`` for a log record about this rank: the JSON log's job, comm, rank, node."""
-        return {
-            "job": self.comm.job_id,
-            "comm": self.comm.comm_id,
-            "rank": self.rank,
-            "node": self.node_id,
-        }
+        return {"job": self.comm.job_id, "comm": self.comm.comm_id, "rank": self.rank, "node": self.node_id}
 
     def reply(self, reply: pb.OpReply) -> None:
         """Sends a reply if the rank still has a channel."""
