@@ -958,7 +958,7 @@ def ops(node_id: str = "") -> GpuOps:
 
             try:
                 test_runtime = _test_runtime()
-                runtime = test_runtime if test_runtime is not None else CupyRuntime()
+                runtime = test_runtime if test_runtime is not None else CupyRuntime(warm=True)
                 _ops = GpuOps(runtime, chunk_bytes=_chunk_bytes)
             except GpuUnavailable as exc:
                 where = f"smddpd on node {node_id}" if node_id else "smddpd"

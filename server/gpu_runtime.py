@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import threading
 from collections.abc import Sequence
@@ -19,6 +20,8 @@ from smddp import cuda_driver
 from smddp.server import gpu_kernels
 from smddp.server.gpu import CudaCallError
 from smddp.v1 import smddp_pb2 as pb
+
+log = logging.getLogger(__name__)
 
 # cudaStreamNonBlocking: the stream does not synchronise with the legacy default stream.
 _STREAM_NON_BLOCKING = 1
@@ -78,9 +81,13 @@ class GpuUnavailable(RuntimeError):
 
 
 class CupyRuntime:
-    """The CUDA calls of ``gpu.GpuOps``, made with CuPy (runtime API) and the driver."""
+    """The CUDA calls of ``gpu.GpuOps``, made with CuPy (runtime API) and the driver.
 
-    def __init__(self) -> None:
+    ``warm``: compile and load ``COMMON_KERNELS`` on every GPU in a background thread (the
+    daemon's first GPU op does this; ops meanwhile wait only for the modules they need).
+    """
+
+    def __init__(self, warm: bool = False) -> None:
         try:
             import cupy
         except ImportError as exc:
@@ -109,6 +116,16 @@ class CupyRuntime:
         self._compiling: dict[tuple[tuple[int, int, int, int], str], threading.Lock] = {}
         self._modules: dict[tuple[tuple[int, int, int, int], int], Any] = {}
         self._lock = threading.Lock()
+        if warm:
+            threading.Thread(target=self._warm_all, name="smddp-gpu-warm", daemon=True).start()
+
+    def _warm_all(self) -> None:
+        for device in sorted(set(self._uuids.values())):
+            try:
+                self.warm(device, COMMON_KERNELS)
+            except CudaCallError as exc:  # the op that needs the module reports it
+                log.warning("warming the reduction kernels on GPU %d: %s", device, exc)
+                return
 
     def _call(self, what: str, fn: Any, *args: Any) -> Any:
         try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import sys
+import time
 import types
 
 import numpy as np
@@ -291,3 +292,20 @@ def test_a_flag_is_mapped_host_memory_the_stream_waits_on(runtime) -> None:
         rt.wait_flag(0x5000, flag, 8, 1)
     rt.destroy_flag(flag)
     assert calls[-1][:2] == ("freeHost", flag)
+
+
+def test_the_daemons_runtime_warms_the_common_kernels_on_every_gpu(monkeypatch, tmp_path) -> None:
+    calls: list = []
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path))
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy(calls))
+    monkeypatch.setattr(cuda_driver, "driver", lambda: FakeDriver())
+    from smddp.server.gpu_runtime import COMMON_KERNELS, CupyRuntime
+
+    rt = CupyRuntime(warm=True)
+    deadline = time.monotonic() + 30
+    while len(rt._modules) < 2 * len(COMMON_KERNELS):
+        assert time.monotonic() < deadline, rt._modules.keys()
+        time.sleep(0.01)
+    assert {d for _, d in rt._modules} == {0, 1}
+    # One compile per module and architecture, one load per GPU.
+    assert len([c for c in calls if c[0] == "nvrtcCompileProgram"]) == len(COMMON_KERNELS)
