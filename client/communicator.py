@@ -320,15 +320,15 @@ class Communicator:
         then runs the op's finish (reduce or copy out)."""
         if not handle.pending:
             return
-        seq, target, finish, kind, dtype, nbytes = handle.shm  # type: ignore[misc]
+        seq, parity, target, finish, kind, dtype, nbytes = handle.shm  # type: ignore[misc]
         shm = self._shm
         assert shm is not None
         try:
             shm.wait(target, seq)
-            shm.agree(seq)
+            shm.agree(seq, parity)
             if finish is not None:
-                finish(seq & 1)
-            shm.done(seq, kind, dtype, nbytes)
+                finish(parity)
+            shm.done(seq, parity, kind, dtype, nbytes)
         except SmddpError as exc:
             handle.error = exc
         finally:
@@ -369,14 +369,15 @@ class Communicator:
             def start() -> bool:
                 try:
                     shm.check()
+                    parity = shm.next_parity()
                     if fill is not None:
-                        fill(seq & 1)
-                    target = shm.publish(seq, kind, code, count, root, reduce_op)
+                        fill(parity)
+                    target = shm.publish(seq, parity, kind, code, count, root, reduce_op)
                 except SmddpError as exc:
                     handle.error = exc
                     return False
                 handle.pending = 1
-                handle.shm = (seq, target, finish, kind, code, nbytes)
+                handle.shm = (seq, parity, target, finish, kind, code, nbytes)
                 return True
 
             if self._progress.busy():
@@ -540,18 +541,19 @@ class Communicator:
                 first = True
                 try:
                     shm.check()
+                    parity = shm.next_parity()
                     for c in range(chunks):
                         a, b = c * per, min(n, (c + 1) * per)
                         base = self._slots[(first_slot + c) % 2]
                         slots = [pm[base : base + (b - a) * s].view(dtype) for pm in maps]
                         for _ in work(a, b, slots):
                             if first:
-                                shm.wait(shm.publish(seq, kind, code, count, root, reduce_op), seq)
-                                shm.agree(seq)
+                                shm.wait(shm.publish(seq, parity, kind, code, count, root, reduce_op), seq)
+                                shm.agree(seq, parity)
                                 first = False
                             else:
                                 shm.wait(shm.bump(), seq)
-                    shm.done(seq, kind, code, count * s)
+                    shm.done(seq, parity, kind, code, count * s)
                 except SmddpError as exc:
                     handle.error = exc
                 except Exception as exc:  # a bug must fail the op, not hang its waiters

@@ -112,6 +112,7 @@ class ShmPath:
         self._typed: dict[tuple[int, np.dtype], list[np.ndarray]] = {}
         self.spin_s = SPIN_S if usable_cores() >= self.world else SHORT_SPIN_S
         self.error: OpError | DaemonLostError | None = None
+        self.count = 0  # ops run in the region so far (their parity alternates)
 
     # -- synchronisation ----------------------------------------------------------------------
 
@@ -193,7 +194,7 @@ class ShmPath:
         q = self.q
         lagging = [j for j in range(self.world) if q[self.bases[j] + S_SEQ] < seq]
         arrived = [j for j in range(self.world) if j not in lagging]
-        sig = self.view.signature(self.rank, seq)
+        sig = self.view.signature(self.rank, seq) or (0,) * SIG_WORDS
         self.error = op_error(
             pb.TIMEOUT,
             f"{self.name}: op #{seq} {describe(*sig[G_KIND : G_OP + 1])} timed out: {rank_list(lagging or [-1])} "
@@ -204,10 +205,15 @@ class ShmPath:
 
     # -- one op ----------------------------------------------------------------------------------
 
-    def publish(self, seq: int, kind: int, dtype: int, count: int, root: int, reduce_op: int) -> int:
+    def next_parity(self) -> int:
+        """The parity of the next op in the region: its data buffers and signature words."""
+        self.count += 1
+        return self.count & 1
+
+    def publish(self, seq: int, parity: int, kind: int, dtype: int, count: int, root: int, reduce_op: int) -> int:
         """Writes this rank's signature of op ``seq`` and arrives at it; returns the step."""
         q = self.q
-        w = self.base + SIG_WORD + (seq & 1) * SIG_WORDS
+        w = self.base + SIG_WORD + parity * SIG_WORDS
         q[w + G_SEQ] = seq
         q[w + G_KIND] = kind
         q[w + G_DTYPE] = dtype
@@ -219,21 +225,21 @@ class ShmPath:
         q[self.base + S_SEQ] = seq
         return self.bump()
 
-    def agree(self, seq: int) -> None:
+    def agree(self, seq: int, parity: int) -> None:
         """After the op's first synchronisation: raises MismatchError unless every rank
         published the same signature for op ``seq`` (the same text on every rank)."""
         q = self.q
-        off = SIG_WORD + (seq & 1) * SIG_WORDS
+        off = SIG_WORD + parity * SIG_WORDS
         mine = q[self.base + off + G_PACKED]
         for b in self.bases:
             if q[b + off + G_PACKED] != mine or q[b + off + G_SEQ] != seq:
-                self._mismatch(seq)
+                self._mismatch(seq, parity)
 
-    def _mismatch(self, seq: int) -> None:
+    def _mismatch(self, seq: int, parity: int) -> None:
         groups: dict[tuple[int, ...], list[int]] = {}
         sigs = {}
         for r in range(self.world):
-            sig = self.view.signature(r, seq)
+            sig = self.view.signature_at(r, parity)
             sigs[r] = sig
             groups.setdefault(sig[G_KIND : G_OP + 1] + (sig[G_SEQ],), []).append(r)
         ordered = sorted(groups.items(), key=lambda kv: (len(kv[1]), kv[1][0]))
@@ -249,10 +255,10 @@ class ShmPath:
         self.error = MismatchError(message)
         raise self.error
 
-    def done(self, seq: int, kind: int, dtype: int, nbytes: int) -> None:
+    def done(self, seq: int, parity: int, kind: int, dtype: int, nbytes: int) -> None:
         """Counts the completed op in this rank's slot (the daemon reads the counters)."""
         q = self.q
-        col = SIG_WORD + (seq & 1) * SIG_WORDS + G_ARRIVAL
+        col = SIG_WORD + parity * SIG_WORDS + G_ARRIVAL
         arrivals = [q[b + col] for b in self.bases]
         first, last = min(arrivals), max(arrivals)
         now = time.monotonic_ns()

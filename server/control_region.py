@@ -91,8 +91,7 @@ class ControlRegion:
         if seq == 0 or not missing:
             return None
         arrived = [r for r, s in enumerate(seqs) if s >= seq]
-        sigs = [v.signature(r, seq) for r in arrived]
-        sigs = [s for s in sigs if s[G_SEQ] == seq]
+        sigs = [s for s in (v.signature(r, seq) for r in arrived) if s is not None and s[G_SEQ] == seq]
         if not sigs:
             return None  # a rank is between publishing its sequence number and its signature
         sig = sigs[0]

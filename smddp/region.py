@@ -144,10 +144,22 @@ class RegionView:
         """The address of rank ``rank``'s step word (a futex)."""
         return self.address + (self.slot_base[rank] + S_STEP) * 8
 
-    def signature(self, rank: int, seq: int) -> tuple[int, ...]:
-        """Rank ``rank``'s published signature for op ``seq`` (its parity's words)."""
-        w = self.slot_base[rank] + SIG_WORD + (seq & 1) * SIG_WORDS
+    def signature_at(self, rank: int, parity: int) -> tuple[int, ...]:
+        """Rank ``rank``'s signature words of ``parity``.
+
+        Parity counts the ops that ran in the region (not the op sequence number, which
+        ops through the daemon advance too): a rank can be at most one region op ahead.
+        """
+        w = self.slot_base[rank] + SIG_WORD + parity * SIG_WORDS
         return tuple(int(x) for x in self.words[w : w + SIG_WORDS])
+
+    def signature(self, rank: int, seq: int) -> tuple[int, ...] | None:
+        """Rank ``rank``'s published signature of op ``seq``, or None if it has none."""
+        for parity in (0, 1):
+            sig = self.signature_at(rank, parity)
+            if sig[0] == seq:
+                return sig
+        return None
 
     def slot_error(self, rank: int) -> tuple[int, str]:
         """The error kind and message a rank recorded in its slot."""

@@ -49,15 +49,16 @@ def _in_threads(fns) -> list:
 def _all_reduce(shm: ShmPath, seq: int, x: np.ndarray) -> np.ndarray:
     """One small all_reduce the way the engine runs it: fill, publish, wait, agree, reduce."""
     shm.check()
-    bufs = shm.typed(seq & 1, x.dtype)
+    parity = shm.next_parity()
+    bufs = shm.typed(parity, x.dtype)
     np.copyto(bufs[shm.rank][: x.size], x)
-    target = shm.publish(seq, pb.ALL_REDUCE, 3, x.size, 0, pb.SUM)
+    target = shm.publish(seq, parity, pb.ALL_REDUCE, 3, x.size, 0, pb.SUM)
     shm.wait(target, seq)
-    shm.agree(seq)
+    shm.agree(seq, parity)
     out = np.zeros_like(x)
     for b in bufs:
         out += b[: x.size]
-    shm.done(seq, pb.ALL_REDUCE, 3, x.nbytes)
+    shm.done(seq, parity, pb.ALL_REDUCE, 3, x.nbytes)
     return out
 
 
@@ -97,8 +98,8 @@ def test_mismatch_gives_every_rank_the_same_message() -> None:
     def call(r: int) -> None:
         shm = ranks[r]
         count = 8 if r != 2 else 16
-        shm.wait(shm.publish(1, pb.ALL_REDUCE, 3, count, 0, pb.SUM), 1)
-        shm.agree(1)
+        shm.wait(shm.publish(1, shm.next_parity(), pb.ALL_REDUCE, 3, count, 0, pb.SUM), 1)
+        shm.agree(1, 1)
 
     errors = _in_threads([lambda r=r: call(r) for r in range(3)])
     assert all(isinstance(e, MismatchError) for e in errors), errors
@@ -117,7 +118,7 @@ def test_daemon_failure_wakes_a_sleeping_rank_within_two_seconds() -> None:
     region = ControlRegion(2, data_bytes=4096)
     ranks = _ranks(region)
     shm = ranks[0]
-    target = shm.publish(1, pb.BARRIER, 0, 0, 0, 0)
+    target = shm.publish(1, shm.next_parity(), pb.BARRIER, 0, 0, 0, 0)
     time.sleep(0.2)  # long past spinning: rank 0 will sleep on rank 1's step word
     pending = region.pending()
     assert pending is not None and pending.arrived == [0] and pending.missing == [1]
@@ -143,7 +144,7 @@ def test_a_rank_notices_the_daemon_gone() -> None:
     alive = [True]
     ranks = _ranks(region, alive=lambda: alive[0])
     shm = ranks[0]
-    target = shm.publish(1, pb.BARRIER, 0, 0, 0, 0)
+    target = shm.publish(1, shm.next_parity(), pb.BARRIER, 0, 0, 0, 0)
     threading.Timer(0.3, lambda: alive.__setitem__(0, False)).start()
     start = time.monotonic()
     with pytest.raises(DaemonLostError, match="is gone"):
@@ -156,8 +157,8 @@ def test_a_rank_times_out_on_its_own_when_the_daemon_cannot(monkeypatch: pytest.
     monkeypatch.setattr("smddp.client.shm.GRACE_S", 0.0)
     region = ControlRegion(3, data_bytes=4096)
     ranks = _ranks(region, timeout_s=0.3)
-    ranks[1].publish(1, pb.BARRIER, 0, 0, 0, 0)
-    target = ranks[0].publish(1, pb.BARRIER, 0, 0, 0, 0)
+    ranks[1].publish(1, ranks[1].next_parity(), pb.BARRIER, 0, 0, 0, 0)
+    target = ranks[0].publish(1, ranks[0].next_parity(), pb.BARRIER, 0, 0, 0, 0)
     with pytest.raises(OpTimeoutError, match=r"op #1 barrier\(\) timed out: rank 2 never arrived while ranks 0-1 waited"):
         ranks[0].wait(target, 1)
 
@@ -167,7 +168,7 @@ def test_pending_names_the_lagging_ranks_for_the_daemons_timeout() -> None:
     region = ControlRegion(3, data_bytes=4096)
     ranks = _ranks(region)
     for r in (0, 2):
-        ranks[r].publish(1, pb.BROADCAST, 3, 4096, 1, 0)
+        ranks[r].publish(1, ranks[r].next_parity(), pb.BROADCAST, 3, 4096, 1, 0)
     time.sleep(0.05)
     p = region.pending()
     assert p is not None
