@@ -18,7 +18,7 @@ import grpc
 import numpy as np
 
 from smddp.client.arena import ClientArena
-from smddp.client.errors import ConnectError, DaemonLostError
+from smddp.client.errors import ConnectError, DaemonLostError, OpError, op_error
 from smddp.v1 import smddp_pb2 as pb
 from smddp.v1 import smddp_pb2_grpc as pb_grpc
 from smddp.wire import (
@@ -152,6 +152,13 @@ class DaemonSession:
         try:
             self._sock.sendall(pack(MSG_OP, req.SerializeToString()))
         except OSError as exc:
+            try:
+                while self._recv(block=False) is not None:
+                    pass  # replies to earlier ops; the daemon's last word, if it left one, raises
+            except OpError:
+                raise
+            except DaemonLostError:
+                pass
             raise DaemonLostError(
                 f"smddpd at {self.socket_path} is gone (it stopped or restarted): {exc}"
             ) from None
@@ -220,7 +227,10 @@ class DaemonSession:
         kind = self._buf[0]
         if kind != MSG_OP_REPLY:
             raise DaemonLostError(f"smddpd at {self.socket_path} sent message type {kind}")
-        return pb.OpReply.FromString(self._view[1:n])
+        reply = pb.OpReply.FromString(self._view[1:n])
+        if reply.request_id == 0 and not reply.ok:
+            raise op_error(reply.error_kind, reply.error)  # a notice for every rank (the daemon stops)
+        return reply
 
     def peer_arenas(self) -> tuple[list[np.ndarray], np.ndarray]:
         """Maps the arena of every rank of the communicator (in rank order; our own included)

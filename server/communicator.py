@@ -20,6 +20,7 @@ import numpy as np
 from smddp.server import collectives, gpu, multinode
 from smddp.server.control_region import ControlRegion
 from smddp.server.errors import FailedPrecondition, InvalidRequest, OpMismatch, SmddpError
+from smddp.server.logthrottle import refusals
 from smddp.server.peer_transport import FRAME_DATA, CommPeers, Frame, PeerError
 from smddp.server.session import Session
 from smddp.v1 import smddp_pb2 as pb
@@ -38,6 +39,7 @@ from smddp.wire import (
 log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
+    from smddp.server.limits import BufferAccount
     from smddp.server.metrics import Metrics
 
 @dataclass
@@ -52,6 +54,7 @@ class Pending:
     arrivals: dict[int, tuple[Session, pb.OpRequest, float]] = field(default_factory=dict)
     # A send that arrived before its recv: a copy of its data; the sender was answered already.
     sent: np.ndarray | None = None
+    held_back: str = ""  # why such a send was not copied (the daemon's buffer limit)
 
     def missing(self) -> list[int]:
         return [r for r in self.participants if r not in self.arrivals]
@@ -67,6 +70,10 @@ def _signature(req: pb.OpRequest) -> tuple[int, ...]:
 
 class Communicator:
     """The ranks of one process group of one job, as registered with this daemon."""
+
+    # The job's share of the bytes the daemon may hold for sends that wait for their
+    # receives (set by the registry; None: unbounded).
+    buffers: BufferAccount | None = None
 
     def __init__(
         self,
@@ -211,11 +218,20 @@ class Communicator:
                 elif req.kind == pb.SEND and len(participants) == 2 and not req.HasField("cuda"):
                     # Eager send: copy the chunk out and let the sender go on. Otherwise two
                     # ranks that isend to each other before receiving block on full arenas.
-                    try:
-                        pending.sent = session.arena.view(req.input, NUMPY_DTYPES[req.dtype]).copy()  # type: ignore[union-attr]
-                        early = True
-                    except SmddpError:
-                        pass  # a bad region is reported when the recv meets it
+                    # Within the job's budget only: beyond it the send waits for its recv.
+                    if self.buffers is None or self.buffers.try_take(req.input.nbytes):
+                        try:
+                            pending.sent = session.arena.view(req.input, NUMPY_DTYPES[req.dtype]).copy()  # type: ignore[union-attr]
+                            early = True
+                        except SmddpError:
+                            if self.buffers is not None:
+                                self.buffers.give(req.input.nbytes)  # a bad region is reported when the recv meets it
+                    else:
+                        pending.held_back = self.buffers.limit_text(req.input.nbytes)
+                        refusals.log(
+                            log, logging.INFO, "send held back", "%s: %s's send of %d bytes to rank %d waits for its "
+                            "receive: %s", self.name(), session.label(), req.input.nbytes, req.root, pending.held_back,
+                        )
         if failure is not None:
             self._reply_error(session, req, *failure)
         elif ready is not None:
@@ -405,6 +421,8 @@ class Communicator:
                 s.reply(pb.OpReply(request_id=r.request_id, ok=True))
 
     def _run_p2p(self, sessions: list[Session], reqs: list[pb.OpRequest], sent: np.ndarray | None = None) -> None:
+        if sent is not None and self.buffers is not None:
+            self.buffers.give(sent.nbytes)  # the copy is dropped once this call returns, whatever it does
         send, recv = (reqs[0], reqs[1]) if reqs[0].kind == pb.SEND else (reqs[1], reqs[0])
         s_send, s_recv = (sessions[0], sessions[1]) if reqs[0].kind == pb.SEND else (sessions[1], sessions[0])
         if recv.kind != pb.RECV or send.kind != pb.SEND:
@@ -484,6 +502,8 @@ class Communicator:
         for p in pending:
             for session, req, _ in p.arrivals.values():
                 if p.sent is not None and req.kind == pb.SEND:
+                    if self.buffers is not None:
+                        self.buffers.give(p.sent.nbytes)
                     continue  # answered when it arrived
                 self._reply_error(session, req, kind, message)
 
@@ -504,6 +524,7 @@ class Communicator:
             ]
             req = next(iter(p.arrivals.values()))[1]
             culprit = self.members.get(missing[0]) if len(missing) == 1 else None
+            held_back = next((q.held_back for q in self._pending.values() if q.held_back), "")
         waited = now - p.first_arrival
         arrived = sorted(p.arrivals)
         message = (
@@ -511,6 +532,10 @@ class Communicator:
             f"{rank_list(missing)} never arrived ({', '.join(labels)}) while "
             f"{rank_list(arrived)} waited {waited:.1f} s (timeout {self.timeout_s:.1f} s)"
         )
+        if held_back:
+            # A rank that sends more than the daemon holds before receiving waits for its
+            # receives; if it never posts them first, this is why.
+            message += f"; sends wait for their receives since {held_back}"
         self.fail(pb.TIMEOUT, message, culprit=culprit)
 
     def _labels(self, ranks: list[int]) -> list[str]:
