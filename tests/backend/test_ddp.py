@@ -9,8 +9,7 @@ from __future__ import annotations
 import os
 
 import pytest
-
-torch = pytest.importorskip("torch")
+import torch
 
 WORLD = 2
 STEPS = 6

@@ -22,8 +22,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from smddp.v1 import smddp_pb2 as pb
 from smddp.v1 import smddp_pb2_grpc as pb_grpc
 
-pytest.importorskip("torch")
-
 BOUND_S = 10.0
 
 

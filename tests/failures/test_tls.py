@@ -18,16 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 
-pytest.importorskip("torch")
-x509 = pytest.importorskip("cryptography.x509")
-
-from cryptography.hazmat.primitives import hashes, serialization  # noqa: E402
-from cryptography.hazmat.primitives.asymmetric import ec  # noqa: E402
-from cryptography.x509.oid import NameOID  # noqa: E402
-
-from smddp.server.peer_transport import HELLO, HELLO_MAGIC, HELLO_REFUSED  # noqa: E402
-from smddp.server.tls import contexts  # noqa: E402
+from smddp.server.peer_transport import HELLO, HELLO_MAGIC, HELLO_REFUSED
+from smddp.server.tls import contexts
 
 PG_TIMEOUT_S = 6  # how long the node that was never connected waits for its peer
 

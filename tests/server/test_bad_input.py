@@ -175,7 +175,6 @@ def torch_bad_input(rank: int, world: int, init_file: str) -> dict[str, str]:
 
 @pytest.mark.timeout(120)
 def test_torch_bad_tensors(daemon, spawn_ranks, tmp_path):
-    pytest.importorskip("torch")
     env = dict(os.environ, SMDDP_SOCKET=daemon.socket, SMDDP_EMBEDDED="0")
     seen = spawn_ranks(torch_bad_input, 2, 2, str(tmp_path / "init"), env=env).join()
 
