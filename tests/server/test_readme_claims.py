@@ -447,21 +447,22 @@ def test_readyz_is_503_while_the_daemon_is_full(start_daemon, monkeypatch: pytes
 
 @pytest.mark.timeout(180)
 def test_the_daemons_rendezvous_takes_up_to_200_ranks(start_daemon) -> None:
-    d = start_daemon(args=("--node-id", "solo"))
-    root = daemon_info(d.socket).peer_address
+    daemons = [start_daemon(args=("--node-id", f"node{i}"), name=f"node{i}") for i in range(2)]
+    root, other = (daemon_info(d.socket).peer_address for d in daemons)
     name, token = job()
     with pytest.raises(ConnectError) as info:
-        rendezvous(name, token, 0, 201, root=root, socket_path=d.socket, timeout_s=10)
+        rendezvous(name, token, 0, 201, root=root, socket_path=daemons[1].socket, timeout_s=10)
     assert str(info.value).endswith(
         f"rendezvous of job {name}: the daemons' rendezvous serves jobs of up to 200 ranks; a larger job "
         "passes its node layout to Register itself (as torch jobs do from their store)"
     ), info.value
 
+    # 200 ranks, alternating between the two nodes, all waiting at the root at once.
     results: dict[int, Any] = {}
 
     def meet(rank: int) -> None:
         try:
-            results[rank] = rendezvous(name, token, rank, 200, root=root, socket_path=d.socket, timeout_s=120)
+            results[rank] = rendezvous(name, token, rank, 200, root=root, socket_path=daemons[rank % 2].socket, timeout_s=120)
         except ConnectError as exc:
             results[rank] = exc
 
@@ -472,8 +473,10 @@ def test_the_daemons_rendezvous_takes_up_to_200_ranks(start_daemon) -> None:
         t.join(150)
     layouts = {r: [(n.node_id, n.peer_address, list(n.ranks)) for n in v] for r, v in results.items() if isinstance(v, list)}
     assert len(results) == 200 and len(layouts) == 200, {r: v for r, v in results.items() if r not in layouts}
-    assert all(v == [("solo", root, list(range(200)))] for v in layouts.values())
-    assert d.stop() == 0, d.log()
+    want = [("node0", root, list(range(0, 200, 2))), ("node1", other, list(range(1, 200, 2)))]
+    assert all(v == want for v in layouts.values()), layouts[0]
+    for d in daemons:
+        assert d.stop() == 0, d.log()
 
 
 # -- where daemons and clients find each other (root, a mount namespace of its own) -----------
@@ -481,7 +484,7 @@ def test_the_daemons_rendezvous_takes_up_to_200_ranks(start_daemon) -> None:
 # Runs inside ``unshare --mount`` with fresh tmpfs on /run and /tmp, so the system socket and
 # the per-user folders are this test's alone. Prints one JSON object of what it saw.
 FIND = r"""
-import ctypes, json, os, signal, stat, subprocess, sys, time
+import ctypes, json, os, signal, stat, subprocess, sys, textwrap, time
 import grpc
 from smddp.client import connect
 from smddp.client.embedded import daemon_answers, find_or_start_daemon
@@ -517,7 +520,7 @@ def stop(proc):
     return proc.wait(30)
 
 def as_nobody(code, env):
-    p = subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", PY, "-c", code],
+    p = subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", PY, "-c", textwrap.dedent(code)],
                        env=env, cwd="/", capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     return json.loads(p.stdout)
@@ -586,7 +589,7 @@ def main():
     '''
     # Files, not pipes: the daemon inherits the job's stdout and stderr and outlives it a little.
     with open("/tmp/job.out", "w") as out, open("/tmp/job.err", "w") as err:
-        rc = subprocess.Popen([PY, "-c", JOB], env=dict(os.environ), cwd="/tmp", stdout=out, stderr=err).wait(180)
+        rc = subprocess.Popen([PY, "-c", textwrap.dedent(JOB)], env=dict(os.environ), cwd="/tmp", stdout=out, stderr=err).wait(180)
     ended = time.monotonic()
     job_err = open("/tmp/job.err").read()
     assert rc == 0, job_err
