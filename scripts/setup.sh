@@ -11,7 +11,8 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet "torch==2.13.0"
-.venv/bin/python -m pip install --quiet -e ".[torch,test,ucx]"
+# nvrtc-check: CuPy and NVRTC (no GPU needed) compile the daemon's kernels in the tests.
+.venv/bin/python -m pip install --quiet -e ".[torch,test,ucx,nvrtc-check]"
 # -- What the tests need, so that none of them skips in CI (tests/ci_skips.py fails a skip
 # under CI=true). Python packages the tests import plainly, pinned (they are also in the test
 # extra): the deploy tests parse the manifests with PyYAML and check them with jsonschema.
