@@ -188,7 +188,7 @@ def _with_drop_ins(tmp_path: Path, *drop_ins: tuple[str, str]) -> Path:
 @needs_systemd_analyze
 def test_the_mps_drop_in_verifies_and_keeps_the_hardening(tmp_path: Path) -> None:
     """deploy/systemd/smddpd-mps.conf in smddpd.service.d/: verify is silent, the exposure
-    stays under the threshold, and verify really reads drop-ins from there (a bad key in a
+    stays the README's, and verify really reads drop-ins from there (a bad key in a
     second drop-in is reported)."""
     text = MPS_DROP_IN.read_text()
     assert (
@@ -208,7 +208,7 @@ def test_the_mps_drop_in_verifies_and_keeps_the_hardening(tmp_path: Path) -> Non
             SYSTEMD_ANALYZE,
             "security",
             "--offline=yes",
-            f"--threshold={round(SECURITY_THRESHOLD * 10)}",
+            f"--threshold={round(readme_exposure() * 10)}",
             str(unit),
         ],
         capture_output=True,
@@ -217,6 +217,9 @@ def test_the_mps_drop_in_verifies_and_keeps_the_hardening(tmp_path: Path) -> Non
         cwd=tmp_path,
     )
     assert security.returncode == 0, security.stdout + security.stderr
+    # The drop-in keeps the unit's exposure exactly (binding a path scores nothing).
+    match = re.search(r"Overall exposure level for \S+: (\d+(?:\.\d+)?)", security.stdout + security.stderr)
+    assert match and float(match.group(1)) == readme_exposure(), security.stdout + security.stderr
     bad = _with_drop_ins(
         tmp_path / "bad", ("mps.conf", text), ("zz-bad.conf", "[Service]\nFrobnicate=1\n")
     )

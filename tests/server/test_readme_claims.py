@@ -45,7 +45,7 @@ from smddp.client import SmddpError, connect, rendezvous
 from smddp.client import communicator as client_communicator
 from smddp.client.communicator import daemon_info
 from smddp.client.errors import ConnectError
-from smddp.server import peer_transport
+from smddp.server import config, peer_transport
 from smddp.server import rendezvous as server_rendezvous
 from smddp.server.config import DaemonConfig
 from smddp.server.peer_transport import token_proof
@@ -78,13 +78,18 @@ def port_of(address: str) -> int:
 
 def test_stated_ports_are_the_daemons_and_the_daemonsets() -> None:
     cfg = DaemonConfig()
-    assert stated(r"`--peer-bind` \(default `([^`]+)`\)") == [(cfg.peer_bind,)] == [("0.0.0.0:7470",)]
+    # No peer listener unless told; the flags of the peer planes given alone imply one.
+    assert stated(r"`--peer-bind HOST:PORT` \(default `([^`]+)`; `--data-port`, `--advertise`, `--peer-transport` or "
+                  r"`--ucx-port` set alone imply `([^`]+)`\)") == [(cfg.peer_bind, config.IMPLIED_PEER_BIND)]
+    assert (cfg.peer_bind, config.IMPLIED_PEER_BIND) == ("off", "0.0.0.0:7470")
+    assert config.load(["--data-port", "7472"], {}).peer_bind == config.IMPLIED_PEER_BIND
+    peer_port = port_of(config.IMPLIED_PEER_BIND)
     assert stated(r"`--data-port` \(default (\d+)\)") == [(str(cfg.data_port),)]
     assert stated(r"`--ucx-port` \(default (\d+)\)") == [(str(cfg.ucx_port),)]
     assert stated(r"`--http-bind` \(default `([^`]+)`") == [(cfg.http_bind,)] == [("127.0.0.1:9464",)]
     # "When things go wrong": the firewall hint repeats them.
     assert stated(r"\(`--peer-bind`, default (\d+), and `--data-port`, default (\d+); `--ucx-port` (\d+) with UCX\)") == [
-        (str(port_of(cfg.peer_bind)), str(cfg.data_port), str(cfg.ucx_port))
+        (str(peer_port), str(cfg.data_port), str(cfg.ucx_port))
     ]
     # Kubernetes: the named ports, as the DaemonSet has them and as the daemon is told.
     ((sentence,),) = stated(r"(port `grpc` \d+, `peer` \d+, `data` \d+, `ucx` \d+, `metrics` \d+)")
@@ -92,10 +97,27 @@ def test_stated_ports_are_the_daemons_and_the_daemonsets() -> None:
     (container,) = yaml.safe_load(DAEMONSET.read_text())["spec"]["template"]["spec"]["containers"]
     assert {p["name"]: p["containerPort"] for p in container["ports"]} == readme_ports
     assert {
-        "peer": port_of(cfg.peer_bind), "data": cfg.data_port, "ucx": cfg.ucx_port, "metrics": port_of(cfg.http_bind),
+        "peer": peer_port, "data": cfg.data_port, "ucx": cfg.ucx_port, "metrics": port_of(cfg.http_bind),
     } == {k: v for k, v in readme_ports.items() if k != "grpc"}  # fmt: skip
     assert f"--grpc-bind=0.0.0.0:{readme_ports['grpc']}" in container["args"]
     assert readme_ports["grpc"] == 7471
+
+
+# How the README writes the limits' units: "(30 s)", "(512 MiB", "2 GiB in all".
+_UNITS = {None: 1, " s": 1, " MiB": MIB, " GiB": 1 << 30}
+
+
+def test_stated_limits_are_the_daemons() -> None:
+    cfg = DaemonConfig()
+    found = stated(r"`--([a-z][a-z-]*)`,?\s+\(?(\d+)( MiB| GiB| s)?\b")  # "`--max-handshakes` 128 in all"
+    got = {flag: int(n) * _UNITS[unit] for flag, n, unit in found}
+    assert got == {flag: getattr(cfg, flag.replace("-", "_")) for flag in got}
+    # Every limit of the daemon's own bounds is stated (a new one must be documented).
+    assert set(got) >= {
+        "attach-timeout-s", "max-unattached", "max-jobs-per-uid", "max-ranks-per-uid", "max-connections-per-uid",
+        "max-handshakes-per-uid", "max-handshakes", "max-buffered-bytes-per-uid", "max-buffered-bytes",
+        "max-pending-rendezvous", "max-rendezvous-wait-s", "max-op-streams",
+    }  # fmt: skip
 
 
 def test_stated_sizes_and_times_are_the_codes() -> None:
