@@ -255,6 +255,9 @@ def test_errors_total_counts_each_kind_once(start_daemon) -> None:
     for h in (h0, h1):
         with pytest.raises(SmddpError, match="rank 1 called broadcast"):
             h.wait()
+    # The ranks find the mismatch among themselves (in their shared control region); the daemon
+    # fails the group when its watchdog next looks, and counts it then.
+    wait_for(d.socket, "the group failed", lambda comms: any(c.job_id == name and c.failed for c in comms))
     counted("mismatch")
     # Later ops of the failed group fail with the same cause and are not counted again.
     with pytest.raises(SmddpError, match="rank 1 called broadcast"):
@@ -456,7 +459,7 @@ def test_readyz_is_503_while_the_daemon_is_full(start_daemon, monkeypatch: pytes
     name, token = job()
     c = connect(name, token, 0, 1, socket_path=d.socket)  # the default arena
     assert samples(port, "smddp_shm_bytes") == {frozenset(): float(64 * MIB)}
-    assert http_get(port, "/readyz") == (503, "serving the maximum of 1 jobs\n")
+    assert http_get(port, "/readyz") == (503, "serving the maximum of 1 jobs (--max-jobs)\n")
     assert http_get(port, "/healthz") == (200, "ok\n")  # full, not unwell
     other, other_token = job()
     with pytest.raises(ConnectError) as info:
