@@ -401,6 +401,38 @@ def test_a_node_that_never_answers_is_one_connection_error(start_daemon) -> None
 
 
 @pytest.mark.timeout(120)
+def test_a_mismatch_across_nodes_is_counted_on_each_node(start_daemon) -> None:
+    daemons, ports, nodes = two_nodes(start_daemon)
+    name, token = job()
+    comms = [connect(name, token, r, 2, socket_path=daemons[r].socket, nodes=nodes, arena_bytes=MIB) for r in range(2)]
+    # Each node's only rank arrived, so neither daemon holds the op as pending: the exchange
+    # finds the mismatch while the op runs.
+    # (Both nodes must need the other's data to see it: a broadcast's root node receives nothing.)
+    handles = [comms[0].all_reduce(np.ones(8, np.float32)), comms[1].all_reduce(np.ones(8, np.float32), pb.MAX)]
+    messages = []
+    for h in handles:
+        with pytest.raises(SmddpError) as info:
+            h.wait()
+        messages.append(str(info.value))
+    # Each node finds it in the other's data, and tells the other; a rank gets the view of the
+    # node that failed the group first, which may be either (issue 15 report: across nodes,
+    # a mismatch can give the ranks two messages, each exact).
+    views = {
+        f"job {name} comm 0: rank {them} (node node{them}) called all_reduce({theirs}, 8 x float32) as op #1 "
+        f"while rank {me} (node node{me}) called all_reduce({mine}, 8 x float32)"
+        for me, mine, them, theirs in ((0, "SUM", 1, "MAX"), (1, "MAX", 0, "SUM"))
+    }
+    assert set(messages) <= views, messages
+    for port in ports:
+        errors = {dict(labels)["kind"]: v for labels, v in samples(port, "smddp_errors_total").items()}
+        assert errors == {**dict.fromkeys(ERROR_KINDS, 0.0), "mismatch": 1.0}, errors
+    for c in comms:
+        c.close()
+    for d in daemons:
+        assert d.stop() == 0, d.log()
+
+
+@pytest.mark.timeout(120)
 def test_a_hung_node_is_named_by_the_heartbeat(start_daemon) -> None:
     daemons, _, nodes = two_nodes(start_daemon)
     name, token = job()
