@@ -25,7 +25,7 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 
 def readme_exposure() -> float:
     """The exposure level the README states for the unit ("... --offline=yes` on it (exposure 1.9)")."""
-    found = re.findall(r"systemd-analyze security --offline=yes` on it \(exposure (\d+\.\d)\)", README.read_text())
+    found = re.findall(r"systemd-analyze\s+security\s+--offline=yes`\s+on\s+it\s+\(exposure\s+(\d+\.\d)\)", README.read_text())
     assert len(found) == 1, "the README no longer states the unit's exposure level once"
     return float(found[0])
 
