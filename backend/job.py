@@ -4,10 +4,15 @@ Built once per default process group from the c10d store that init_process_group
 backend: rank 0 draws the job id and token, every rank publishes its node, and the first
 rank of each node (its local leader) finds the node's daemon, or starts an embedded one,
 and publishes its socket and peer address for the others.
+
+Every key carries the attempt: torchrun keeps its store across ``--max-restarts``, so a
+restarted rank would otherwise read the job id and the socket of the attempt before it
+(whose embedded daemon is gone) and fail with "no smddpd socket found".
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import secrets
@@ -24,7 +29,9 @@ from smddp.wire import outward_ip
 
 ENV_NODE_ID = "SMDDP_NODE_ID"
 ENV_ADVERTISE = "SMDDP_ADVERTISE"
-KEY_JOB = "smddp/job"
+ENV_RESTART = "TORCHELASTIC_RESTART_COUNT"  # set by torchrun: 0 on the first attempt, then 1, 2, ...
+
+_rounds = itertools.count()  # default groups this process created: a new init after a destroy
 
 
 def node_id() -> str:
@@ -62,6 +69,14 @@ def _get(store: dist.Store, key: str) -> str:
     return store.get(key).decode()
 
 
+def attempt_prefix(round_in_process: int) -> str:
+    """The store prefix of this attempt's keys: torchrun's restart count, and how many
+    default groups this process made before (every rank re-initialises as often as the
+    others, so both agree across the job)."""
+    restart = os.environ.get(ENV_RESTART, "0")
+    return f"smddp/a{restart}.{round_in_process}/"
+
+
 def rendezvous(store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> Job:
     """Agrees on the job through ``store`` and finds this node's daemon.
 
@@ -69,15 +84,16 @@ def rendezvous(store: dist.Store, rank: int, world_size: int, timeout: timedelta
         ConnectError: no daemon could be found or started, or it cannot reach other nodes.
     """
     store.set_timeout(timeout)
+    at = attempt_prefix(next(_rounds))
     if rank == 0:
-        store.set(KEY_JOB, json.dumps({"job_id": "j" + secrets.token_hex(8), "token": secrets.token_hex(32)}))
-    job = json.loads(_get(store, KEY_JOB))
+        store.set(at + "job", json.dumps({"job_id": "j" + secrets.token_hex(8), "token": secrets.token_hex(32)}))
+    job = json.loads(_get(store, at + "job"))
     me = node_id()
-    store.set(f"smddp/node/{rank}", me)
-    nodes = tuple(_get(store, f"smddp/node/{r}") for r in range(world_size))
+    store.set(f"{at}node/{rank}", me)
+    nodes = tuple(_get(store, f"{at}node/{r}") for r in range(world_size))
     spans_nodes = len(set(nodes)) > 1
     leader = nodes.index(me)
-    key = f"smddp/socket/{me}"
+    key = f"{at}socket/{me}"
     if rank == leader:
         try:
             path = find_or_start_daemon(peer_host() if spans_nodes else None)
@@ -87,10 +103,10 @@ def rendezvous(store: dist.Store, rank: int, world_size: int, timeout: timedelta
         except ConnectError as exc:
             store.set(key, "!" + str(exc))  # tell the other local ranks instead of leaving them waiting
             raise
-        store.set(f"smddp/peer/{me}", peer)
+        store.set(f"{at}peer/{me}", peer)
         store.set(key, path)
     path = _get(store, key)
     if path.startswith("!"):
         raise ConnectError(f"the local leader (rank {leader}) could not reach a daemon: {path[1:]}")
-    peers = {n: _get(store, f"smddp/peer/{n}") for n in sorted(set(nodes))} if spans_nodes else {}
+    peers = {n: _get(store, f"{at}peer/{n}") for n in sorted(set(nodes))} if spans_nodes else {}
     return Job(job["job_id"], bytes.fromhex(job["token"]), me, path, nodes, peers)

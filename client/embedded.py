@@ -3,13 +3,19 @@
 A system daemon (``/run/smddp/smddpd.sock``, or ``SMDDP_SOCKET``) is used whenever it
 answers its health check. Otherwise the job's local leader starts ``smddpd`` on a socket in
 a private temporary folder; it lives as long as the job: it exits once its owner process is
-gone and no rank is registered.
+gone and no rank is registered, and removes its folder on the way out. A daemon that could
+not (SIGKILL, OOM kill) leaves the folder behind; the next embedded start of the same user
+removes such folders once nothing listens on their socket.
 """
 
 from __future__ import annotations
 
+import errno
+import glob
 import logging
 import os
+import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -26,6 +32,9 @@ log = logging.getLogger("smddp")
 
 ENV_EMBEDDED = "SMDDP_EMBEDDED"  # "0" forbids starting a private daemon
 START_TIMEOUT_S = 60.0
+FOLDER_PREFIX = "smddp-job-"
+SOCKET_NAME = "smddpd.sock"
+BIND_GRACE_S = 5.0  # a socket this young may belong to a daemon between bind() and listen()
 
 
 def daemon_answers(path: str, timeout_s: float = 2.0) -> bool:
@@ -61,6 +70,66 @@ def find_or_start_daemon(peer_host: str | None = None) -> str:
     return start_embedded_daemon(tried=candidates, peer_host=peer_host)
 
 
+def _listening(path: str) -> bool:
+    """Whether a process accepts connections on the unix socket ``path`` (a daemon that is
+    alive but busy still counts: only a refused or missing socket means it is gone)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(1.0)
+        try:
+            s.connect(path)
+        except OSError as exc:
+            return exc.errno not in (errno.ECONNREFUSED, errno.ENOENT)
+    return True
+
+
+def clean_stale_folders(tmp: str | None = None, now: float | None = None) -> list[str]:
+    """Removes this user's embedded-daemon folders whose daemon is gone.
+
+    A folder counts as stale when it is a real directory owned by this uid that holds
+    nothing but the daemon's unix sockets (``smddpd.sock``, ``smddpd.sock.data``), none of
+    which accepts a connection any more and all older than BIND_GRACE_S, or that is empty
+    and older than START_TIMEOUT_S (a daemon that died before it bound; a younger one may
+    still be starting). Other users' folders, and folders holding anything else, are left
+    alone.
+
+    Returns:
+        The folders removed.
+    """
+    tmp = tmp or tempfile.gettempdir()
+    now = time.time() if now is None else now
+    removed = []
+    for folder in glob.glob(os.path.join(glob.escape(tmp), FOLDER_PREFIX + "*")):
+        try:
+            st = os.lstat(folder)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+                continue
+            sockets = [os.path.join(folder, name) for name in os.listdir(folder)]
+            if not sockets and now - st.st_mtime < START_TIMEOUT_S:
+                continue
+            if not all(_dead_socket(path, now) for path in sockets):
+                continue
+            for path in sockets:
+                os.unlink(path)
+            os.rmdir(folder)
+        except OSError:
+            continue
+        removed.append(folder)
+    if removed:
+        log.info("smddp: removed %d folder(s) of embedded daemons that are gone: %s", len(removed), ", ".join(removed))
+    return removed
+
+
+def _dead_socket(path: str, now: float) -> bool:
+    """Whether ``path`` is a daemon's socket, old enough and refusing connections."""
+    st = os.lstat(path)
+    return (
+        os.path.basename(path).startswith(SOCKET_NAME)
+        and stat.S_ISSOCK(st.st_mode)
+        and now - st.st_mtime >= BIND_GRACE_S
+        and not _listening(path)
+    )
+
+
 def start_embedded_daemon(tried: list[str] | None = None, peer_host: str | None = None) -> str:
     """Starts smddpd for this job on a private socket and waits until it serves.
 
@@ -70,8 +139,9 @@ def start_embedded_daemon(tried: list[str] | None = None, peer_host: str | None 
     Raises:
         ConnectError: the daemon exited or did not become ready in time.
     """
-    folder = tempfile.mkdtemp(prefix="smddp-job-")  # mode 0700: only this user reaches it
-    path = os.path.join(folder, "smddpd.sock")
+    clean_stale_folders()
+    folder = tempfile.mkdtemp(prefix=FOLDER_PREFIX)  # mode 0700: only this user reaches it
+    path = os.path.join(folder, SOCKET_NAME)
     env = dict(os.environ)
     env.pop("SMDDP_SOCKET", None)
     cmd = [
