@@ -44,6 +44,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import smddp  # noqa: F401  (registers the backend)
 
 
+def say(line: str) -> None:
+    """One line to stdout in one write: the ranks share torchrun's pipe, and print() writes
+    the text and its newline separately, so lines of different ranks would interleave."""
+    os.write(1, (line + "\n").encode())
+
+
 def _model(rank: int, spec: dict[str, Any]) -> nn.Module:
     torch.manual_seed(1000 + rank)
     if spec.get("mismatch") == "model" and rank == spec["victim"]:
@@ -91,16 +97,16 @@ def train(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
     step = 0
     while time.monotonic() < deadline and (not spec.get("steps") or step < spec["steps"]):
         if _fails_now(rank, step, spec):
-            print(f"failing {rank} {time.time():.3f}", flush=True)
+            say(f"failing {rank} {time.time():.3f}")
             raise RuntimeError(f"rank {rank} fails on purpose at step {step}")
         x = torch.randn(16, 8, generator=data)
         opt.zero_grad()
         F.mse_loss(ddp(x), x.sum(dim=1, keepdim=True).sin()).backward()
         opt.step()
         if step == 0:
-            print(f"ready {rank} {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')} {time.time():.3f}", flush=True)
+            say(f"ready {rank} {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')} {time.time():.3f}")
         else:
-            print(f"step {step}", flush=True)
+            say(f"step {step}")
         step += 1
     return {"steps": step, "params": [p.detach().sum().item() for p in ddp.parameters()]}
 
@@ -111,7 +117,7 @@ def main() -> None:
     out = Path(spec["out"])
     record: dict[str, Any] = {"rank": rank, "pid": os.getpid(),
                               "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}
-    print(f"pid {rank} {os.getpid()}", flush=True)
+    say(f"pid {rank} {os.getpid()}")
     torch.set_num_threads(1)
     dist.init_process_group("smddp", timeout=timedelta(seconds=spec.get("pg_timeout_s", 60)))
     try:
