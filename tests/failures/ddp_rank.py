@@ -16,6 +16,9 @@ SPEC fields:
   check's all_gather differs in size) or "hook" (the victim alone compresses its gradients
   to float16 with ``fp16_compress_hook``, so its bucket all_reduces in ``backward()`` differ
   in dtype from the others').
+- ``program``: "ddp" (the default), or "funcol": instead of DDP, functional collectives
+  (``torch.distributed._functional_collectives.all_reduce``, whose result torch waits for
+  in C++ through ``wait_tensor``), checked, in a loop.
 - ``steps``: train this many steps and finish cleanly (0: until the group fails).
 - ``run_s``: give up after this long (the result then says no error came).
 
@@ -111,6 +114,22 @@ def train(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
     return {"steps": step, "params": [p.detach().sum().item() for p in ddp.parameters()]}
 
 
+def funcol_loop(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """Functional all_reduces, each result checked, until the group fails."""
+    import torch.distributed._functional_collectives as funcol
+
+    deadline = time.monotonic() + spec.get("run_s", 60)
+    step = 0
+    while time.monotonic() < deadline:
+        got = funcol.all_reduce(torch.full((4096,), float(rank + step)), "sum", dist.group.WORLD)
+        want = float(sum(range(dist.get_world_size())) + dist.get_world_size() * step)
+        if not torch.equal(got + 0, torch.full((4096,), want)):  # + 0: torch waits for the op here
+            raise AssertionError(f"step {step}: wrong result")
+        say(f"ready {rank} 0 {time.time():.3f}" if step == 0 else f"step {step}")
+        step += 1
+    return {"steps": step}
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     rank = int(os.environ["RANK"])
@@ -121,7 +140,7 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("smddp", timeout=timedelta(seconds=spec.get("pg_timeout_s", 60)))
     try:
-        record.update(train(rank, spec))
+        record.update((funcol_loop if spec.get("program") == "funcol" else train)(rank, spec))
     except dist.DistBackendError as exc:
         record.update(type=type(exc).__name__, module=type(exc).__module__, message=str(exc),
                       failed_at=time.time())

@@ -77,9 +77,10 @@ HOOKS = ["none", "allreduce_hook", "fp16_compress_hook", "builtin"]
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("hook", HOOKS)
+@pytest.mark.parametrize("hook", [*HOOKS, "funcol"])
 def test_killed_rank(hook: str, env: dict[str, str], tmp_path: Path) -> None:
-    procs = launch_direct(env, tmp_path, hook=hook)
+    """DDP with each comm hook, and ("funcol") functional collectives, whose wait is C++'s."""
+    procs = launch_direct(env, tmp_path, **({"program": "funcol"} if hook == "funcol" else {"hook": hook}))
     try:
         wait_ready(procs)
         time.sleep(0.5)  # a few steps in, at no particular point of one
