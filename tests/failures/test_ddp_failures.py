@@ -103,13 +103,15 @@ def test_raising_rank(hook: str, env: dict[str, str], tmp_path: Path) -> None:
     try:
         wait_ready(procs)
         rc = wait_exit(procs[VICTIM], "the raising rank")
-        failed_at = time.time()  # the survivors hear of it once its process is gone
         assert rc == 1 and "rank 2 fails on purpose at step 3" in procs[VICTIM].output()
+        failed_at = next(float(line.split()[2]) for line in procs[VICTIM].lines if line.startswith("failing "))
+        # The survivors hear of it once its connection closes, as its interpreter shuts down.
         got = survivors(procs, [0, 1], tmp_path, failed_at)
     finally:
         kill_all(procs)
     for g in got:
         assert g["type"] == "SmddpRankFailedError" and re.fullmatch(DEAD_RANK, g["message"]), g
+    print("after the raise:", [round(g["failed_at"] - failed_at, 2) for g in got])
 
 
 @pytest.mark.timeout(180)
@@ -133,7 +135,7 @@ def test_daemon_stops(sig: int, system_daemon: Any, env: dict[str, str], tmp_pat
             assert m.startswith(f"smddpd at {system_daemon.socket}") or (
                 sig == signal.SIGTERM and re.fullmatch(f"{JOB}: smddpd is shutting down", m)
             ), g
-    print([g["message"] for g in got])
+    print([g["message"] for g in got], [round(g["failed_at"] - stopped_at, 2) for g in got])
 
 
 @pytest.mark.timeout(180)
