@@ -7,22 +7,37 @@ calls the client's GPU collective (``comm.cuda``), which sends CUDA IPC handles 
 daemon and returns at once. When the op's reply is retired, that stream waits on the
 daemon's "done" event; ``SmddpWork.wait()`` then orders the caller's current stream after
 it and copies non-contiguous outputs back. The host never blocks on the GPU.
+
+Every device call goes through ``device_api()``: torch.cuda, or (TEST ONLY, where
+``SMDDP_TEST_CUDA_DEVICE`` names FILE.py:FUNCTION) a fake device whose "GPU memory" is
+host shared memory, so that tests without a GPU run this path against a real smddpd (itself
+on a fake runtime, ``SMDDP_TEST_GPU_RUNTIME``). Never set it outside tests.
+
+Under CUDA graph capture every call is refused: the ready event would become a node of the
+graph, the daemon would read the inputs when the call is made rather than when the graph
+runs, and replays would never reach the daemon.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import os
+import sys
 import threading
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch._C import _distributed_c10d as c10d
 
+from smddp.backend import cuda_future
 from smddp.backend.tensors import SUPPORTED, reduce_op
 from smddp.backend.work import SmddpWork
 from smddp.client import Communicator
+from smddp.client.cuda_ipc import IpcExporter
 from smddp.client.cuda_ops import DeviceArray
-from smddp.client.errors import UnsupportedError
+from smddp.client.errors import SmddpError, UnsupportedError
 from smddp.v1 import smddp_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -41,6 +56,76 @@ WIRE_DTYPES: dict[torch.dtype, int] = {
 }
 
 
+class TorchCuda:
+    """The device calls of the GPU path, on torch.cuda (what runs everywhere but in tests).
+
+    Events and streams are torch's (``record``, ``ipc_handle``, ``synchronize``,
+    ``wait_event``, ``wait_stream``); a fake device returns objects with the same methods.
+    """
+
+    driver = None  # the CUDA driver bindings for CUDA IPC (None: smddp.cuda_driver's)
+
+    def is_device(self, t: torch.Tensor) -> bool:
+        return t.device.type == "cuda"
+
+    def available(self) -> bool:
+        return torch.cuda.is_available()
+
+    def device_index(self, t: torch.Tensor) -> int:
+        return t.device.index if t.device.index is not None else torch.cuda.current_device()
+
+    def capturing(self) -> bool:
+        return torch.cuda.is_current_stream_capturing()
+
+    def device(self, device: int) -> Any:
+        return torch.cuda.device(device)
+
+    def event(self, device: int) -> Any:
+        with torch.cuda.device(device):
+            return torch.cuda.Event(interprocess=True)
+
+    def current_stream(self, device: int) -> Any:
+        return torch.cuda.current_stream(device)
+
+    def stream(self, stream: Any) -> Any:
+        return torch.cuda.stream(stream)
+
+    def contiguous(self, t: torch.Tensor) -> torch.Tensor:
+        return t.contiguous()
+
+
+# TEST ONLY: FILE.py:FUNCTION returning a device to use instead of torch.cuda.
+TEST_DEVICE_ENV = "SMDDP_TEST_CUDA_DEVICE"
+_api: Any = None
+_api_lock = threading.Lock()
+
+
+def device_api() -> Any:
+    """torch.cuda's calls, or the test device named by SMDDP_TEST_CUDA_DEVICE (only if set)."""
+    global _api
+    if _api is None:
+        with _api_lock:
+            if _api is None:
+                spec = os.environ.get(TEST_DEVICE_ENV)
+                if not spec:
+                    _api = TorchCuda()
+                else:
+                    path, _, name = spec.rpartition(":")
+                    module_spec = importlib.util.spec_from_file_location("smddp_test_device", path)
+                    if module_spec is None or module_spec.loader is None:
+                        raise UnsupportedError(
+                            f"{TEST_DEVICE_ENV}={spec!r} names no FILE.py:FUNCTION"
+                        )
+                    module = importlib.util.module_from_spec(module_spec)
+                    sys.modules[module_spec.name] = module
+                    module_spec.loader.exec_module(module)
+                    log.warning(
+                        "smddp: GPU tensors on the TEST device %s (%s)", spec, TEST_DEVICE_ENV
+                    )
+                    _api = getattr(module, name)()
+    return _api
+
+
 def on_cuda(*items: object) -> bool:
     """True when any tensor among ``items`` (tensors, lists, lists of lists) is on a GPU."""
 
@@ -51,16 +136,18 @@ def on_cuda(*items: object) -> bool:
             for y in x:
                 yield from walk(y)
 
-    return any(t.device.type == "cuda" for item in items for t in walk(item))
+    api = device_api()
+    return any(api.is_device(t) for item in items for t in walk(item))
 
 
 class _EventPair:
     """An interprocess ready and done event on one GPU, with their IPC handles."""
 
     def __init__(self, device: int) -> None:
-        with torch.cuda.device(device):
-            self.ready = torch.cuda.Event(interprocess=True)
-            self.done = torch.cuda.Event(interprocess=True)
+        api = device_api()
+        with api.device(device):
+            self.ready = api.event(device)
+            self.done = api.event(device)
             self.ready_handle = self.ready.ipc_handle()
             self.done_handle = self.done.ipc_handle()
 
@@ -86,18 +173,32 @@ class _EventPool:
             self._free.setdefault(device, []).append(pair)
 
 
+# Tensors (and events) of ops whose done event could be neither waited on by the stream nor
+# by the host: the daemon's work may still write them, so they are never freed.
+_stranded: list[tuple[list[torch.Tensor], _EventPair]] = []
+
+
 class _OpEvents:
-    """The client's ``OpEvents`` for one op: ready is recorded on construction."""
+    """The client's ``OpEvents`` for one op: ready is recorded on construction.
+
+    ``finish`` (at the reply, ok or not) makes the stream wait on done: the daemon records
+    done once it queued anything, and a wait on an event it never recorded (refused before
+    any work) passes at once. If that wait cannot be queued, the host waits for done
+    (last resort); the op's Work then fails with ``error``, and the tensors are released
+    only after done has fired (never, if even that fails).
+    """
 
     def __init__(
-        self, pool: _EventPool, device: int, stream: torch.cuda.Stream, keep: list[torch.Tensor]
+        self, pool: _EventPool, device: int, stream: Any, keep: list[torch.Tensor], what: str
     ) -> None:
         self._pool = pool
         self._device = device
         self._pair: _EventPair | None = pool.take(device)
         self._stream = stream
+        self._what = what
         # The tensors the daemon reads or writes (stand-ins included) live until the reply.
         self._keep: list[torch.Tensor] | None = keep
+        self.error: SmddpError | None = None
         self.ready = self._pair.ready_handle
         self.done = self._pair.done_handle
         self._pair.ready.record(stream)
@@ -106,16 +207,26 @@ class _OpEvents:
         pair, self._pair = self._pair, None
         if pair is None:
             return
+        keep, self._keep = self._keep, None
         try:
-            if ok:
-                # Later work on the stream (the caching allocator's reuse of these tensors
-                # included) runs after the daemon's.
-                self._stream.wait_event(pair.done)
-        except Exception:  # must not raise into the client's retirement of the op
-            log.exception("smddp: making the stream wait on the daemon's done event failed")
-        finally:
-            self._keep = None
-            self._pool.give_back(self._device, pair)
+            # Later work on the stream (the caching allocator's reuse of these tensors
+            # included) runs after the daemon's.
+            self._stream.wait_event(pair.done)
+        except Exception as exc:  # must not raise into the client's retirement of the op
+            self.error = SmddpError(
+                f"{self._what}: the stream cannot wait on the daemon's done event ({exc!r}); "
+                "the op's outputs are not ordered"
+            )
+            log.error("smddp: %s", self.error)
+            try:
+                pair.done.synchronize()  # the daemon's work on these tensors is over
+            except Exception:
+                log.exception(
+                    "smddp: %s: waiting for done failed too; its tensors are kept", self._what
+                )
+                _stranded.append((keep or [], pair))
+                return
+        self._pool.give_back(self._device, pair)
 
 
 _pool = _EventPool()
@@ -128,6 +239,9 @@ class CudaCollectives:
         self.comm = comm
         self.rank = rank
         self.size = size
+        driver = device_api().driver
+        if driver is not None:  # a test device exports its own "IPC handles"
+            comm.cuda.exporter = IpcExporter(lambda: driver)
 
     # -- checks and plumbing --------------------------------------------------------------------
 
@@ -138,7 +252,8 @@ class CudaCollectives:
             UnsupportedError: no CUDA in this torch, tensors on several devices, sparse
                 tensors or an unsupported dtype.
         """
-        if not torch.cuda.is_available():
+        api = device_api()
+        if not api.available():
             raise UnsupportedError(
                 f"{what}: got CUDA tensors, but this torch build has no usable CUDA "
                 f"(torch {torch.__version__}, CUDA {torch.version.cuda or 'none'}); "
@@ -148,7 +263,7 @@ class CudaCollectives:
         for t in tensors:
             if not isinstance(t, torch.Tensor):
                 raise UnsupportedError(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
-            if t.device.type != "cuda":
+            if not api.is_device(t):
                 raise UnsupportedError(
                     f"{what}: mixes tensors on {t.device} with CUDA tensors; pass all of a "
                     "call's tensors on the same GPU"
@@ -162,9 +277,7 @@ class CudaCollectives:
                 raise UnsupportedError(
                     f"{what}: dtype {str(t.dtype).removeprefix('torch.')} is not supported ({names})"
                 )
-            devices.add(
-                t.device.index if t.device.index is not None else torch.cuda.current_device()
-            )
+            devices.add(api.device_index(t))
         if len(devices) != 1:
             raise UnsupportedError(
                 f"{what}: tensors on GPUs {sorted(devices)}; one call's tensors must share one GPU"
@@ -173,7 +286,9 @@ class CudaCollectives:
 
     @staticmethod
     def _array(t: torch.Tensor) -> DeviceArray:
-        return DeviceArray(t.data_ptr(), t.numel(), WIRE_DTYPES[t.dtype], t.get_device())
+        return DeviceArray(
+            t.data_ptr(), t.numel(), WIRE_DTYPES[t.dtype], device_api().device_index(t)
+        )
 
     def _run(
         self,
@@ -182,22 +297,34 @@ class CudaCollectives:
         result: list[torch.Tensor],
         copy_back: list[tuple[torch.Tensor, torch.Tensor]],
         call: Callable[[_OpEvents], object],
+        what: str,
     ) -> SmddpWork:
-        """Records ready on the current stream, makes the client call, wraps its handle."""
-        stream = torch.cuda.current_stream(device)
-        events = _OpEvents(_pool, device, stream, keep)
+        """Records ready on the current stream, makes the client call, wraps its handle.
+
+        Raises:
+            UnsupportedError: the stream is being captured into a CUDA graph.
+        """
+        api = device_api()
+        if api.capturing():
+            raise UnsupportedError(
+                f"{what}: smddp cannot run inside CUDA graph capture (torch.cuda.graph, "
+                'torch.compile(mode="reduce-overhead")): the daemon is not part of the graph, '
+                "so replays would skip the collective; run it outside the captured region"
+            )
+        stream = api.current_stream(device)
+        events = _OpEvents(_pool, device, stream, keep, what)
         try:
             handle = call(events)
         except BaseException:
             events.finish(False)
             raise
-        return SmddpWork([handle], result, _finisher(device, stream, copy_back))  # type: ignore[list-item]
+        return GpuWork([handle], result, _finisher(device, stream, copy_back, [events]))  # type: ignore[list-item]
 
     @staticmethod
     def _out(t: torch.Tensor, copy_back: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         if t.is_contiguous():
             return t
-        tmp = t.contiguous()
+        tmp = device_api().contiguous(t)
         copy_back.append((t, tmp))
         return tmp
 
@@ -227,6 +354,7 @@ class CudaCollectives:
                     [t],
                     copy_back,
                     lambda ev, b=b: self.comm.cuda.all_reduce(self._array(b), op, ev),
+                    what=what,
                 )
             )
         return works[0] if len(works) == 1 else _joined(works, list(tensors))
@@ -243,6 +371,7 @@ class CudaCollectives:
             [t],
             copy_back,
             lambda ev: self.comm.cuda.broadcast(self._array(b), opts.rootRank, ev),
+            what=what,
         )
 
     def reduce(self, tensors: list[torch.Tensor], opts: c10d.ReduceOptions) -> SmddpWork:
@@ -258,6 +387,7 @@ class CudaCollectives:
             [t],
             copy_back,
             lambda ev: self.comm.cuda.reduce(self._array(b), opts.rootRank, op, ev),
+            what=what,
         )
 
     def allgather(self, outs: list[torch.Tensor], src: torch.Tensor) -> SmddpWork:
@@ -266,7 +396,7 @@ class CudaCollectives:
         self._same(src, outs, what)
         copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []
         bufs = [self._out(o, copy_back) for o in outs]
-        s = src.contiguous()
+        s = device_api().contiguous(src)
         return self._run(
             device,
             [s, *bufs],
@@ -275,6 +405,7 @@ class CudaCollectives:
             lambda ev: self.comm.cuda.all_gather(
                 [self._array(b) for b in bufs], self._array(s), ev
             ),
+            what=what,
         )
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor) -> SmddpWork:
@@ -288,7 +419,7 @@ class CudaCollectives:
         copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []
         buf = self._out(output, copy_back)
         pieces = list(buf.reshape(self.size, -1))
-        s = input.contiguous()
+        s = device_api().contiguous(input)
         return self._run(
             device,
             [s, buf],
@@ -297,6 +428,7 @@ class CudaCollectives:
             lambda ev: self.comm.cuda.all_gather(
                 [self._array(p) for p in pieces], self._array(s), ev
             ),
+            what=what,
         )
 
     def reduce_scatter(
@@ -308,7 +440,7 @@ class CudaCollectives:
         self._same(out, ins, what)
         copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []
         buf = self._out(out, copy_back)
-        srcs = [x.contiguous() for x in ins]
+        srcs = [device_api().contiguous(x) for x in ins]
         return self._run(
             device,
             [buf, *srcs],
@@ -317,6 +449,7 @@ class CudaCollectives:
             lambda ev: self.comm.cuda.reduce_scatter(
                 self._array(buf), [self._array(x) for x in srcs], op, ev
             ),
+            what=what,
         )
 
     def reduce_scatter_single(
@@ -332,7 +465,7 @@ class CudaCollectives:
             )
         copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []
         buf = self._out(output, copy_back)
-        src = input.contiguous()
+        src = device_api().contiguous(input)
         pieces = list(src.reshape(self.size, -1))
         return self._run(
             device,
@@ -342,6 +475,7 @@ class CudaCollectives:
             lambda ev: self.comm.cuda.reduce_scatter(
                 self._array(buf), [self._array(p) for p in pieces], op, ev
             ),
+            what=what,
         )
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> SmddpWork:
@@ -349,7 +483,7 @@ class CudaCollectives:
         device = self._device(what, [*outputs, *inputs])
         copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []
         bufs = [self._out(o, copy_back) for o in outputs]
-        srcs = [x.contiguous() for x in inputs]
+        srcs = [device_api().contiguous(x) for x in inputs]
         return self._run(
             device,
             [*bufs, *srcs],
@@ -358,6 +492,7 @@ class CudaCollectives:
             lambda ev: self.comm.cuda.all_to_all(
                 [self._array(b) for b in bufs], [self._array(x) for x in srcs], ev
             ),
+            what=what,
         )
 
     def all_to_all_single(
@@ -373,7 +508,7 @@ class CudaCollectives:
         device = self._device(what, [output, input])
         copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []
         buf = self._out(output, copy_back)
-        src = input.contiguous()
+        src = device_api().contiguous(input)
         outs = split(buf, output_split_sizes, what, "output")
         ins = split(src, input_split_sizes, what, "input")
         return self._run(
@@ -384,6 +519,7 @@ class CudaCollectives:
             lambda ev: self.comm.cuda.all_to_all(
                 [self._array(o) for o in outs], [self._array(x) for x in ins], ev
             ),
+            what=what,
         )
 
     def gather(self, outs: list[torch.Tensor] | None, src: torch.Tensor, root: int) -> SmddpWork:
@@ -394,7 +530,7 @@ class CudaCollectives:
         if outs is not None:
             self._same(src, outs, what)
             bufs = [self._out(o, copy_back) for o in outs]
-        s = src.contiguous()
+        s = device_api().contiguous(src)
         return self._run(
             device,
             [s, *(bufs or [])],
@@ -406,6 +542,7 @@ class CudaCollectives:
                 root,
                 ev,
             ),
+            what=what,
         )
 
     def scatter(self, out: torch.Tensor, ins: list[torch.Tensor] | None, root: int) -> SmddpWork:
@@ -416,7 +553,7 @@ class CudaCollectives:
         srcs = None
         if ins is not None:
             self._same(buf, ins, what)
-            srcs = [x.contiguous() for x in ins]
+            srcs = [device_api().contiguous(x) for x in ins]
         return self._run(
             device,
             [buf, *(srcs or [])],
@@ -428,17 +565,25 @@ class CudaCollectives:
                 root,
                 ev,
             ),
+            what=what,
         )
 
     def send(self, t: torch.Tensor, dst: int, tag: int) -> SmddpWork:
-        device = self._device("send", [t])
-        s = t.contiguous()
+        what = "send"
+        device = self._device(what, [t])
+        s = device_api().contiguous(t)
         return self._run(
-            device, [s], [t], [], lambda ev: self.comm.cuda.send(self._array(s), dst, tag, ev)
+            device,
+            [s],
+            [t],
+            [],
+            lambda ev: self.comm.cuda.send(self._array(s), dst, tag, ev),
+            what=what,
         )
 
     def recv(self, t: torch.Tensor, src: int, tag: int) -> SmddpWork:
-        device = self._device("recv", [t])
+        what = "recv"
+        device = self._device(what, [t])
         copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []
         buf = self._out(t, copy_back)
         return self._run(
@@ -447,26 +592,49 @@ class CudaCollectives:
             [t],
             copy_back,
             lambda ev: self.comm.cuda.recv(self._array(buf), src, tag, ev),
+            what=what,
         )
 
 
 def _finisher(
-    device: int, stream: torch.cuda.Stream, copy_back: list[tuple[torch.Tensor, torch.Tensor]]
+    device: int,
+    stream: Any,
+    copy_back: list[tuple[torch.Tensor, torch.Tensor]],
+    events: list[_OpEvents],
 ) -> Callable[[], None]:
-    """What ``SmddpWork.wait()`` does after the reply: copy non-contiguous outputs back on
-    the op's stream (which already waits on the daemon), then order the caller's current
-    stream after it."""
+    """What ``SmddpWork.wait()`` does after the reply: fail if a fence could not be queued;
+    copy non-contiguous outputs back on the op's stream (which already waits on the daemon),
+    then order the caller's current stream after it."""
 
     def finish() -> None:
+        for ev in events:
+            if ev.error is not None:
+                raise ev.error
+        api = device_api()
         if copy_back:
-            with torch.cuda.stream(stream):
+            with api.stream(stream):
                 for dst, src in copy_back:
                     dst.copy_(src)
-        current = torch.cuda.current_stream(device)
+        current = api.current_stream(device)
         if current != stream:
             current.wait_stream(stream)
 
     return finish
+
+
+class GpuWork(SmddpWork):
+    """The Work of a GPU op: ``get_future()`` returns at once, before the daemon's reply.
+
+    The Future is TorchScript-typed (``Future[List[Tensor]]``, which DDP's built-in C++
+    hooks need) and completes on torch's inter-op thread pool once the reply is retired
+    (``is_completed`` polls without blocking the caller's later submissions); a failed op
+    completes it with an error, which DDP raises from ``backward()``.
+    """
+
+    def get_future(self) -> torch.futures.Future:
+        if self._completed:
+            return super().get_future()
+        return cuda_future.pending(self)
 
 
 def _joined(works: list[SmddpWork], result: list[torch.Tensor]) -> SmddpWork:
@@ -478,4 +646,4 @@ def _joined(works: list[SmddpWork], result: list[torch.Tensor]) -> SmddpWork:
         for f in finishes:
             f()
 
-    return SmddpWork(handles, result, finish)
+    return GpuWork(handles, result, finish)

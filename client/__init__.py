@@ -12,9 +12,9 @@ from smddp.client.errors import (
     DaemonLostError,
     MismatchError,
     OpError,
+    OpTimeoutError,
     RankFailedError,
     SmddpError,
-    TimeoutError,
     UnsupportedError,
 )
 
@@ -24,9 +24,9 @@ __all__ = [
     "Handle",
     "MismatchError",
     "OpError",
+    "OpTimeoutError",
     "RankFailedError",
     "SmddpError",
-    "TimeoutError",
     "UnsupportedError",
     "connect",
     "rendezvous",

@@ -23,8 +23,11 @@ import numpy as np
 
 from smddp.client.arena import ALIGN, RingAllocator
 from smddp.client.errors import SmddpError, UnsupportedError, op_error
+from smddp.client.progress import ProgressThread
 from smddp.client.session import DaemonSession
-from smddp.reduce import reduce_into
+from smddp.client.shm import ShmPath
+from smddp.reduce import _BOOL_UFUNCS, _UFUNCS, reduce_into
+from smddp.region import H_ALARM
 from smddp.v1 import smddp_pb2 as pb
 from smddp.wire import P2P_KINDS, WIRE_DTYPES, reduce_op_check, socket_candidates
 
@@ -37,6 +40,8 @@ ENV_ARENA_BYTES = "SMDDP_ARENA_BYTES"
 # rank reduces its own segment straight from the others' arenas. Must be equal on all ranks.
 ENV_DIRECT_MIN_BYTES = "SMDDP_DIRECT_MIN_BYTES"
 DEFAULT_DIRECT_MIN_BYTES = 256 << 10
+# SMDDP_REGION=0 sends every op through the daemon (the control region stays unused).
+ENV_REGION = "SMDDP_REGION"
 # The daemon enforces the op timeout; this is the client's own last resort on top of it.
 REPLY_GRACE_S = 30.0
 
@@ -60,6 +65,10 @@ class Handle:
     pending: int = 0
     error: SmddpError | None = None
     callbacks: list = field(default_factory=list)
+    # An op on the shared-memory path that waits for its completion: (seq, step, finish, count).
+    shm: tuple | None = None
+    # Set once an op that the progress thread runs has finished.
+    event: threading.Event | None = None
 
     def wait(self) -> None:
         """Waits for the op, then raises the daemon's error if it failed."""
@@ -153,6 +162,11 @@ class Communicator:
         self._ids = itertools.count(1)
         self._lock = threading.RLock()
         self._closed = False
+        # The shared-memory path: every collective it can carry, between the ranks.
+        self._use_shm = single_node and session.world_size > 1 and os.environ.get(ENV_REGION, "1") != "0"
+        self._shm: ShmPath | None = None
+        self._shm_open: Handle | None = None  # its op whose completion is still due
+        self._progress = ProgressThread(f"smddp-progress-{session.comm_id}")
 
     # -- the engine ---------------------------------------------------------------------------
 
@@ -251,11 +265,28 @@ class Communicator:
                 self._flush_deferred()
 
     def _retire_through(self, handle: Handle) -> None:
+        if handle.event is not None:
+            handle.event.wait()  # the progress thread runs it; nothing to do here
+            return
         with self._lock:
+            if handle.shm is not None:
+                self._complete_shm(handle)
+                return
             while handle.pending > 0 and self._outstanding:
                 self._retire_oldest()
 
     def _poll(self, handle: Handle) -> bool:
+        if handle.event is not None:
+            return handle.event.is_set()
+        if handle.shm is not None:
+            if handle.pending and self._shm is not None and self._lock.acquire(blocking=False):
+                try:
+                    q, target = self._shm.q, handle.shm[1]
+                    if all(q[w] >= target for _, w, _ in self._shm.others) or q[H_ALARM]:
+                        self._complete_shm(handle)
+                finally:
+                    self._lock.release()
+            return handle.done()
         # Nobody else makes progress for a rank: without this, polling is_completed() spins forever.
         if self._lock.acquire(blocking=False):
             try:
@@ -269,6 +300,124 @@ class Communicator:
             finally:
                 self._lock.release()
         return handle.done()
+
+    # -- the shared-memory path ---------------------------------------------------------------
+
+    def _shm_path(self) -> ShmPath:
+        """The control region and the peers' arenas, mapped at the first op that needs them."""
+        if self._shm is None:
+            while self._outstanding:  # the arenas' reply must be the next message
+                self._retire_oldest()
+            self._peer_maps, region = self.session.peer_arenas()
+            self._shm = ShmPath(
+                f"job {self.session.job_id} comm {self.session.comm_id}", self.rank, region,
+                self.timeout_s, self.session.alive, self.session.gone,
+            )
+        return self._shm
+
+    def _complete_shm(self, handle: Handle) -> None:
+        """Waits for the others at the op's synchronisation, checks that the ranks agree,
+        then runs the op's finish (reduce or copy out)."""
+        if not handle.pending:
+            return
+        seq, parity, target, finish, kind, dtype, nbytes = handle.shm  # type: ignore[misc]
+        shm = self._shm
+        assert shm is not None
+        try:
+            shm.wait(target, seq)
+            shm.agree(seq, parity)
+            if finish is not None:
+                finish(parity)
+            shm.done(seq, parity, kind, dtype, nbytes)
+        except SmddpError as exc:
+            handle.error = exc
+        finally:
+            handle.pending = 0
+            if self._shm_open is handle:
+                self._shm_open = None
+            for cb in handle.callbacks:
+                cb(handle)
+
+    def _shm_op(
+        self,
+        kind: int,
+        dtype: np.dtype | None,
+        count: int,
+        root: int,
+        reduce_op: int,
+        nbytes: int,
+        fill: Callable[[int], None] | None,
+        finish: Callable[[int], None] | None,
+    ) -> Handle:
+        """Starts an op whose data fits a region buffer: ``fill(parity)`` copies this rank's
+        input in, then the rank arrives; ``Handle.wait`` runs ``finish(parity)``."""
+        with self._lock:
+            self._check_open()
+            try:
+                shm = self._shm_path()
+            except SmddpError as exc:
+                return self._failed_handle(exc)
+            if self._shm_open is not None:
+                # Its data must be read before this rank arrives at the next op (double
+                # buffering lets the others run one op ahead, not two).
+                self._complete_shm(self._shm_open)
+            self._seq += 1
+            seq = self._seq
+            handle = Handle(self, f"op #{seq}")
+            code = WIRE_DTYPES[dtype] if dtype is not None and kind != pb.BARRIER else 0
+
+            def start() -> bool:
+                try:
+                    shm.check()
+                    parity = shm.next_parity()
+                    if fill is not None:
+                        fill(parity)
+                    target = shm.publish(seq, parity, kind, code, count, root, reduce_op)
+                except SmddpError as exc:
+                    handle.error = exc
+                    return False
+                handle.pending = 1
+                handle.shm = (seq, parity, target, finish, kind, code, nbytes)
+                return True
+
+            if self._progress.busy():
+                # Behind a large op on the progress thread: keep the ranks' order there.
+                handle.event = threading.Event()
+                handle.pending = 1
+
+                def run() -> None:
+                    if start():
+                        self._complete_shm(handle)
+                    handle.pending = 0
+                    handle.event.set()  # type: ignore[union-attr]
+
+                self._progress.submit(run)
+                return handle
+            if start():
+                self._shm_open = handle
+            return handle
+
+    def _failed_handle(self, exc: SmddpError) -> Handle:
+        handle = Handle(self, "op")
+        handle.error = exc
+        return handle
+
+    def _fits(self, nbytes: int) -> bool:
+        return self._use_shm and nbytes <= self._shm_data_bytes()
+
+    def _shm_data_bytes(self) -> int:
+        from smddp.region import DEFAULT_DATA_BYTES
+
+        return self._shm.data_bytes if self._shm is not None else DEFAULT_DATA_BYTES
+
+    def _shm_reduce(self, out: np.ndarray, ins: list[np.ndarray], reduce_op: int) -> None:
+        """Reduces ``ins`` in rank order into ``out`` (``out`` aliases none of them)."""
+        uf = _BOOL_UFUNCS[reduce_op] if out.dtype == np.bool_ else _UFUNCS[reduce_op]
+        uf(ins[0], ins[1], out=out)
+        for x in ins[2:]:
+            uf(out, x, out=out)
+        if reduce_op == pb.AVG:
+            np.divide(out, np.asarray(len(ins), dtype=out.dtype), out=out)
 
     def _begin(self, kind: int, dtype: np.dtype | None, count: int, root: int = 0, reduce_op: int = 0) -> tuple[Handle, pb.OpRequest]:
         self._check_open()
@@ -331,7 +480,18 @@ class Communicator:
         """Reduces ``array`` across ranks in place (rank order, bitwise identical everywhere)."""
         flat = _flat(array, "all_reduce", writable=True)
         self._check_reduce(flat.dtype, reduce_op)
-        if 0 <= self._direct_min <= flat.nbytes:
+        n = flat.size
+        if self._fits(flat.nbytes):
+            me = self.rank
+
+            def fill(p: int) -> None:
+                np.copyto(self._shm.typed(p, flat.dtype)[me][:n], flat)  # type: ignore[union-attr]
+
+            def finish(p: int) -> None:
+                self._shm_reduce(flat, [b[:n] for b in self._shm.typed(p, flat.dtype)], reduce_op)  # type: ignore[union-attr]
+
+            return self._shm_op(pb.ALL_REDUCE, flat.dtype, n, 0, reduce_op, flat.nbytes, fill, finish)
+        if self._use_shm or 0 <= self._direct_min <= flat.nbytes:
             return self._direct_all_reduce(flat, reduce_op)
         return self._elementwise(pb.ALL_REDUCE, flat, 0, reduce_op, send=True, receive=True)
 
@@ -351,32 +511,58 @@ class Communicator:
         The op's ``n`` elements per rank are cut into chunks that fit a slot. For each chunk,
         ``work(a, b, slots)`` gets the chunk's element range and every rank's slot (mapped
         from the peers' arenas, rank order) and yields ``phases`` times; at each yield every
-        rank waits until all have reached that point (one part per phase, which the daemon
-        matches like any op). Slots alternate, so a slot is written again only after every
+        rank waits until all have reached that point, in the control region (the first time
+        with the op's signature, which the ranks compare). Slots alternate, so a slot is written again only after every
         rank has passed the next chunk's first release, by which time it has finished
         reading this one.
         """
         with self._lock:
             self._check_open()
-            if self._peer_maps is None:
-                while self._outstanding:  # the arenas' reply must be the next message
-                    self._retire_oldest()
-                self._peer_maps = self.session.peer_arenas()
+            try:
+                shm = self._shm_path()
+            except SmddpError as exc:
+                return self._failed_handle(exc)
+            if self._shm_open is not None:
+                self._complete_shm(self._shm_open)
             maps = self._peer_maps
-            handle, template = self._begin(kind, dtype, count, root, reduce_op)
-            template.direct = True
+            assert maps is not None
+            self._seq += 1
+            seq = self._seq
+            handle = Handle(self, f"op #{seq}", pending=1, event=threading.Event())
+            code = WIRE_DTYPES[dtype]
             s = dtype.itemsize
             per = max(1, min(self.chunk_bytes, self._slot_bytes) // s)
             chunks = max(1, -(-n // per))
-            template.parts = phases * chunks
-            for c in range(chunks):
-                a, b = c * per, min(n, (c + 1) * per)
-                base = self._slots[self._direct_count % 2]
-                self._direct_count += 1
-                slots = [pm[base : base + (b - a) * s].view(dtype) for pm in maps]
-                for phase, _ in enumerate(work(a, b, slots)):
-                    if not self._release(handle, template, phases * c + phase):
-                        return handle
+            # Which of the two slots each chunk uses, fixed now: every rank numbers them alike.
+            first_slot = self._direct_count
+            self._direct_count += chunks
+
+            def run() -> None:
+                first = True
+                try:
+                    shm.check()
+                    parity = shm.next_parity()
+                    for c in range(chunks):
+                        a, b = c * per, min(n, (c + 1) * per)
+                        base = self._slots[(first_slot + c) % 2]
+                        slots = [pm[base : base + (b - a) * s].view(dtype) for pm in maps]
+                        for _ in work(a, b, slots):
+                            if first:
+                                shm.wait(shm.publish(seq, parity, kind, code, count, root, reduce_op), seq)
+                                shm.agree(seq, parity)
+                                first = False
+                            else:
+                                shm.wait(shm.bump(), seq)
+                    shm.done(seq, parity, kind, code, count * s)
+                except SmddpError as exc:
+                    handle.error = exc
+                except Exception as exc:  # a bug must fail the op, not hang its waiters
+                    handle.error = SmddpError(f"rank {self.rank}: op #{seq} failed in the progress thread: {exc!r}")
+                finally:
+                    handle.pending = 0
+                    handle.event.set()  # type: ignore[union-attr]
+
+            self._progress.submit(run)
             return handle
 
     def _direct_all_reduce(self, flat: np.ndarray, reduce_op: int) -> Handle:
@@ -428,26 +614,23 @@ class Communicator:
 
         return self._direct(pb.ALL_GATHER, src.dtype, src.size, 0, 0, src.size, 1, work)
 
-    def _release(self, handle: Handle, template: pb.OpRequest, part: int) -> bool:
-        """Sends one synchronising part of a direct op and waits for every rank's."""
-        req = _part(template, part, template.parts)
-        req.request_id = next(self._ids)
-        try:
-            self.session.send(req)
-            reply = self.session.wait_reply(req.request_id, self.timeout_s + REPLY_GRACE_S)
-        except SmddpError as exc:
-            handle.error = handle.error or exc
-            return False
-        if not reply.ok:
-            handle.error = handle.error or op_error(reply.error_kind, reply.error)
-            return False
-        return True
-
     def broadcast(self, array: np.ndarray, root: int) -> Handle:
         """Copies the root's ``array`` into every rank's ``array``."""
         flat = _flat(array, "broadcast", writable=True)
         self._check_root(root, "broadcast")
-        if 0 <= self._direct_min <= flat.nbytes:
+        n, me = flat.size, self.rank
+        if self._fits(flat.nbytes):
+
+            def fill(p: int) -> None:
+                if me == root:
+                    np.copyto(self._shm.typed(p, flat.dtype)[me][:n], flat)  # type: ignore[union-attr]
+
+            def finish(p: int) -> None:
+                if me != root:
+                    np.copyto(flat, self._shm.typed(p, flat.dtype)[root][:n])  # type: ignore[union-attr]
+
+            return self._shm_op(pb.BROADCAST, flat.dtype, n, root, 0, flat.nbytes, fill, finish)
+        if self._use_shm or 0 <= self._direct_min <= flat.nbytes:
             return self._direct_broadcast(flat, root)
         is_root = self.rank == root
         return self._elementwise(pb.BROADCAST, flat, root, 0, send=is_root, receive=not is_root)
@@ -457,6 +640,17 @@ class Communicator:
         flat = _flat(array, "reduce", writable=True)
         self._check_root(root, "reduce")
         self._check_reduce(flat.dtype, reduce_op)
+        n, me = flat.size, self.rank
+        if self._fits(flat.nbytes):
+
+            def fill(p: int) -> None:
+                np.copyto(self._shm.typed(p, flat.dtype)[me][:n], flat)  # type: ignore[union-attr]
+
+            def finish(p: int) -> None:
+                if me == root:
+                    self._shm_reduce(flat, [b[:n] for b in self._shm.typed(p, flat.dtype)], reduce_op)  # type: ignore[union-attr]
+
+            return self._shm_op(pb.REDUCE, flat.dtype, n, root, reduce_op, flat.nbytes, fill, finish)
         return self._elementwise(pb.REDUCE, flat, root, reduce_op, send=True, receive=self.rank == root)
 
     def _elementwise(self, kind: int, flat: np.ndarray, root: int, reduce_op: int, send: bool, receive: bool) -> Handle:
@@ -488,7 +682,20 @@ class Communicator:
     def _gather_like(self, kind: int, outputs: Sequence[np.ndarray] | None, array: np.ndarray, root: int, what: str) -> Handle:
         src = _flat(array, what)
         outs = self._per_rank(outputs, src.size, src.dtype, what, writable=True)
-        if kind == pb.ALL_GATHER and outs is not None and 0 <= self._direct_min <= src.nbytes:
+        n, me = src.size, self.rank
+        if self._fits(src.nbytes):
+
+            def fill(p: int) -> None:
+                np.copyto(self._shm.typed(p, src.dtype)[me][:n], src)  # type: ignore[union-attr]
+
+            def finish(p: int) -> None:
+                if outs is not None:
+                    bufs = self._shm.typed(p, src.dtype)  # type: ignore[union-attr]
+                    for j, o in enumerate(outs):
+                        np.copyto(o, src if j == me else bufs[j][:n])
+
+            return self._shm_op(kind, src.dtype, n, root, 0, src.nbytes, fill, finish)
+        if kind == pb.ALL_GATHER and outs is not None and (self._use_shm or 0 <= self._direct_min <= src.nbytes):
             return self._direct_all_gather(outs, src)
         with self._lock:
             handle, template = self._begin(kind, src.dtype, src.size, root)
@@ -521,6 +728,23 @@ class Communicator:
 
     def _scatter_like(self, kind: int, out: np.ndarray, inputs: Sequence[np.ndarray] | None, root: int, reduce_op: int, what: str) -> Handle:
         ins = self._per_rank(inputs, out.size, out.dtype, what, writable=False)
+        n, me, w = out.size, self.rank, self.world_size
+        if self._fits(out.nbytes * w):
+
+            def fill(p: int) -> None:
+                if ins is not None:
+                    mine = self._shm.typed(p, out.dtype)[me]  # type: ignore[union-attr]
+                    for j, x in enumerate(ins):
+                        np.copyto(mine[j * n : (j + 1) * n], x)
+
+            def finish(p: int) -> None:
+                bufs = self._shm.typed(p, out.dtype)  # type: ignore[union-attr]
+                if kind == pb.SCATTER:
+                    np.copyto(out, bufs[root][me * n : (me + 1) * n])
+                else:
+                    self._shm_reduce(out, [b[me * n : (me + 1) * n] for b in bufs], reduce_op)
+
+            return self._shm_op(kind, out.dtype, n, root, reduce_op, out.nbytes * w if ins is not None else 0, fill, finish)
         with self._lock:
             handle, template = self._begin(kind, out.dtype, out.size, root, reduce_op)
             s, w = out.dtype.itemsize, self.world_size
@@ -593,6 +817,8 @@ class Communicator:
 
     def barrier(self) -> Handle:
         """Completes once every rank has called it."""
+        if self._use_shm:
+            return self._shm_op(pb.BARRIER, None, 0, 0, 0, 0, None, None)
         with self._lock:
             handle, template = self._begin(pb.BARRIER, None, 0)
             template.parts = 1
@@ -636,6 +862,9 @@ class Communicator:
         with self._lock:
             if self._closed:
                 return
+            self._progress.stop()
+            if self._shm_open is not None:
+                self._complete_shm(self._shm_open)
             while self._outstanding:
                 self._retire_oldest()
             self._closed = True

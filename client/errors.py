@@ -41,8 +41,8 @@ class RankFailedError(OpError):
     kind = pb.RANK_FAILED
 
 
-class TimeoutError(OpError, builtins.TimeoutError):
-    """Ranks did not arrive within the communicator's timeout."""
+class OpTimeoutError(OpError, builtins.TimeoutError):
+    """Ranks did not arrive within the communicator's timeout (also a builtin TimeoutError)."""
 
     kind = pb.TIMEOUT
 
@@ -56,7 +56,7 @@ class DaemonStoppingError(OpError, DaemonLostError):
 _BY_KIND: dict[int, type[OpError]] = {
     pb.MISMATCH: MismatchError,
     pb.RANK_FAILED: RankFailedError,
-    pb.TIMEOUT: TimeoutError,
+    pb.TIMEOUT: OpTimeoutError,
     pb.SHUTDOWN: DaemonStoppingError,
 }
 
@@ -67,3 +67,11 @@ def op_error(kind: int, message: str) -> OpError:
     err = cls(message)
     err.kind = kind
     return err
+
+
+def __getattr__(name: str) -> type[OpTimeoutError]:
+    # The class was called TimeoutError, which shadowed the builtin in every module that
+    # imported it; the old name still resolves for code that reads it as an attribute.
+    if name == "TimeoutError":
+        return OpTimeoutError
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

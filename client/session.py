@@ -9,6 +9,7 @@ from __future__ import annotations
 import mmap
 import os
 import queue
+import select
 import socket
 import threading
 import time
@@ -17,7 +18,7 @@ import grpc
 import numpy as np
 
 from smddp.client.arena import ClientArena
-from smddp.client.errors import ConnectError, DaemonLostError
+from smddp.client.errors import ConnectError, DaemonLostError, OpError, op_error
 from smddp.v1 import smddp_pb2 as pb
 from smddp.v1 import smddp_pb2_grpc as pb_grpc
 from smddp.wire import (
@@ -68,6 +69,8 @@ class DaemonSession:
         self.socket_path = socket_path
         self.rank = register.rank
         self.world_size = register.world_size
+        self.job_id = register.job_id
+        self.comm_id = register.comm_id
         self._stub = pb_grpc.NodeStub(grpc_channel(socket_path))
         try:
             reply = self._stub.Register(register, timeout=REGISTER_TIMEOUT_S)
@@ -149,6 +152,13 @@ class DaemonSession:
         try:
             self._sock.sendall(pack(MSG_OP, req.SerializeToString()))
         except OSError as exc:
+            try:
+                while self._recv(block=False) is not None:
+                    pass  # replies to earlier ops; the daemon's last word, if it left one, raises
+            except OpError:
+                raise
+            except DaemonLostError:
+                pass
             raise DaemonLostError(
                 f"smddpd at {self.socket_path} is gone (it stopped or restarted): {exc}"
             ) from None
@@ -217,31 +227,36 @@ class DaemonSession:
         kind = self._buf[0]
         if kind != MSG_OP_REPLY:
             raise DaemonLostError(f"smddpd at {self.socket_path} sent message type {kind}")
-        return pb.OpReply.FromString(self._view[1:n])
+        reply = pb.OpReply.FromString(self._view[1:n])
+        if reply.request_id == 0 and not reply.ok:
+            raise op_error(reply.error_kind, reply.error)  # a notice for every rank (the daemon stops)
+        return reply
 
-    def peer_arenas(self) -> list[np.ndarray]:
-        """Maps the arena of every rank of the communicator (in rank order; our own included).
+    def peer_arenas(self) -> tuple[list[np.ndarray], np.ndarray]:
+        """Maps the arena of every rank of the communicator (in rank order; our own included)
+        and the communicator's control region.
 
         Only for single-node communicators, and only with no op in flight: the reply is the
         next message on the data socket. Blocks until every rank has attached.
 
         Raises:
             ConnectError: the daemon refused (e.g. the communicator failed).
+            DaemonLostError: the daemon is gone.
         """
         try:
             self._sock.sendall(pack(MSG_PEER_ARENAS, b""))
             self._sock.settimeout(None)
-            msg, fds, _flags, _addr = socket.recv_fds(self._sock, MAX_MESSAGE_BYTES, self.world_size)
+            msg, fds, _flags, _addr = socket.recv_fds(self._sock, MAX_MESSAGE_BYTES, self.world_size + 1)
         except OSError as exc:
-            raise DaemonLostError(f"smddpd at {self.socket_path}: connection broke: {exc}") from None
+            raise self.gone(exc) from None
         finally:
             self._sock.settimeout(RECV_SLICE_S)
         if not msg:
-            raise DaemonLostError(f"smddpd at {self.socket_path} closed the connection")
+            raise self.gone()
         kind, payload = unpack(msg)
         answer = pb.AttachReply.FromString(payload) if kind == MSG_PEER_ARENAS_REPLY else None
         try:
-            if answer is None or not answer.ok or len(fds) != self.world_size:
+            if answer is None or not answer.ok or len(fds) != self.world_size + 1:
                 raise ConnectError(
                     f"smddpd at {self.socket_path} gave no peer arenas: "
                     f"{answer.error if answer is not None else f'message type {kind}'}"
@@ -251,10 +266,24 @@ class DaemonSession:
                 size = os.fstat(fd).st_size
                 mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
                 maps.append(np.frombuffer(mm, dtype=np.uint8))
-            return maps
+            return maps[:-1], maps[-1]
         finally:
             for fd in fds:
                 os.close(fd)
+
+    def alive(self) -> bool:
+        """False once the daemon has closed this rank's connection (it stopped or crashed)."""
+        if self._closed:
+            return False
+        # poll, not recv: the socket's timeout would make even a peek wait.
+        poller = select.poll()
+        poller.register(self._sock.fileno(), select.POLLIN)
+        return not any(ev & (select.POLLHUP | select.POLLERR | select.POLLNVAL) for _, ev in poller.poll(0))
+
+    def gone(self, detail: object = None) -> DaemonLostError:
+        """The error for a daemon that went away."""
+        suffix = f": {detail}" if detail is not None else ""
+        return DaemonLostError(f"smddpd at {self.socket_path} is gone (it stopped or restarted){suffix}")
 
     def close(self, deregister: bool = True) -> None:
         """Leaves the communicator (when ``deregister``) and releases socket and arena."""

@@ -11,5 +11,6 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet "torch==2.13.0"
-.venv/bin/python -m pip install --quiet -e ".[torch,test,ucx]"
+# nvrtc-check: CuPy and NVRTC (no GPU needed) compile the daemon's kernels in the tests.
+.venv/bin/python -m pip install --quiet -e ".[torch,test,ucx,nvrtc-check]"
 echo "smddp is installed in $(pwd)/.venv"

@@ -14,6 +14,8 @@ from smddp.v1 import smddp_pb2 as pb
 # The client must seal its memfd against shrinking: a shrunk file would turn the daemon's
 # next access into SIGBUS and kill every job on the node.
 REQUIRED_SEALS = fcntl.F_SEAL_SHRINK
+# Seals that forbid the daemon's writes (F_SEAL_FUTURE_WRITE is 0x10; Python lacks its name).
+WRITE_SEALS = fcntl.F_SEAL_WRITE | getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x10)
 
 
 class Arena:
@@ -44,8 +46,16 @@ class Arena:
                 raise InvalidRequest(
                     f"{owner}: the arena has {size} bytes but {expected_bytes} were registered"
                 )
+            if seals & WRITE_SEALS:
+                raise InvalidRequest(
+                    f"{owner}: the arena memfd is sealed against writing (F_SEAL_WRITE): the daemon writes "
+                    "results into it; seal it with F_SEAL_SHRINK only"
+                )
             self.nbytes = size
-            self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            try:
+                self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            except OSError as exc:  # a read-only descriptor, say
+                raise InvalidRequest(f"{owner}: the daemon cannot map the arena memfd read-write ({exc})") from None
         except BaseException:
             os.close(fd)
             raise

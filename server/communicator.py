@@ -18,7 +18,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from smddp.server import collectives, gpu, multinode
+from smddp.server.control_region import ControlRegion
 from smddp.server.errors import FailedPrecondition, InvalidRequest, OpMismatch, SmddpError
+from smddp.server.logthrottle import refusals
 from smddp.server.peer_transport import FRAME_DATA, CommPeers, Frame, PeerError
 from smddp.server.session import Session
 from smddp.v1 import smddp_pb2 as pb
@@ -37,6 +39,7 @@ from smddp.wire import (
 log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
+    from smddp.server.limits import BufferAccount
     from smddp.server.metrics import Metrics
 
 @dataclass
@@ -51,6 +54,7 @@ class Pending:
     arrivals: dict[int, tuple[Session, pb.OpRequest, float]] = field(default_factory=dict)
     # A send that arrived before its recv: a copy of its data; the sender was answered already.
     sent: np.ndarray | None = None
+    held_back: str = ""  # why such a send was not copied (the daemon's buffer limit)
 
     def missing(self) -> list[int]:
         return [r for r in self.participants if r not in self.arrivals]
@@ -66,6 +70,10 @@ def _signature(req: pb.OpRequest) -> tuple[int, ...]:
 
 class Communicator:
     """The ranks of one process group of one job, as registered with this daemon."""
+
+    # The job's share of the bytes the daemon may hold for sends that wait for their
+    # receives (set by the registry; None: unbounded).
+    buffers: BufferAccount | None = None
 
     def __init__(
         self,
@@ -102,6 +110,8 @@ class Communicator:
         self._left: list[str] = []
         self._lock = threading.Lock()
         self._attached = threading.Condition(self._lock)
+        # The control region of a single-node communicator, made when a rank first asks.
+        self.region: ControlRegion | None = None
 
     # -- membership -------------------------------------------------------------------------
 
@@ -144,7 +154,8 @@ class Communicator:
             self._attached.notify_all()
 
     def arena_fds(self) -> list[int]:
-        """The arena memfds of every rank in rank order, once all have attached.
+        """The arena memfds of every rank in rank order, then the control region's memfd,
+        once all have attached.
 
         Raises:
             FailedPrecondition: the communicator spans nodes, failed, or ranks did not attach
@@ -159,7 +170,9 @@ class Communicator:
                     raise FailedPrecondition(self._failed[1])
                 ready = [self.members.get(r) for r in range(self.world_size)]
                 if all(s is not None and s.arena is not None for s in ready):
-                    return [s.arena.fd for s in ready]  # type: ignore[union-attr]
+                    if self.region is None:
+                        self.region = ControlRegion(self.world_size)
+                    return [s.arena.fd for s in ready] + [self.region.fd]  # type: ignore[union-attr]
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     missing = [r for r, s in enumerate(ready) if s is None or s.arena is None]
@@ -205,11 +218,20 @@ class Communicator:
                 elif req.kind == pb.SEND and len(participants) == 2 and not req.HasField("cuda"):
                     # Eager send: copy the chunk out and let the sender go on. Otherwise two
                     # ranks that isend to each other before receiving block on full arenas.
-                    try:
-                        pending.sent = session.arena.view(req.input, NUMPY_DTYPES[req.dtype]).copy()  # type: ignore[union-attr]
-                        early = True
-                    except SmddpError:
-                        pass  # a bad region is reported when the recv meets it
+                    # Within the job's budget only: beyond it the send waits for its recv.
+                    if self.buffers is None or self.buffers.try_take(req.input.nbytes):
+                        try:
+                            pending.sent = session.arena.view(req.input, NUMPY_DTYPES[req.dtype]).copy()  # type: ignore[union-attr]
+                            early = True
+                        except SmddpError:
+                            if self.buffers is not None:
+                                self.buffers.give(req.input.nbytes)  # a bad region is reported when the recv meets it
+                    else:
+                        pending.held_back = self.buffers.limit_text(req.input.nbytes)
+                        refusals.log(
+                            log, logging.INFO, "send held back", "%s: %s's send of %d bytes to rank %d waits for its "
+                            "receive: %s", self.name(), session.label(), req.input.nbytes, req.root, pending.held_back,
+                        )
         if failure is not None:
             self._reply_error(session, req, *failure)
         elif ready is not None:
@@ -258,7 +280,10 @@ class Communicator:
                 expected = session.next_p2p.get(slot, (1, 0))
             else:
                 expected = session.next_collective
-            if (req.seq, req.part) != expected:
+            # Collectives that ran in the control region took sequence numbers too: a new op
+            # may skip ahead, a chunk may not.
+            skipped = req.kind not in P2P_KINDS and req.part == 0 and expected[1] == 0 and req.seq > expected[0]
+            if (req.seq, req.part) != expected and not skipped:
                 raise InvalidRequest(
                     f"{describe_request(req)} arrived as op #{req.seq} chunk {req.part}, "
                     f"but op #{expected[0]} chunk {expected[1]} was next"
@@ -396,6 +421,8 @@ class Communicator:
                 s.reply(pb.OpReply(request_id=r.request_id, ok=True))
 
     def _run_p2p(self, sessions: list[Session], reqs: list[pb.OpRequest], sent: np.ndarray | None = None) -> None:
+        if sent is not None and self.buffers is not None:
+            self.buffers.give(sent.nbytes)  # the copy is dropped once this call returns, whatever it does
         send, recv = (reqs[0], reqs[1]) if reqs[0].kind == pb.SEND else (reqs[1], reqs[0])
         s_send, s_recv = (sessions[0], sessions[1]) if reqs[0].kind == pb.SEND else (sessions[1], sessions[0])
         if recv.kind != pb.RECV or send.kind != pb.SEND:
@@ -461,21 +488,30 @@ class Communicator:
             self._failed = (kind, message)
             pending = list(self._pending.values())
             self._pending.clear()
+            region = self.region
+        in_region = region is not None and not region.all_done()
+        if region is not None:
+            region.fail(kind, message)  # every rank waiting in the region wakes and raises it
         if self.peers is not None:
             if propagate:
                 self.peers.abort(kind, message)
             self.peers.failed(message)
-        if self._metrics is not None and pending:
+        if self._metrics is not None and (pending or in_region):
             self._metrics.error(kind)
-        log.log(logging.WARNING if pending else log_level, "%s", message, extra=self._log_fields(culprit))
+        log.log(logging.WARNING if pending or in_region else log_level, "%s", message, extra=self._log_fields(culprit))
         for p in pending:
             for session, req, _ in p.arrivals.values():
                 if p.sent is not None and req.kind == pb.SEND:
+                    if self.buffers is not None:
+                        self.buffers.give(p.sent.nbytes)
                     continue  # answered when it arrived
                 self._reply_error(session, req, kind, message)
 
     def check_timeouts(self, now: float) -> None:
-        """Fails the communicator if an op has waited longer than the timeout."""
+        """Fails the communicator if an op has waited longer than the timeout, or if a rank
+        found an error (a mismatch) in the control region."""
+        if self.region is not None and self._failed is None:
+            self._check_region(now)
         with self._lock:
             overdue = [p for p in self._pending.values() if now - p.first_arrival > self.timeout_s]
             if not overdue or self._failed is not None:
@@ -488,6 +524,7 @@ class Communicator:
             ]
             req = next(iter(p.arrivals.values()))[1]
             culprit = self.members.get(missing[0]) if len(missing) == 1 else None
+            held_back = next((q.held_back for q in self._pending.values() if q.held_back), "")
         waited = now - p.first_arrival
         arrived = sorted(p.arrivals)
         message = (
@@ -495,10 +532,50 @@ class Communicator:
             f"{rank_list(missing)} never arrived ({', '.join(labels)}) while "
             f"{rank_list(arrived)} waited {waited:.1f} s (timeout {self.timeout_s:.1f} s)"
         )
+        if held_back:
+            # A rank that sends more than the daemon holds before receiving waits for its
+            # receives; if it never posts them first, this is why.
+            message += f"; sends wait for their receives since {held_back}"
         self.fail(pb.TIMEOUT, message, culprit=culprit)
+
+    def _labels(self, ranks: list[int]) -> list[str]:
+        return [self.members[r].label() if r in self.members else f"rank {r} (not registered)" for r in ranks]
+
+    def _check_region(self, now: float) -> None:
+        region = self.region
+        assert region is not None
+        found = region.rank_error()
+        if found is not None:
+            self.fail(found[0], found[1])
+            return
+        p = region.pending(int(now * 1e9))
+        if p is None or p.waited_s <= self.timeout_s:
+            return
+        with self._lock:
+            labels = self._labels(p.missing)
+            culprit = self.members.get(p.missing[0]) if len(p.missing) == 1 else None
+        message = (
+            f"{self.name()}: op #{p.seq} {p.description} timed out: "
+            f"{rank_list(p.missing)} never arrived ({', '.join(labels)}) while "
+            f"{rank_list(p.arrived)} waited {p.waited_s:.1f} s (timeout {self.timeout_s:.1f} s)"
+        )
+        self.fail(pb.TIMEOUT, message, culprit=culprit)
+
+    def drain_metrics(self) -> None:
+        """Adds what the ranks counted in the control region to the daemon's metrics."""
+        region = self.region
+        if region is not None and self._metrics is not None:
+            with self._lock:  # a scrape and the last rank's departure may both drain
+                if self.region is not None:
+                    self._metrics.add_region_counts(self, *region.new_counts())
 
     def close(self) -> None:
         """Stops the worker and closes the peer connections (the last local rank left)."""
+        self.drain_metrics()
+        with self._lock:
+            region, self.region = self.region, None
+        if region is not None:
+            region.close()
         gpu_ops = gpu.active()
         if gpu_ops is not None:
             gpu_ops.release_comm(self)  # its CUDA streams, once their work is done
@@ -516,7 +593,7 @@ class Communicator:
                 comm_id=self.comm_id,
                 world_size=self.world_size,
                 failed=self._failed[1] if self._failed else "",
-                ops_completed=self.ops_completed,
+                ops_completed=self.ops_completed + (self.region.ops_completed(self.local_ranks[0]) if self.region else 0),
             )
             for r, s in sorted(self.members.items()):
                 st.ranks.add(
@@ -525,7 +602,17 @@ class Communicator:
                     pid=s.pid,
                     node_id=s.node_id,
                     attached=s.arena is not None,
-                    ops_completed=s.ops_completed,
+                    ops_completed=s.ops_completed + (self.region.ops_completed(r) if self.region else 0),
+                )
+            region_op = self.region.pending() if self.region is not None and self._failed is None else None
+            if region_op is not None:
+                st.pending.add(
+                    seq=region_op.seq,
+                    part=0,
+                    description=region_op.description,
+                    arrived_ranks=region_op.arrived,
+                    missing_ranks=region_op.missing,
+                    waited_seconds=region_op.waited_s,
                 )
             for p in sorted(self._pending.values(), key=lambda x: (x.seq, x.part)):
                 req = next(iter(p.arrivals.values()))[1]

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import re
 import socket
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -19,6 +20,14 @@ ENV_PREFIX = "SMDDP_"
 # Settings whose empty default means "worked out at start", not "off".
 _DERIVED = frozenset({"socket", "node_id", "advertise"})
 _KINDS: dict[str, type] = {"int": int, "float": float}
+IMPLIED_PEER_BIND = "0.0.0.0:7470"
+_IMPLY_PEERS = ("data_port", "advertise", "peer_transport", "ucx_port")
+_POSITIVE = (
+    "attach_timeout_s", "max_unattached", "max_jobs_per_uid", "max_ranks_per_uid", "max_connections_per_uid",
+    "max_handshakes_per_uid", "max_handshakes", "max_pending_rendezvous", "max_rendezvous_wait_s", "max_op_streams",
+)
+# A node id: a host name, or what SMDDP_NODE_ID says; it goes into messages, logs and replies.
+NODE_ID = re.compile(r"^[A-Za-z0-9._:@+-]{1,253}$")
 
 
 @dataclass
@@ -29,7 +38,9 @@ class DaemonConfig:
     socket_group: str = ""  # group that may also use the socket and join jobs
     grpc_bind: str = ""  # optional TCP listener for health and status (Kubernetes probes)
     http_bind: str = "127.0.0.1:9464"  # /healthz /readyz /metrics; "off" disables
-    peer_bind: str = "0.0.0.0:7470"  # daemon-to-daemon control (gRPC Peer service)
+    # Daemon-to-daemon control (gRPC Peer service); "off" (the default) serves one node only.
+    # --data-port, --advertise, --peer-transport or --ucx-port given alone imply 0.0.0.0:7470.
+    peer_bind: str = "off"
     data_port: int = 7472  # daemon-to-daemon data over TCP, on peer_bind's host; 0 = any free port
     peer_transport: str = "tcp"  # tcp | ucx: what carries a job's bytes between nodes
     ucx_port: int = 7473  # UCX listener when peer_transport is ucx; 0 = any free port
@@ -44,6 +55,20 @@ class DaemonConfig:
     max_jobs: int = 64
     max_ranks_per_job: int = 4096
     max_arena_bytes: int = 16 << 30
+    # What one client (one uid, as the kernel tells it on the data socket) may make the
+    # daemon hold, and how long; see server/limits.py.
+    attach_timeout_s: float = 30.0  # Register -> attach, and a data connection's first message
+    max_unattached: int = 1024  # registrations not attached yet, in all (the oldest makes room)
+    max_jobs_per_uid: int = 32
+    max_ranks_per_uid: int = 1024  # attached ranks
+    max_connections_per_uid: int = 1024  # data-socket connections
+    max_handshakes_per_uid: int = 16  # data-socket connections that have not attached yet
+    max_handshakes: int = 128  # the same, in all
+    max_buffered_bytes_per_uid: int = 512 << 20  # sends held for receives not yet posted
+    max_buffered_bytes: int = 2 << 30  # the same, in all
+    max_pending_rendezvous: int = 200  # Rendezvous/Meet calls waiting, in all
+    max_rendezvous_wait_s: float = 900.0  # the longest one Rendezvous call waits
+    max_op_streams: int = 256  # gRPC Ops streams (SMDDP_OP_CHANNEL=grpc), each holds a thread
     tls_cert: str = ""  # PEM certificate this daemon shows other daemons; "" = no TLS
     tls_key: str = ""  # PEM private key of tls_cert
     tls_ca: str = ""  # PEM CA bundle that other daemons' certificates must chain to
@@ -62,7 +87,8 @@ _HELP = {
     "grpc_bind": "HOST:PORT of a TCP gRPC listener for health and status",
     "http_bind": "HOST:PORT serving /healthz, /readyz and /metrics; 'off' disables",
     "peer_bind": "HOST:PORT of the control service (gRPC) for other nodes' daemons; 'off' "
-    "serves one node only",
+    "serves one node only (the default, unless --data-port, --advertise, --peer-transport or "
+    "--ucx-port is set: then 0.0.0.0:7470)",
     "data_port": "TCP port, on the --peer-bind host, of the data connections from other nodes' "
     "daemons (0: any free port; other daemons learn it when they join)",
     "peer_transport": "what carries a job's bytes between nodes: tcp, or ucx (UCX stream "
@@ -81,6 +107,21 @@ _HELP = {
     "max_jobs": "most jobs served at once",
     "max_ranks_per_job": "largest world size of a communicator",
     "max_arena_bytes": "largest arena a rank may attach",
+    "attach_timeout_s": "seconds a registered rank has to attach its arena (a registration "
+    "not attached by then is dropped), and a data-socket connection to send its first message",
+    "max_unattached": "most registrations not attached yet, in all (the oldest is dropped to "
+    "make room: gRPC does not tell the caller's uid, so none may block another)",
+    "max_jobs_per_uid": "most jobs one uid runs at once",
+    "max_ranks_per_uid": "most attached ranks of one uid",
+    "max_connections_per_uid": "most data-socket connections of one uid",
+    "max_handshakes_per_uid": "most data-socket connections of one uid that have not attached yet",
+    "max_handshakes": "most data-socket connections that have not attached yet, in all",
+    "max_buffered_bytes_per_uid": "most bytes of one uid's sends the daemon holds until their "
+    "receives are posted (beyond it a send waits for its receive)",
+    "max_buffered_bytes": "the same, for all uids together",
+    "max_pending_rendezvous": "most Rendezvous calls waiting at once (each holds a gRPC thread)",
+    "max_rendezvous_wait_s": "the longest one Rendezvous call waits, whatever its timeout",
+    "max_op_streams": "most gRPC Ops streams (SMDDP_OP_CHANNEL=grpc) at once",
     "tls_cert": "PEM certificate for mutual TLS with other nodes' daemons (with --tls-key and "
     "--tls-ca; every node must use TLS; the certificate must name this node's id as a DNS "
     "subject alternative name, which the daemons that connect to it check)",
@@ -164,6 +205,15 @@ def load(argv: list[str] | None = None, environ: dict[str, str] | None = None) -
     for name in ("data_port", "ucx_port"):
         if not 0 <= values.get(name, 0) <= 65535:
             parser.error(f"{name}: {values[name]} is not a port number (0..65535)")
+    if "peer_bind" not in values and any(n in values for n in _IMPLY_PEERS):
+        # A setting that only matters between nodes asks for the peer listener.
+        values["peer_bind"] = IMPLIED_PEER_BIND
+    for name in _POSITIVE:
+        if name in values and not values[name] > 0:
+            parser.error(f"{name}: {values[name]} must be greater than 0")
+    node_id = values.get("node_id")
+    if node_id is not None and not NODE_ID.match(node_id):
+        parser.error(f"node_id: {node_id[:80]!r} must be 1-253 characters of A-Z a-z 0-9 . _ : @ + -")
     level = values.get("log_level", "INFO")
     if not isinstance(logging.getLevelName(level.upper()), int):
         parser.error(f"log_level: {level!r} is not one of DEBUG, INFO, WARNING, ERROR")

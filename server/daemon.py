@@ -5,6 +5,7 @@ from __future__ import annotations
 import grp
 import logging
 import os
+import resource
 import socket
 import threading
 import time
@@ -35,6 +36,24 @@ NODE_SERVICE = pb.DESCRIPTOR.services_by_name["Node"].full_name
 WATCHDOG_PERIOD_S = 0.2
 # An embedded daemon whose owner is gone waits this long for its last ranks to leave.
 ORPHAN_GRACE_S = 30.0
+# Node-service threads beyond the waiting Rendezvous calls and Ops streams: for Register,
+# Status, health and the rest, which must answer however many of those wait.
+SPARE_GRPC_THREADS = 32
+# Descriptors a new job needs (gRPC and data connections, an arena per rank): below this
+# many free ones the daemon says it cannot take jobs.
+SPARE_FDS = 64
+FD_CHECK_PERIOD_S = 1.0
+
+
+def _free_fds() -> int:
+    """Descriptors this process may still open (RLIMIT_NOFILE minus those open)."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 1 << 30
+    try:
+        return soft - len(os.listdir("/proc/self/fd"))
+    except OSError:  # EMFILE itself: no descriptor left to list them with
+        return 0
 
 
 def _zombie(pid: int) -> bool:
@@ -85,6 +104,10 @@ class Daemon:
         self._watchdog_pinger = notify.Watchdog(healthy=self.alive)
         self._data: DataSocketServer | None = None
         self._orphaned_at: float | None = None
+        self._free_fds = 1 << 30
+        self._fds_checked = 0.0
+        self._serving: bool | None = None  # what health last said about the Node service
+        self.listeners: list[str] = []  # "what at where", for the startup line
 
     @property
     def data_socket_path(self) -> str:
@@ -107,8 +130,9 @@ class Daemon:
             raise RuntimeError(f"another smddpd is already serving on {cfg.socket}")
         if os.path.exists(cfg.socket):
             os.unlink(cfg.socket)  # a stale socket of a previous run; nobody answers on it
+        workers = cfg.max_pending_rendezvous + cfg.max_op_streams + SPARE_GRPC_THREADS
         server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=256, thread_name_prefix="smddp-grpc"),
+            futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="smddp-grpc"),
             options=[("grpc.max_receive_message_length", 4 << 20), ("grpc.so_reuseport", 0)],
             interceptors=[RefuseUndecodable()],
         )
@@ -121,6 +145,7 @@ class Daemon:
             server,
         )
         server.add_insecure_port("unix:" + cfg.socket)
+        self.listeners.append(f"gRPC {cfg.socket}")
         server.start()
         if gid is not None:
             os.chown(cfg.socket, -1, gid)
@@ -140,24 +165,28 @@ class Daemon:
             reflection.enable_server_reflection(
                 (health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), tcp
             )
-            tcp.add_insecure_port(cfg.grpc_bind)
+            port = tcp.add_insecure_port(cfg.grpc_bind)
+            self.listeners.append(f"gRPC health {cfg.grpc_bind.rpartition(':')[0]}:{port}")
             tcp.start()
             self._tcp = tcp
         self._data = DataSocketServer(self.data_socket_path, self.registry, mode, gid)
         self._data.start()
+        self.listeners.append(f"data {self.data_socket_path}")
         if cfg.http_bind and cfg.http_bind != "off":
             self.http = HttpServer(cfg.http_bind, self.metrics.registry, self.alive, self.ready)
             self.http.start()
+            self.listeners.append(f"HTTP {cfg.http_bind.rpartition(':')[0]}:{self.http.port}")
         threading.Thread(target=self._watchdog, name="smddp-watchdog", daemon=True).start()
-        for service in ("", NODE_SERVICE):
-            self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        self._update_health()
         notify.notify(notify.READY)
         self._watchdog_pinger.start()
         log.info(
-            "smddpd serving on %s (node %s, pid %d, peers %s)",
+            "smddpd serving on %s (node %s, pid %d, peers %s); listening: %s",
             cfg.socket, cfg.node_id, os.getpid(),
             f"{self.registry.peer_address}, data over {cfg.peer_transport} port {self._peers.data_port}"
-            if self._peers is not None else "off",
+            if self._peers is not None else "off (--peer-bind off)",
+            ", ".join(self.listeners),
         )
 
     def _start_peers(self) -> None:
@@ -194,6 +223,10 @@ class Daemon:
         self._peers.start()
         self.registry.network = self._peers
         self.registry.peer_address = advertise_address(host, port, cfg.advertise)
+        self.listeners.append(f"peer control {host}:{port} (advertised {self.registry.peer_address})")
+        self.listeners.append(f"peer data tcp {host}:{self._peers.tcp_port}")
+        if self._peers.transport == pb.UCX:
+            self.listeners.append(f"peer data ucx port {self._peers.data_port}")
 
     def stop(self, grace_s: float = 2.0) -> None:
         """Reports NOT_SERVING, fails every job's ops with a clear error, closes the sockets."""
@@ -237,8 +270,27 @@ class Daemon:
         if not self.alive():
             return False, "the daemon's watchdog loop is stuck"
         if self.registry.job_count() >= self.config.max_jobs:
-            return False, f"serving the maximum of {self.config.max_jobs} jobs"
+            return False, f"serving the maximum of {self.config.max_jobs} jobs (--max-jobs)"
+        if self._data is not None:
+            ok, why = self._data.healthy()
+            if not ok:
+                return False, why
+        if self._free_fds < SPARE_FDS:
+            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+            return False, f"out of file descriptors ({max(self._free_fds, 0)} of RLIMIT_NOFILE {soft} left)"
         return True, "ready"
+
+    def _update_health(self) -> None:
+        """The Node service's health follows ready(): NOT_SERVING while no job can start."""
+        ok, why = self.ready()
+        if ok != self._serving and not self.stopping:
+            self._serving = ok
+            status = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
+            self.health.set(NODE_SERVICE, status)
+            if ok:
+                log.info("ready for new jobs again")
+            else:
+                log.warning("cannot take new jobs: %s", why)
 
     def _watchdog(self) -> None:
         while not self.stopped.wait(WATCHDOG_PERIOD_S):
@@ -246,6 +298,11 @@ class Daemon:
             self.last_tick = now
             for comm in self.registry.comms():
                 comm.check_timeouts(now)
+            self.registry.expire(now)
+            if now - self._fds_checked >= FD_CHECK_PERIOD_S:
+                self._fds_checked = now
+                self._free_fds = _free_fds()
+            self._update_health()
             if self.config.owner_pid and self._owner_gone(now):
                 log.info("the job that started this embedded smddpd has ended; exiting")
                 threading.Thread(target=self.stop, daemon=True).start()

@@ -9,15 +9,19 @@ fails its communicators at once.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import socket
 import struct
 import threading
+import time
 
 from google.protobuf.message import DecodeError
 
-from smddp.server.errors import SmddpError
+from smddp.server.errors import LimitExceeded, SmddpError
+from smddp.server.limits import Counts
+from smddp.server.logthrottle import refusals
 from smddp.server.registry import Registry
 from smddp.server.session import Session
 from smddp.v1 import smddp_pb2 as pb
@@ -34,6 +38,13 @@ from smddp.wire import (
 )
 
 log = logging.getLogger(__name__)
+
+# accept() errors that pass (descriptors, memory, a connection reset before we took it):
+# the loop waits and tries again, from ACCEPT_BACKOFF_S doubling up to ACCEPT_BACKOFF_MAX_S.
+ACCEPT_BACKOFF_S = 0.01
+ACCEPT_BACKOFF_MAX_S = 1.0
+# How long after its last failed accept() the socket counts as unable to take jobs.
+ACCEPT_STALL_S = 2.0
 
 
 class SocketChannel:
@@ -64,6 +75,25 @@ class DataSocketServer:
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._stopping = False
+        cfg = registry.config
+        self._connections = Counts("data-socket connections", cfg.max_connections_per_uid, "--max-connections-per-uid")
+        self._handshakes = Counts(
+            "data-socket connections that have not attached", cfg.max_handshakes_per_uid, "--max-handshakes-per-uid",
+            cfg.max_handshakes, "--max-handshakes",
+        )
+        self._attach_timeout_s = cfg.attach_timeout_s
+        # When accept() last failed, and why; cleared by the next success.
+        self.accept_error: tuple[float, str] | None = None
+        self._accept_running = False
+
+    def healthy(self) -> tuple[bool, str]:
+        """Whether new ranks can connect, and why not."""
+        if not self._accept_running and not self._stopping:
+            return False, "the data socket's accept loop has stopped"
+        error = self.accept_error
+        if error is not None and time.monotonic() - error[0] < ACCEPT_STALL_S:
+            return False, f"the data socket cannot accept connections: {error[1]}"
+        return True, "ready"
 
     def start(self) -> None:
         """Binds the socket (replacing a stale one) and starts accepting."""
@@ -76,6 +106,7 @@ class DataSocketServer:
         os.chmod(self.path, self._mode)
         sock.listen(256)
         self._sock = sock
+        self._accept_running = True
         threading.Thread(target=self._accept_loop, name="smddp-data-accept", daemon=True).start()
 
     def stop(self) -> None:
@@ -101,20 +132,66 @@ class DataSocketServer:
 
     def _accept_loop(self) -> None:
         assert self._sock is not None
-        while not self._stopping:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
-            with self._lock:
-                self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="smddp-data-conn", daemon=True).start()
+        backoff = ACCEPT_BACKOFF_S
+        try:
+            while not self._stopping:
+                try:
+                    conn, _ = self._sock.accept()
+                except OSError as exc:
+                    if self._stopping or exc.errno in (errno.EBADF, errno.EINVAL):
+                        return  # the socket was closed: stop() ends the loop this way
+                    # EMFILE, ENFILE, ENOBUFS, ENOMEM, ECONNABORTED...: the next try may pass.
+                    self.accept_error = (time.monotonic(), f"{exc.strerror or exc} (errno {exc.errno})")
+                    refusals.log(log, logging.WARNING, f"data-socket accept failing ({errno.errorcode.get(exc.errno or 0, exc.errno)})",
+                                 "the data socket cannot accept a connection: %s; retrying", exc)
+                    time.sleep(backoff)
+                    backoff = min(backoff * 2, ACCEPT_BACKOFF_MAX_S)
+                    continue
+                backoff = ACCEPT_BACKOFF_S
+                self.accept_error = None
+                try:
+                    self._admit(conn)
+                except Exception as exc:  # a thread that cannot start, say: keep accepting
+                    refusals.log(log, logging.WARNING, "data-socket connection not served", "cannot serve a data-socket connection: %r", exc)
+                    conn.close()
+        finally:
+            self._accept_running = False
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _admit(self, conn: socket.socket) -> None:
+        """Counts a new connection against its uid and serves it, or refuses it at once."""
+        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        pid, uid, _gid = struct.unpack("3i", creds)
+        try:
+            self._connections.take(uid)
+            try:
+                self._handshakes.take(uid)
+            except LimitExceeded:
+                self._connections.give(uid)
+                raise
+        except LimitExceeded as exc:
+            refusals.log(log, logging.WARNING, "data-socket connection refused (limit)", "refused a data-socket connection of uid %d (pid %d): %s", uid, pid, exc)
+            self._send_attach_reply(conn, pb.AttachReply(ok=False, error=str(exc)))
+            conn.close()
+            return
+        with self._lock:
+            self._conns.add(conn)
+        try:
+            threading.Thread(target=self._serve, args=(conn, pid, uid), name="smddp-data-conn", daemon=True).start()
+        except BaseException:
+            with self._lock:
+                self._conns.discard(conn)
+            self._handshakes.give(uid)
+            self._connections.give(uid)
+            raise
+
+    def _serve(self, conn: socket.socket, pid: int, uid: int) -> None:
         session: Session | None = None
         detail = "connection closed"
         try:
-            session = self._attach(conn)
+            try:
+                session = self._attach(conn, pid, uid)
+            finally:
+                self._handshakes.give(uid)  # attached or not, its handshake is over
             if session is None:
                 return
             buf = bytearray(MAX_MESSAGE_BYTES)  # reused: a fresh 1 MiB object per op is costly
@@ -128,7 +205,11 @@ class DataSocketServer:
                     detail = f"a message of more than {MAX_MESSAGE_BYTES} bytes on the data socket"
                     break
                 if buf[0] == MSG_PEER_ARENAS:
-                    self._send_peer_arenas(conn, session)
+                    # In a thread of its own: it waits for the other ranks to attach, while
+                    # this one must keep reading (an EOF here is the rank's death).
+                    threading.Thread(
+                        target=self._send_peer_arenas, args=(conn, session), name="smddp-peer-arenas", daemon=True
+                    ).start()
                     continue
                 if buf[0] != MSG_OP:
                     detail = f"unexpected message type {buf[0]} on the data socket"
@@ -148,12 +229,20 @@ class DataSocketServer:
                 self._registry.connection_lost(session, detail)
             with self._lock:
                 self._conns.discard(conn)
+            self._connections.give(uid)
             conn.close()
 
-    def _attach(self, conn: socket.socket) -> Session | None:
-        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        _pid, uid, _gid = struct.unpack("3i", creds)
-        msg, fds, _flags, _addr = socket.recv_fds(conn, MAX_MESSAGE_BYTES, 4)
+    def _attach(self, conn: socket.socket, pid: int, uid: int) -> Session | None:
+        # A connection that sends nothing must not hold its thread and descriptor for ever.
+        conn.settimeout(self._attach_timeout_s)
+        try:
+            msg, fds, _flags, _addr = socket.recv_fds(conn, MAX_MESSAGE_BYTES, 4)
+        except TimeoutError:
+            refusals.log(log, logging.INFO, "data-socket handshake timed out",
+                         "closed a data-socket connection of uid %d (pid %d): no AttachRequest within %.0f s (--attach-timeout-s)",
+                         uid, pid, self._attach_timeout_s)
+            return None
+        conn.settimeout(None)
         try:
             if not msg:
                 return None
@@ -168,10 +257,11 @@ class DataSocketServer:
                 raise ValueError("undecodable AttachRequest") from None
             session = self._registry.authenticate(req.session_id, req.session_secret)
             fd = fds.pop()
-            self._registry.attach(session, fd, uid)
+            self._registry.attach(session, fd, uid, pid)
         except (ValueError, SmddpError) as exc:
             self._send_attach_reply(conn, pb.AttachReply(ok=False, error=str(exc)))
-            log.info("refused a data-socket attach from uid %d: %s", uid, exc)
+            refusals.log(log, logging.INFO, f"data-socket attach refused ({type(exc).__name__})",
+                         "refused a data-socket attach from uid %d (pid %d): %s", uid, pid, exc)
             return None
         finally:
             for fd in fds:

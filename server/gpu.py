@@ -30,9 +30,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from smddp.server import gpu_kernels
-from smddp.server.errors import FailedPrecondition, InvalidRequest
+from smddp.server.errors import FailedPrecondition, InvalidRequest, SmddpError
 from smddp.v1 import smddp_pb2 as pb
-from smddp.wire import KIND_NAMES, REDUCING_KINDS, ROOTED_KINDS, describe_request, rank_list
+from smddp.wire import (
+    KIND_NAMES,
+    REDUCING_KINDS,
+    ROOTED_KINDS,
+    describe_request,
+    rank_list,
+    reduce_op_check,
+)
 
 if TYPE_CHECKING:
     from smddp.server.communicator import Communicator
@@ -116,6 +123,10 @@ class Runtime(Protocol):
     def copy(self, stream: Any, device: int, dst: int, src: int, nbytes: int) -> None:
         """Queues a device-to-device copy on ``stream``."""
 
+    def prepare(self, device: int, key: tuple[int, int, int, int]) -> None:
+        """Compiles and loads the reduction module of ``key`` (dtype, reduce op, fan-in,
+        fan-out) for ``device``; called outside the daemon's lock (a compile takes ~1 s)."""
+
 
 # -- per-rank handles ---------------------------------------------------------------------------
 
@@ -143,7 +154,8 @@ class _Mapping:
 class _RankHandles:
     """The open mappings (by the rank's allocation base) and events (by handle) of one rank."""
 
-    mappings: collections.OrderedDict[int, _Mapping] = field(
+    # By (allocation base, device the mapping was opened on).
+    mappings: collections.OrderedDict[tuple[int, int], _Mapping] = field(
         default_factory=collections.OrderedDict
     )
     events: collections.OrderedDict[bytes, tuple[Any, int]] = field(
@@ -159,6 +171,7 @@ class _Resolved:
 
     rank: int
     session: Session
+    handles: _RankHandles
     req: pb.OpRequest
     device: int
     ready: Any
@@ -206,7 +219,10 @@ class GpuOps:
             weakref.WeakKeyDictionary()
         )
         self._devices: dict[bytes, int] = {}
-        self._memory: dict[bytes, _Opened] = {}
+        # Mappings by (handle, device): a handle is opened on each GPU whose kernels or
+        # copies access it (as NCCL does): memory opened on one GPU and read from another
+        # is an illegal address there.
+        self._memory: dict[tuple[bytes, int], _Opened] = {}
         self._events: dict[bytes, _Opened] = {}
         self._peers: set[tuple[int, int]] = set()
         # What to release once the work queued before it has finished: (events marking that
@@ -265,14 +281,15 @@ class GpuOps:
             raise InvalidRequest(
                 f"{session.label()}: a CUDA IPC memory handle has {len(buf.ipc_handle)} bytes, not 64"
             )
-        mapping = handles.mappings.get(buf.alloc_base)
+        key = (buf.alloc_base, device)
+        mapping = handles.mappings.get(key)
         if mapping is not None and mapping.handle != buf.ipc_handle:
             # The rank freed that allocation and got a new one at the same address.
-            del handles.mappings[buf.alloc_base]
-            self._bury_mapping(handles, mapping)
+            for k in [k for k in handles.mappings if k[0] == buf.alloc_base]:
+                self._bury_mapping(handles, handles.mappings.pop(k))
             mapping = None
         if mapping is None:
-            opened = self._memory.get(buf.ipc_handle)
+            opened = self._memory.get((buf.ipc_handle, device))
             if opened is None:
                 try:
                     address = self.rt.open_memory(buf.ipc_handle, device)
@@ -283,18 +300,25 @@ class GpuOps:
                     ) from None
                 try:
                     size = self.rt.mapped_size(address)
-                except CudaCallError:
-                    size = buf.alloc_bytes
+                except CudaCallError as exc:
+                    # Never the size the rank declares (alloc_bytes): a rank could then make
+                    # the kernels write past what was mapped.
+                    self._quietly(lambda: self.rt.close_memory(address, device))
+                    raise InvalidRequest(
+                        f"{session.label()}: the size of its allocation at 0x{buf.alloc_base:x} "
+                        f"cannot be read from the mapping ({exc}); smddpd refuses a GPU range "
+                        "it cannot bound"
+                    ) from None
                 opened = _Opened(address, device, size)
-                self._memory[buf.ipc_handle] = opened
+                self._memory[(buf.ipc_handle, device)] = opened
             opened.refs += 1
             mapping = _Mapping(buf.ipc_handle, opened.obj, device, opened.size)
-            handles.mappings[buf.alloc_base] = mapping
+            handles.mappings[key] = mapping
             while len(handles.mappings) > MAX_MAPPINGS_PER_RANK:
                 _, old = handles.mappings.popitem(last=False)
                 self._bury_mapping(handles, old)
         else:
-            handles.mappings.move_to_end(buf.alloc_base)
+            handles.mappings.move_to_end(key)
         if buf.offset + buf.nbytes > mapping.size:
             raise InvalidRequest(
                 f"{session.label()}: GPU range [{buf.offset}, {buf.offset + buf.nbytes}) lies outside "
@@ -316,6 +340,7 @@ class GpuOps:
         return _Resolved(
             rank=rank,
             session=session,
+            handles=handles,
             req=req,
             device=device,
             ready=ready,
@@ -329,9 +354,9 @@ class GpuOps:
     # -- releasing ----------------------------------------------------------------------------
 
     def _bury_mapping(self, handles: _RankHandles, mapping: _Mapping) -> None:
-        self._bury(handles, lambda: self._unref(self._memory, mapping.handle))
+        self._bury(handles, lambda: self._unref(self._memory, (mapping.handle, mapping.device)))
 
-    def _unref(self, table: dict[bytes, _Opened], handle: bytes) -> None:
+    def _unref(self, table: dict[Any, _Opened], handle: Any) -> None:
         """Drops one rank entry's reference; the last one closes the handle."""
         opened = table.get(handle)
         if opened is None:
@@ -447,12 +472,40 @@ class GpuOps:
             FailedPrecondition: a GPU the daemon cannot see or reach.
         """
         _check_all_gpu(ranks, reqs)
+        self._prepare(sessions, reqs)
         with self._lock:
             self.collect()
             resolved = [self._resolve(comm, r, s, q) for r, s, q in zip(ranks, sessions, reqs)]
             work = _Work(self, comm, resolved)
             work.plan()
             work.run()
+
+    def _prepare(self, sessions: Sequence[Session], reqs: Sequence[pb.OpRequest]) -> None:
+        """Compiles the op's kernels before the lock is taken: one job's first op of a new
+        dtype or fan-in never stalls the other jobs' ops (``_Work.reduce`` finds them ready).
+        Bad requests are left to ``execute``'s checks, which name the problem."""
+        req = reqs[0]
+        if req.kind not in REDUCING_KINDS or gpu_kernels.SPECS.get(req.dtype) is None:
+            return
+        if reduce_op_check(req.dtype, req.reduce_op):
+            return
+        w = len(reqs)
+        try:
+            devices = [self._device(s, q.cuda.device_uuid) for s, q in zip(sessions, reqs)]
+        except SmddpError:
+            return
+        if req.kind == pb.ALL_REDUCE:
+            wanted = {(d, (req.dtype, req.reduce_op, w, w)) for d in devices}
+        elif req.kind == pb.REDUCE:
+            root = req.root if 0 <= req.root < w else 0
+            wanted = {(devices[root], (req.dtype, req.reduce_op, w, 1))}
+        else:  # REDUCE_SCATTER
+            wanted = {(d, (req.dtype, req.reduce_op, w, 1)) for d in devices}
+        for device, key in sorted(wanted):
+            try:
+                self.rt.prepare(device, key)
+            except CudaCallError:
+                return  # the launch meets it again and fails the op with the message
 
     def execute_p2p(
         self,
@@ -478,7 +531,7 @@ class GpuOps:
                     f"send of {a.in_bytes[0]} bytes from rank {a.rank} meets a recv of {b.out_bytes[0]} bytes"
                 )
             work = _Work(self, comm, [a, b])
-            work.copy(b.device, b.outputs[0], a.inputs[0], a.in_bytes[0])
+            work.copy(b.device, b.outputs[0], work.inp(a, 0, b.device), a.in_bytes[0], a.device)
             work.run()
 
 
@@ -514,6 +567,18 @@ class _Work:
 
     # -- building blocks ------------------------------------------------------------------------
 
+    def inp(self, r: _Resolved, i: int, device: int) -> int:
+        """Rank ``r``'s input ``i`` as mapped on ``device`` (opened there if needed)."""
+        if device == r.device:
+            return r.inputs[i]
+        return self.ops._map(r.session, r.handles, r.req.cuda.inputs[i], device)
+
+    def outp(self, r: _Resolved, i: int, device: int) -> int:
+        """Rank ``r``'s output ``i`` as mapped on ``device``."""
+        if device == r.device:
+            return r.outputs[i]
+        return self.ops._map(r.session, r.handles, r.req.cuda.outputs[i], device)
+
     def _need(self, r: _Resolved, inputs: int | None, outputs: int | None) -> None:
         got = (len(r.inputs), len(r.outputs))
         want = (
@@ -533,10 +598,13 @@ class _Work:
                 f"{want_elements} x {self.itemsize} were expected (tensors of mismatched sizes?)"
             )
 
-    def copy(self, device: int, dst: int, src: int, nbytes: int) -> None:
-        """A device-to-device copy on ``device``'s stream (skipped when in place or empty)."""
+    def copy(self, device: int, dst: int, src: int, nbytes: int, peer: int | None = None) -> None:
+        """A device-to-device copy on ``device``'s stream (skipped when in place or empty),
+        from memory of GPU ``peer`` (peer access enabled first)."""
         if dst == src or nbytes == 0:
             return
+        if peer is not None:
+            self.ops._peer(device, peer, self.who)
         self.steps.append(_Step(device, lambda s: self.rt.copy(s, device, dst, src, nbytes)))
 
     def reduce(
@@ -610,19 +678,43 @@ class _Work:
         elif kind == pb.BROADCAST:
             src = ranks[root]
             for r in ranks:
-                self.copy(r.device, r.outputs[0], src.inputs[0], n * self.itemsize)
+                self.copy(
+                    r.device,
+                    r.outputs[0],
+                    self.inp(src, 0, r.device),
+                    n * self.itemsize,
+                    src.device,
+                )
         elif kind in (pb.ALL_GATHER, pb.GATHER):
             for t in ranks:
                 for r in ranks[: len(t.outputs)]:
-                    self.copy(t.device, t.outputs[r.rank], r.inputs[0], n * self.itemsize)
+                    self.copy(
+                        t.device,
+                        t.outputs[r.rank],
+                        self.inp(r, 0, t.device),
+                        n * self.itemsize,
+                        r.device,
+                    )
         elif kind == pb.SCATTER:
             src = ranks[root]
             for d in ranks:
-                self.copy(d.device, d.outputs[0], src.inputs[d.rank], n * self.itemsize)
+                self.copy(
+                    d.device,
+                    d.outputs[0],
+                    self.inp(src, d.rank, d.device),
+                    n * self.itemsize,
+                    src.device,
+                )
         elif kind == pb.ALL_TO_ALL:
             for d in ranks:
                 for s in ranks:
-                    self.copy(d.device, d.outputs[s.rank], s.inputs[d.rank], s.in_bytes[d.rank])
+                    self.copy(
+                        d.device,
+                        d.outputs[s.rank],
+                        self.inp(s, d.rank, d.device),
+                        s.in_bytes[d.rank],
+                        s.device,
+                    )
 
     def _plan_reduction(self, kind: int, n: int, root: int) -> None:
         ranks = self.ranks
@@ -631,20 +723,26 @@ class _Work:
             # Rank d's output is reduced on d's GPU from every rank's block d.
             for d in ranks:
                 self.reduce(
-                    d.device, [r.inputs[d.rank] for r in ranks], [d.outputs[0]], n, everywhere
+                    d.device,
+                    [self.inp(r, d.rank, d.device) for r in ranks],
+                    [d.outputs[0]],
+                    n,
+                    everywhere,
                 )
             return
-        inputs = [r.inputs[0] for r in ranks]
         if kind == pb.REDUCE:
-            self.reduce(ranks[root].device, inputs, [ranks[root].outputs[0]], n, everywhere)
+            at = ranks[root].device
+            inputs = [self.inp(r, 0, at) for r in ranks]
+            self.reduce(at, inputs, [ranks[root].outputs[0]], n, everywhere)
             return
         # all_reduce: one segment per GPU (in rank order of first use), each reduced once and
         # written to every rank's output; on one GPU this is a single pass.
         devices = list(dict.fromkeys(r.device for r in ranks))
-        outputs = [r.outputs[0] for r in ranks]
         align = max(1, gpu_kernels.VECTOR_BYTES // self.itemsize)
         for device, (a, b) in zip(devices, gpu_kernels.split(n, len(devices), align)):
             if b > a:
+                inputs = [self.inp(r, 0, device) for r in ranks]
+                outputs = [self.outp(r, 0, device) for r in ranks]
                 off = a * self.itemsize
                 self.reduce(
                     device, [x + off for x in inputs], [x + off for x in outputs], b - a, everywhere
@@ -665,10 +763,13 @@ class _Work:
         working = list(dict.fromkeys(step.device for step in self.steps))
         involved = list(dict.fromkeys(working + [r.device for r in ranks]))
         cs = self.ops._comm_streams(self.comm)
+        streams: dict[int, Any] = {}
+        queued = False
         try:
             streams = {d: cs.stream(d) for d in involved}
             for device in involved:
                 for r in ranks:
+                    queued = True
                     self.rt.wait_event(streams[device], r.ready, device)
             for step in self.steps:
                 step.run(streams[step.device])
@@ -682,6 +783,16 @@ class _Work:
             for r in ranks:
                 self.rt.record_event(r.done, streams[r.device], r.device)
         except CudaCallError as exc:
+            if queued:
+                # Kernels may be queued that write the ranks' buffers: each rank's done
+                # event still follows them, so its stream (and its allocator) waits for them
+                # before reusing the memory, though the op fails.
+                for r in ranks:
+                    stream = streams.get(r.device)
+                    if stream is not None:
+                        self.ops._quietly(
+                            lambda r=r, s=stream: self.rt.record_event(r.done, s, r.device)
+                        )
             raise FailedPrecondition(
                 f"{self.who}: a CUDA call failed while queueing the op: {exc}"
             ) from None
@@ -712,11 +823,40 @@ def ops(node_id: str = "") -> GpuOps:
             from smddp.server.gpu_runtime import CupyRuntime, GpuUnavailable
 
             try:
-                _ops = GpuOps(CupyRuntime(), chunk_bytes=_chunk_bytes)
+                test_runtime = _test_runtime()
+                runtime = test_runtime if test_runtime is not None else CupyRuntime()
+                _ops = GpuOps(runtime, chunk_bytes=_chunk_bytes)
             except GpuUnavailable as exc:
                 where = f"smddpd on node {node_id}" if node_id else "smddpd"
                 raise FailedPrecondition(f"{where} cannot carry GPU tensors: {exc}") from None
         return _ops
+
+
+# TEST ONLY. Names a factory of a ``Runtime`` to use instead of CuPy, as FILE.py:FUNCTION
+# (tests/server/gpu_fakes.py:ipc_runtime), so that a real smddpd runs GPU ops on a fake GPU
+# in tests without one. Honoured only when set; never set it on a real node.
+TEST_RUNTIME_ENV = "SMDDP_TEST_GPU_RUNTIME"
+
+
+def _test_runtime() -> Runtime | None:
+    import os
+
+    spec = os.environ.get(TEST_RUNTIME_ENV)
+    if not spec:
+        return None
+    import importlib.util
+
+    path, _, name = spec.rpartition(":")
+    module_spec = importlib.util.spec_from_file_location("smddp_test_gpu_runtime", path)
+    if module_spec is None or module_spec.loader is None or not name:
+        raise FailedPrecondition(f"{TEST_RUNTIME_ENV}={spec!r} does not name FILE.py:FUNCTION")
+    module = importlib.util.module_from_spec(module_spec)
+    import sys
+
+    sys.modules[module_spec.name] = module  # dataclasses look their module up there
+    module_spec.loader.exec_module(module)
+    log.warning("smddpd runs GPU ops on the TEST runtime %s (%s is set)", spec, TEST_RUNTIME_ENV)
+    return getattr(module, name)()
 
 
 def active() -> GpuOps | None:

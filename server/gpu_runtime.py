@@ -1,12 +1,15 @@
 """``gpu.Runtime`` on CuPy: the daemon's real CUDA calls.
 
 Imported only by ``gpu.ops()`` on the first GPU op; importing it imports CuPy. Kernels come
-from ``gpu_kernels`` and are compiled by NVRTC once per combination of dtype, reduce op and
-fan-in/fan-out (CuPy also caches the binaries on disk, in ``CUPY_CACHE_DIR``).
+from ``gpu_kernels`` and are compiled by NVRTC (``compile_module``) to a cubin once per
+combination of dtype, reduce op, fan-in/fan-out and GPU architecture, each under a lock of
+its own, then loaded once per device (a module's functions belong to one device's context).
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -14,6 +17,7 @@ from typing import Any
 from smddp import cuda_driver
 from smddp.server import gpu_kernels
 from smddp.server.gpu import CudaCallError
+from smddp.v1 import smddp_pb2 as pb
 
 # cudaStreamNonBlocking: the stream does not synchronise with the legacy default stream.
 _STREAM_NON_BLOCKING = 1
@@ -28,6 +32,40 @@ _NOT_READY = 600
 _PEER_ALREADY_ENABLED = 704
 # Resident blocks per SM worth launching for a memory-bound grid-stride kernel.
 _BLOCKS_PER_SM = 8
+# cudaDevAttrComputeCapabilityMajor, ...Minor
+_ATTR_CC_MAJOR = 75
+_ATTR_CC_MINOR = 76
+# What NVRTC gets: the same options for every module (tests compile with exactly these).
+NVRTC_OPTIONS = ("--std=c++14",)
+# Kernels worth having before the first op needs them (gpu_check.sh warms these): all_reduce
+# of the usual training dtypes by 2, 4 and 8 ranks of one GPU.
+COMMON_KERNELS = [(dtype, pb.SUM, w, w) for dtype in (pb.FLOAT32, pb.BFLOAT16) for w in (2, 4, 8)]
+
+
+def compile_module(
+    cupy: Any, dtype: int, reduce_op: int, fan_in: int, fan_out: int, arch: str
+) -> bytes:
+    """The cubin of one generated module for ``arch`` (e.g. "sm_90"), compiled by NVRTC
+    (CuPy's bindings, ``cupy.cuda.nvrtc``) with ``NVRTC_OPTIONS``. Needs NVRTC, no GPU: the
+    tests compile every module with exactly this where CuPy imports.
+
+    Raises:
+        CudaCallError: NVRTC refused the source (the message has its log).
+    """
+    source = gpu_kernels.reduce_module(dtype, reduce_op, fan_in, fan_out)
+    name = gpu_kernels.kernel_name(dtype, reduce_op, fan_in, fan_out, False) + ".cu"
+    nvrtc = cupy.cuda.nvrtc
+    prog = nvrtc.createProgram(source, name, (), ())
+    try:
+        try:
+            nvrtc.compileProgram(prog, (*NVRTC_OPTIONS, f"-arch={arch}"))
+        except nvrtc.NVRTCError as exc:
+            raise CudaCallError(
+                f"NVRTC cannot compile {name} for {arch}: {exc}\n{nvrtc.getProgramLog(prog)}"
+            ) from None
+        return bytes(nvrtc.getCUBIN(prog))
+    finally:
+        nvrtc.destroyProgram(prog)
 
 
 class GpuUnavailable(RuntimeError):
@@ -60,7 +98,10 @@ class CupyRuntime:
             raise GpuUnavailable(str(exc)) from None
         self._driver = drv
         self._grid: dict[int, int] = {}
-        self._modules: dict[tuple[int, int, int, int], Any] = {}
+        self._archs: dict[int, str] = {}
+        self._binaries: dict[tuple[tuple[int, int, int, int], str], bytes] = {}
+        self._compiling: dict[tuple[tuple[int, int, int, int], str], threading.Lock] = {}
+        self._modules: dict[tuple[tuple[int, int, int, int], int], Any] = {}
         self._lock = threading.Lock()
 
     def _call(self, what: str, fn: Any, *args: Any) -> Any:
@@ -162,21 +203,106 @@ class CupyRuntime:
             grid = self._grid[device] = int(props["multiProcessorCount"]) * _BLOCKS_PER_SM
         return grid
 
+    def _arch(self, device: int) -> str:
+        arch = self._archs.get(device)
+        if arch is None:
+            major = self._call(
+                "cudaDeviceGetAttribute", self.rt.deviceGetAttribute, _ATTR_CC_MAJOR, device
+            )
+            minor = self._call(
+                "cudaDeviceGetAttribute", self.rt.deviceGetAttribute, _ATTR_CC_MINOR, device
+            )
+            arch = self._archs[device] = f"sm_{major}{minor}"
+        return arch
+
+    def _binary(self, key: tuple[int, int, int, int], arch: str) -> bytes:
+        """The module's cubin for ``arch``, compiled once (other compiles go on meanwhile:
+        one lock per module, never the daemon's)."""
+        with self._lock:
+            lock = self._compiling.setdefault((key, arch), threading.Lock())
+        with lock:
+            binary = self._binaries.get((key, arch))
+            if binary is None:
+                binary = self._cached(key, arch)
+            if binary is None:
+                try:
+                    binary = compile_module(self.cp, *key, arch=arch)
+                except CudaCallError:
+                    raise
+                except Exception as exc:  # NVRTC's library missing
+                    raise CudaCallError(
+                        f"compiling {gpu_kernels.kernel_name(*key, False)} for {arch}: {exc}"
+                    ) from None
+                self._store(key, arch, binary)
+            self._binaries[(key, arch)] = binary
+            return binary
+
+    def _cache_path(self, key: tuple[int, int, int, int], arch: str) -> str:
+        source = gpu_kernels.reduce_module(*key)
+        try:
+            nvrtc = ".".join(map(str, self.cp.cuda.nvrtc.getVersion()))
+        except Exception:
+            nvrtc = "?"
+        digest = hashlib.sha256(
+            "\0".join([source, *NVRTC_OPTIONS, arch, nvrtc]).encode()
+        ).hexdigest()
+        folder = os.environ.get("CUPY_CACHE_DIR") or os.path.expanduser("~/.cupy/kernel_cache")
+        return os.path.join(folder, f"smddp-{digest}.cubin")
+
+    def _cached(self, key: tuple[int, int, int, int], arch: str) -> bytes | None:
+        """A cubin compiled earlier (by any process: gpu_check.sh warms it) from the same
+        source, options, architecture and NVRTC version."""
+        try:
+            with open(self._cache_path(key, arch), "rb") as f:
+                return f.read() or None
+        except OSError:
+            return None
+
+    def _store(self, key: tuple[int, int, int, int], arch: str, binary: bytes) -> None:
+        path = self._cache_path(key, arch)
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "wb") as f:
+                f.write(binary)
+            os.replace(tmp, path)  # whole files only, whoever reads concurrently
+        except OSError:
+            pass  # a cache that cannot be written costs a compile per process, nothing else
+
+    def prepare(self, device: int, key: tuple[int, int, int, int]) -> None:
+        """Compiles and loads the module of ``key`` (dtype, reduce op, fan-in, fan-out) on
+        ``device``; the daemon calls it before taking its lock, so a compile stalls nobody."""
+        if (key, device) in self._modules:
+            return
+        binary = self._binary(key, self._arch(device))
+        with self._lock:
+            if (key, device) in self._modules:
+                return
+            with self._on(device):
+                module = self.cp.cuda.function.Module()
+                try:
+                    module.load(binary)
+                except Exception as exc:  # CUDADriverError
+                    raise CudaCallError(f"loading the reduction kernels: {exc}") from None
+            # One loaded module per device: a module's functions belong to its context.
+            self._modules[(key, device)] = module
+
+    def warm(self, device: int, keys: Sequence[tuple[int, int, int, int]]) -> None:
+        """Compiles and loads ``keys`` on ``device`` now (gpu_check.sh, and the daemon's
+        first GPU op for ``COMMON_KERNELS``)."""
+        for key in keys:
+            self.prepare(device, key)
+
     def _function(
-        self, dtype: int, reduce_op: int, fan_in: int, fan_out: int, vectorized: bool
+        self, device: int, dtype: int, reduce_op: int, fan_in: int, fan_out: int, vectorized: bool
     ) -> Any:
         key = (dtype, reduce_op, fan_in, fan_out)
-        with self._lock:
-            module = self._modules.get(key)
-            if module is None:
-                source = gpu_kernels.reduce_module(dtype, reduce_op, fan_in, fan_out)
-                module = self.cp.RawModule(code=source, options=("--std=c++14",))
-                self._modules[key] = module
+        self.prepare(device, key)
         name = gpu_kernels.kernel_name(dtype, reduce_op, fan_in, fan_out, vectorized)
         try:
-            return module.get_function(name)  # compiles (NVRTC) on first use per device
-        except Exception as exc:  # CompileException, or a driver error loading the module
-            raise CudaCallError(f"compiling {name}: {exc}") from None
+            return self._modules[(key, device)].get_function(name)
+        except Exception as exc:
+            raise CudaCallError(f"{name}: {exc}") from None
 
     def reduce(
         self,
@@ -196,7 +322,9 @@ class CupyRuntime:
             np.uint64(launch.units),
         )
         with self._on(device):
-            fn = self._function(dtype, reduce_op, len(inputs), len(outputs), launch.vectorized)
+            fn = self._function(
+                device, dtype, reduce_op, len(inputs), len(outputs), launch.vectorized
+            )
             external = self.cp.cuda.ExternalStream(stream, device)
             try:
                 with external:

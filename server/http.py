@@ -8,6 +8,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+REQUEST_TIMEOUT_S = 10.0
+
 
 def parse_bind(bind: str) -> tuple[str, int]:
     """Splits ``HOST:PORT`` (``[v6]:PORT`` too).
@@ -34,6 +36,8 @@ class HttpServer:
         host, port = parse_bind(bind)
 
         class Handler(BaseHTTPRequestHandler):
+            timeout = REQUEST_TIMEOUT_S  # a connection that sends nothing must not hold its thread
+
             def do_GET(self) -> None:
                 path = self.path.split("?", 1)[0]
                 if path == "/metrics":

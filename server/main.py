@@ -11,6 +11,7 @@ import time
 
 from smddp.server import config as config_mod
 from smddp.server.daemon import Daemon
+from smddp.server.logthrottle import SafeText
 
 
 class JsonFormatter(logging.Formatter):
@@ -39,6 +40,8 @@ def setup_logging(level: str, fmt: str) -> None:
         handler.setFormatter(JsonFormatter())
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s smddpd %(levelname)s %(name)s: %(message)s"))
+    # Clients' strings reach messages: a newline among them must not start a forged line.
+    handler.addFilter(SafeText())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

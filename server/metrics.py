@@ -6,10 +6,14 @@ whose series are removed when the job ends. No label carries an op sequence numb
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client.metrics_core import Metric
 
+from smddp import region as rg
 from smddp.v1 import smddp_pb2 as pb
 from smddp.wire import KIND_NAMES, NUMPY_DTYPES, dtype_name
 
@@ -20,7 +24,8 @@ if TYPE_CHECKING:
 # The *_created series double the output and say nothing a scrape's timestamps don't.
 disable_created_metrics()
 
-_LATENCY_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+# The ranks count region ops into the same buckets (smddp.region), so both paths add up.
+_LATENCY_BUCKETS = rg.LATENCY_BUCKETS
 ERROR_NAMES = {v.number: v.name.lower() for v in pb.ErrorKind.DESCRIPTOR.values}
 
 
@@ -30,6 +35,9 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        # Registered first, so that a scrape reads the regions' counters before the metrics.
+        self._drain = _RegionDrain()
+        r.register(self._drain)
         self.ops = Counter("smddp_ops", "Collective and point-to-point ops completed", ["op", "dtype"], registry=r)
         self.bytes = Counter("smddp_op_bytes", "Bytes contributed by each rank, summed over ranks", ["op", "dtype"], registry=r)
         self.duration = Histogram(
@@ -60,20 +68,22 @@ class Metrics:
                 self.errors.labels(name)
         self._job_ranks: dict[str, set[str]] = {}
         self._children: dict[tuple[int, int], tuple] = {}
+        self._skew_children: dict[int, Histogram] = {}
 
     def watch(self, registry: Registry) -> None:
-        """Makes the gauges read the registry's tables at scrape time."""
+        """Makes the gauges read the registry's tables at scrape time, and every scrape first
+        read the ranks' counters in the control regions."""
+        self._drain.registry = registry
         self.registered_ranks.set_function(registry.session_count)
         self.jobs.set_function(registry.job_count)
         self.shm_bytes.set_function(lambda: sum(s.arena.nbytes for s in registry.sessions() if s.arena))
 
-    def op_done(self, comm: Communicator, req: pb.OpRequest, duration: float, last_rank: int, skew: float, nbytes: int) -> None:
-        """Records one completed op (called once per op, at its last chunk)."""
-        key = (req.kind, req.dtype)
+    def _op_children(self, kind: int, dtype_code: int) -> tuple:
+        key = (kind, dtype_code)
         children = self._children.get(key)
         if children is None:  # labels() costs microseconds per call: resolve once per op and dtype
-            op = KIND_NAMES.get(req.kind, "unknown")
-            dtype = dtype_name(req.dtype) if req.dtype in NUMPY_DTYPES else "none"
+            op = KIND_NAMES.get(kind, "unknown")
+            dtype = dtype_name(dtype_code) if dtype_code in NUMPY_DTYPES and kind != pb.BARRIER else "none"
             children = (
                 self.ops.labels(op, dtype),
                 self.bytes.labels(op, dtype),
@@ -81,7 +91,11 @@ class Metrics:
                 self.skew.labels(op),
             )
             self._children[key] = children
-        ops, nbytes_counter, durations, skews = children
+        return children
+
+    def op_done(self, comm: Communicator, req: pb.OpRequest, duration: float, last_rank: int, skew: float, nbytes: int) -> None:
+        """Records one completed op (called once per op, at its last chunk)."""
+        ops, nbytes_counter, durations, skews = self._op_children(req.kind, req.dtype)
         ops.inc()
         nbytes_counter.inc(nbytes)
         durations.observe(duration)
@@ -89,6 +103,27 @@ class Metrics:
         if comm.world_size > 1 and req.kind not in (pb.SEND, pb.RECV):
             self.straggler.labels(comm.job_id, str(last_rank)).inc()
             self._job_ranks.setdefault(comm.job_id, set()).add(str(last_rank))
+
+    def add_region_counts(
+        self, comm: Communicator, ops: np.ndarray, nbytes: np.ndarray, skew: np.ndarray, last: np.ndarray
+    ) -> None:
+        """Adds what a communicator's ranks counted in its control region since the last read:
+        the same metrics, buckets and labels as ``op_done`` (see ``ControlRegion.new_counts``)."""
+        for row in np.flatnonzero(ops[:, rg.C_OPS] | nbytes):
+            kind, dtype_code = divmod(int(row), rg.DTYPES)
+            c_ops, c_bytes, c_duration, _ = self._op_children(kind, dtype_code)
+            c_ops.inc(int(ops[row, rg.C_OPS]))
+            c_bytes.inc(int(nbytes[row]))
+            _add_observations(c_duration, ops[row, rg.C_DUR_BUCKET :], int(ops[row, rg.C_DUR_SUM]) / 1e9)
+        for kind in np.flatnonzero(skew[:, rg.K_COUNT]):
+            c_skew = self._skew_children.get(int(kind))
+            if c_skew is None:
+                c_skew = self._skew_children[int(kind)] = self.skew.labels(KIND_NAMES.get(int(kind), "unknown"))
+            _add_observations(c_skew, skew[kind, rg.K_BUCKET :], int(skew[kind, rg.K_SUM]) / 1e9)
+        if comm.world_size > 1:
+            for rank in np.flatnonzero(last):
+                self.straggler.labels(comm.job_id, str(int(rank))).inc(int(last[rank]))
+                self._job_ranks.setdefault(comm.job_id, set()).add(str(int(rank)))
 
     def error(self, kind: int) -> None:
         """Counts one error of the wire ErrorKind ``kind``."""
@@ -101,3 +136,26 @@ class Metrics:
                 self.straggler.remove(job_id, rank)
             except KeyError:
                 pass
+
+
+def _add_observations(child: Histogram, buckets: np.ndarray, total: float) -> None:
+    """Adds counted observations to a histogram child: per-bucket counts (not cumulative, as
+    the ranks keep them) and their sum. prometheus_client has no public call for this; its
+    ``observe`` does the same to the same fields, one observation at a time."""
+    for i in np.flatnonzero(buckets):
+        child._buckets[i].inc(int(buckets[i]))
+    child._sum.inc(total)
+
+
+class _RegionDrain:
+    """A collector that exports nothing: at each scrape it first has every communicator read
+    its ranks' region counters into the metrics, so a scrape after an op sees it."""
+
+    def __init__(self) -> None:
+        self.registry: Registry | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        if self.registry is not None:
+            for comm in self.registry.comms():
+                comm.drain_metrics()
+        return iter(())

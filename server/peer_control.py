@@ -75,7 +75,7 @@ class PeerService(pb_grpc.PeerServicer):
 
     def _comm(self, req: pb.PeerRequest, context: grpc.ServicerContext) -> Communicator:
         """The communicator ``req`` names, once its proof and node index check out."""
-        comm = self._registry.find_comm(req.job_id, req.comm_id)
+        comm = self._registry.find_comm(req.job_id, req.comm_id, req.proof)
         if comm is None or comm.peers is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"job {req.job_id[:64]} comm {req.comm_id[:64]} is not registered here yet")
         if not hmac.compare_digest(req.proof, token_proof(comm.token, comm.job_id, comm.comm_id)):
@@ -130,12 +130,17 @@ class PeerService(pb_grpc.PeerServicer):
 
     @_counted
     def Meet(self, request: pb.MeetRequest, context: grpc.ServicerContext) -> pb.RendezvousReply:
-        timeout_s = min(request.timeout_ms, MAX_TIMEOUT_MS) / 1000 if request.timeout_ms else self._registry.config.default_timeout_s
+        cfg = self._registry.config
+        timeout_s = min(request.timeout_ms, MAX_TIMEOUT_MS) / 1000 if request.timeout_ms else cfg.default_timeout_s
+        timeout_s = min(timeout_s, cfg.max_rendezvous_wait_s)
         try:
-            nodes = self._registry.rendezvous.meet(
-                request.job_id, request.proof, request.rank, request.world_size, request.node_id[:256],
-                request.peer_address[:300], timeout_s,
-            )
+            # Each waiting Meet holds a thread of this service: bounded with the Node
+            # service's Rendezvous calls, so that neither can take every thread.
+            with self._registry.rendezvous_slots.held(f"rendezvous of job {request.job_id[:64]}"):
+                nodes = self._registry.rendezvous.meet(
+                    request.job_id, request.proof, request.rank, request.world_size, request.node_id,
+                    request.peer_address, timeout_s, context.is_active,
+                )
         except SmddpError as exc:
             context.abort(exc.code, str(exc))
         return pb.RendezvousReply(nodes=nodes)

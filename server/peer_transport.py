@@ -15,6 +15,7 @@ service, so that they reach a node whose data connections are not up yet.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import itertools
@@ -31,6 +32,7 @@ from typing import TYPE_CHECKING, Protocol
 import grpc
 import numpy as np
 
+from smddp.server.logthrottle import refusals
 from smddp.server.tls import TlsSocket
 from smddp.v1 import smddp_pb2 as pb
 from smddp.wire import rank_list
@@ -181,6 +183,7 @@ class CommPeers:
         self._send_locks: dict[Connection, threading.Lock] = {}
         self._rr = itertools.count()
         self._mail: dict[tuple, Frame] = {}
+        self._mail_p2p_bytes = 0  # of p2p frames in _mail: counted against the job's budget
         self._waiters: dict[tuple, Callable[[Frame], None]] = {}
         self._cond = threading.Condition()
         self._closed = False
@@ -443,11 +446,28 @@ class CommPeers:
             key: tuple = ("p", frame.src_rank, frame.dst_rank, frame.seq, frame.part)
         else:
             key = ("c", frame.seq, frame.part, frame.round, frame.src_node)
+        over = ""
         with self._cond:
             waiter = self._waiters.pop(key, None)
             if waiter is None:
-                self._mail[key] = frame
-                self._cond.notify_all()
+                # A send that came before its recv was posted waits here, within the job's
+                # budget; beyond it the communicator fails (the sender already went on).
+                buffers, nbytes = self.comm.buffers, frame.payload.nbytes
+                if key[0] == "p" and buffers is not None:
+                    if buffers.try_take(nbytes):
+                        self._mail_p2p_bytes += nbytes
+                    else:
+                        over = buffers.limit_text(nbytes)
+                if not over:
+                    self._mail[key] = frame
+                    self._cond.notify_all()
+        if over:
+            self.comm.fail(
+                pb.INVALID,
+                f"{self.comm.name()}: rank {frame.src_rank} on node {self.node_ids[frame.src_node]} sent "
+                f"{frame.payload.nbytes} bytes to rank {frame.dst_rank} before it posted the receive, and "
+                f"this daemon may hold no more: {over}",
+            )
         if waiter is not None:
             waiter(frame)
 
@@ -485,7 +505,14 @@ class CommPeers:
             if frame is None:
                 self._waiters[key] = callback
                 return
+            self._release_p2p(frame.payload.nbytes)
         callback(frame)
+
+    def _release_p2p(self, nbytes: int) -> None:
+        """Gives back the budget of a p2p frame that left the mailbox (lock held)."""
+        if self.comm.buffers is not None and self._mail_p2p_bytes:
+            self._mail_p2p_bytes -= nbytes
+            self.comm.buffers.give(nbytes)
 
     def _check_open(self) -> None:
         if self._failure is not None:
@@ -499,7 +526,16 @@ class CommPeers:
         """Wakes every waiter: the communicator failed."""
         with self._cond:
             self._failure = message
+            self._drop_p2p_mail()
             self._cond.notify_all()
+
+    def _drop_p2p_mail(self) -> None:
+        """Forgets the sends no recv will take (lock held): the communicator failed or closed."""
+        for key in [k for k in self._mail if k[0] == "p"]:
+            del self._mail[key]
+        if self.comm.buffers is not None and self._mail_p2p_bytes:
+            self.comm.buffers.give(self._mail_p2p_bytes)
+        self._mail_p2p_bytes = 0
 
     def close(self) -> None:
         """Says BYE on every connection and half-closes it.
@@ -513,6 +549,7 @@ class CommPeers:
             thread.join(max(0.0, deadline - time.monotonic()))
         with self._cond:
             self._closed = True
+            self._drop_p2p_mail()
             socks = [s for group in self._socks.values() for s in group]
             self._socks.clear()
             self._cond.notify_all()
@@ -539,7 +576,7 @@ class PeerNetwork:
         host: str,
         data_port: int,
         transport: int,
-        find_comm: Callable[[str, str], Communicator | None],
+        find_comm: Callable[[str, str, bytes], Communicator | None],
         control: PeerControl,
         ucx_port: int = 0,
         tls: tuple[ssl.SSLContext, ssl.SSLContext] | None = None,
@@ -610,11 +647,19 @@ class PeerNetwork:
         return tls
 
     def _accept_loop(self) -> None:
+        backoff = 0.01
         while not self._stopping:
             try:
                 sock, addr = self._sock.accept()
-            except OSError:
-                return
+            except OSError as exc:
+                if self._stopping or exc.errno in (errno.EBADF, errno.EINVAL):
+                    return  # closed by stop()
+                # EMFILE and the like pass: wait and try again rather than stop for good.
+                refusals.log(log, logging.WARNING, "peer accept failing", "cannot accept a peer data connection: %s; retrying", exc)
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 1.0)
+                continue
+            backoff = 0.01
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             threading.Thread(target=self._accept_tcp, args=(sock, f"{addr[0]}:{addr[1]}"), name="smddp-peer-hello", daemon=True).start()
 
@@ -647,7 +692,7 @@ class PeerNetwork:
             job_id = _recv_exact(sock, job_len).decode()
             comm_id = _recv_exact(sock, comm_len).decode()
             proof = _recv_exact(sock, 32)
-            comm = self._find(job_id, comm_id)
+            comm = self._find(job_id, comm_id, proof)
             peers = comm.peers if comm is not None else None
             if comm is None or peers is None:
                 _answer(sock, HELLO_RETRY, f"job {job_id} comm {comm_id} is not registered here yet")

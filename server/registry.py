@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import secrets
 import threading
 import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -20,18 +22,19 @@ from smddp.server.errors import (
     LimitExceeded,
     PermissionDenied,
     RemoteRefusal,
+    SmddpError,
     Unauthenticated,
 )
+from smddp.server.fields import COMM_ID, JOB_ID, check_node_id, check_peer_address, quote
+from smddp.server.limits import BufferAccount, ByteBudget, Counts, Slots
 from smddp.server.metrics import Metrics
-from smddp.server.peer_transport import CommPeers, PeerNetwork, parse_address
+from smddp.server.peer_transport import CommPeers, PeerNetwork, parse_address, token_proof
 from smddp.server.rendezvous import RendezvousTable, rendezvous_proof
 from smddp.server.session import Session
 from smddp.v1 import smddp_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-_JOB_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-_COMM_ID = re.compile(r"^[\x21-\x7e]{1,256}$")
 MIN_TOKEN_BYTES = 16
 MAX_TOKEN_BYTES = 1024
 MIN_ARENA_BYTES = 64 << 10
@@ -43,6 +46,38 @@ def _check_token(where: str, token: bytes) -> None:
         raise InvalidRequest(f"{where}: job_token must have {MIN_TOKEN_BYTES}-{MAX_TOKEN_BYTES} bytes")
 
 
+def _uid_of(pid: int) -> int | None:
+    """The real uid of process ``pid`` as /proc shows it here, or None.
+
+    Only a hint: the pid is what the client says, and in another pid namespace it names
+    another process. It gives an early "wrong job token"; attach checks the kernel's word.
+    """
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Uid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+@dataclass(eq=False)
+class Job:
+    """A job on this daemon: its id and token, and once a rank attached, the uid it belongs to.
+
+    Jobs are told apart by token as well as id, so that nobody who lacks a job's token can
+    take its id from it: a registration with another token is another job, whose id is
+    scoped to the uid that attaches to it first.
+    """
+
+    job_id: str
+    token: bytes
+    buffers: BufferAccount
+    owner: int | None = None
+    comms: dict[str, Communicator] = field(default_factory=dict)
+
+
 class Registry:
     """Thread-safe tables of communicators and sessions, and the rules for joining them."""
 
@@ -50,14 +85,21 @@ class Registry:
         self.config = config
         self.started = time.time()
         self.metrics = metrics
-        self._comms: dict[tuple[str, str], Communicator] = {}
+        self._jobs: dict[str, list[Job]] = {}  # by job id: jobs of different tokens
         self._sessions: dict[str, Session] = {}
-        self._job_tokens: dict[str, bytes] = {}
-        self._job_owner: dict[str, int] = {}
+        # Registered ranks that have not attached yet, oldest first: they expire, and the
+        # oldest makes room when there are max_unattached of them.
+        self._unattached: OrderedDict[str, Session] = OrderedDict()
+        self._jobs_per_uid = Counts("jobs", config.max_jobs_per_uid, "--max-jobs-per-uid")
+        self._ranks_per_uid = Counts("attached ranks", config.max_ranks_per_uid, "--max-ranks-per-uid")
+        self.buffers = ByteBudget(config.max_buffered_bytes_per_uid, config.max_buffered_bytes)
+        self.rendezvous_slots = Slots("waiting Rendezvous calls", config.max_pending_rendezvous, "--max-pending-rendezvous")
         # HOST:PORT other daemons reach this one at; "" when the peer listener is off.
         self.peer_address = ""
         self.network: PeerNetwork | None = None  # set by the daemon when peers are enabled
         self.rendezvous = RendezvousTable(config.max_jobs)
+        self._forwarded: set[grpc.Future] = set()  # Meet calls to other daemons in flight
+        self._stopping = False
         self._lock = threading.Lock()
 
     # -- joining ------------------------------------------------------------------------------
@@ -69,11 +111,14 @@ class Registry:
             SmddpError: bad fields, wrong token, a taken rank slot or an exceeded limit.
         """
         cfg = self.config
-        if not _JOB_ID.match(req.job_id):
-            raise InvalidRequest(f"job_id {req.job_id[:140]!r} must be 1-128 characters of A-Z a-z 0-9 . _ : -")
-        if not _COMM_ID.match(req.comm_id):
-            raise InvalidRequest(f"job {req.job_id}: comm_id {req.comm_id[:260]!r} must be 1-256 printable characters")
+        if not JOB_ID.match(req.job_id):
+            raise InvalidRequest(f"job_id {quote(req.job_id)} must be 1-128 characters of A-Z a-z 0-9 . _ : -")
+        if not COMM_ID.match(req.comm_id):
+            raise InvalidRequest(f"job {req.job_id}: comm_id {quote(req.comm_id)} must be 1-256 printable characters")
         where = f"job {req.job_id} comm {req.comm_id}"
+        if self._stopping:
+            raise FailedPrecondition(f"{where}: smddpd is shutting down")
+        check_node_id(where, "node_id", req.node_id, optional=True)
         _check_token(where, req.job_token)
         if not 1 <= req.world_size <= cfg.max_ranks_per_job:
             raise LimitExceeded(
@@ -88,15 +133,20 @@ class Registry:
             )
         timeout_s = self._timeout_s(where, req.timeout_ms)
         nodes, my_node = self._layout(req, where)
-        key = (req.job_id, req.comm_id)
+        claimed_uid = _uid_of(req.pid)
+        evicted: list[Session] = []
         with self._lock:
-            token = self._job_tokens.get(req.job_id)
-            if token is None:
-                if len(self._job_tokens) >= cfg.max_jobs:
+            job = self._job(req.job_id, req.job_token)
+            if job is None:
+                if self._owned_jobs() >= cfg.max_jobs:
                     raise LimitExceeded(f"{where}: the daemon already serves {cfg.max_jobs} jobs (--max-jobs)")
-            elif not secrets.compare_digest(token, req.job_token):
-                raise Unauthenticated(f"{where} rank {req.rank}: wrong job token")
-            comm = self._comms.get(key)
+                if claimed_uid is not None and any(j.owner == claimed_uid for j in self._jobs.get(req.job_id, ())):
+                    # The same user's job under this id has another token: a mistake, not a
+                    # second job (another user's job of this id is simply another job).
+                    raise Unauthenticated(f"{where} rank {req.rank}: wrong job token")
+                job = Job(req.job_id, req.job_token, BufferAccount(self.buffers))
+                self._jobs.setdefault(req.job_id, []).append(job)
+            comm = job.comms.get(req.comm_id)
             if comm is None:
                 # The client keeps half its arena for direct ops; the other half, its ring,
                 # must hold two chunks (plus alignment) for them to pipeline.
@@ -105,6 +155,7 @@ class Registry:
                     req.job_id, req.comm_id, req.world_size, req.job_token, timeout_s, chunk, self.metrics,
                     nodes=nodes, my_node=my_node,
                 )
+                comm.buffers = job.buffers
                 if len(comm.nodes) > 1:
                     comm.attach_peers(
                         CommPeers(
@@ -112,8 +163,7 @@ class Registry:
                             self.metrics, self.network,
                         )
                     )
-                self._comms[key] = comm
-                self._job_tokens[req.job_id] = req.job_token
+                job.comms[req.comm_id] = comm
             else:
                 if comm.world_size != req.world_size:
                     raise FailedPrecondition(
@@ -145,6 +195,16 @@ class Registry:
             )
             comm.add(session)
             self._sessions[session.session_id] = session
+            self._unattached[session.session_id] = session
+            while len(self._unattached) > cfg.max_unattached:
+                evicted.append(self._unattached.popitem(last=False)[1])
+        for old in evicted:
+            self._drop(
+                old,
+                f"{old.comm.name()}: {old.label()} was dropped before it attached its arena: "
+                f"{cfg.max_unattached} newer registrations arrived first (--max-unattached)",
+                pb.RANK_FAILED, logging.INFO, fail=self._others_attached(old),
+            )
         log.info("%s: registered %s", where, session.label(), extra=session.log_fields())
         return session
 
@@ -152,6 +212,11 @@ class Registry:
         """Checks the node layout of a registration; returns (ranks per node, this node's index)."""
         if not req.nodes:
             return None, 0
+        if len(req.nodes) > req.world_size:
+            raise InvalidRequest(f"{where}: the layout lists {len(req.nodes)} nodes for {req.world_size} ranks")
+        for i, spec in enumerate(req.nodes):
+            check_node_id(where, f"nodes[{i}].node_id", spec.node_id)
+            check_peer_address(where, f"nodes[{i}].peer_address", spec.peer_address)
         seen: set[int] = set()
         nodes: list[list[int]] = []
         ids = [n.node_id for n in req.nodes]
@@ -179,39 +244,66 @@ class Registry:
                 try:
                     parse_address(spec.peer_address)
                 except ValueError:
-                    raise InvalidRequest(f"{where}: node {spec.node_id} has no valid peer address ({spec.peer_address!r})") from None
+                    raise InvalidRequest(f"{where}: node {spec.node_id} has no valid peer address ({quote(spec.peer_address)})") from None
         return nodes, my_node
 
-    def meet(self, req: pb.RendezvousRequest) -> list[pb.NodeSpec]:
+    def meet(self, req: pb.RendezvousRequest, active: Callable[[], bool] = lambda: True) -> list[pb.NodeSpec]:
         """A local rank's rendezvous (``Node.Rendezvous``): hosted here or forwarded to the root.
 
+        Args:
+            active: False once the caller has gone (its call was cancelled): stop waiting.
+
         Raises:
-            SmddpError: bad fields, a refusal of the root, or ranks missing at the timeout.
+            SmddpError: bad fields, a refusal of the root, too many waiting calls, or ranks
+                missing at the timeout.
         """
         where = f"rendezvous of job {req.job_id[:64]}"
-        if not _JOB_ID.match(req.job_id):
-            raise InvalidRequest(f"{where}: job_id must be 1-128 characters of A-Z a-z 0-9 . _ : -")
+        if not JOB_ID.match(req.job_id):
+            raise InvalidRequest(f"rendezvous of job {quote(req.job_id)}: job_id must be 1-128 characters of A-Z a-z 0-9 . _ : -")
         _check_token(where, req.job_token)
-        timeout_s = self._timeout_s(where, req.timeout_ms)
+        if req.root:
+            check_peer_address(where, "root", req.root)
+        check_node_id(where, "root_node_id", req.root_node_id, optional=True)
+        timeout_s = min(self._timeout_s(where, req.timeout_ms), self.config.max_rendezvous_wait_s)
         proof = rendezvous_proof(req.job_token, req.job_id)
         node_id, address = self.config.node_id, self.peer_address or "none"
         if not req.root or req.root == self.peer_address:
-            return self.rendezvous.meet(req.job_id, proof, req.rank, req.world_size, node_id, address, timeout_s)
+            with self.rendezvous_slots.held(where):
+                return self.rendezvous.meet(req.job_id, proof, req.rank, req.world_size, node_id, address, timeout_s, active)
         if self.network is None:
             raise FailedPrecondition(f"{where}: the root is another daemon ({req.root}) but this one has no peers (--peer-bind off)")
         try:
             parse_address(req.root)
         except ValueError:
-            raise InvalidRequest(f"{where}: root {req.root[:100]!r} is not HOST:PORT") from None
+            raise InvalidRequest(f"{where}: root {quote(req.root)} is not HOST:PORT") from None
         stub = self.network.control.stub(req.root, req.root_node_id or parse_address(req.root)[0])
         meet = pb.MeetRequest(
             job_id=req.job_id, proof=proof, rank=req.rank, world_size=req.world_size, node_id=node_id,
             peer_address=address, timeout_ms=int(timeout_s * 1000),
         )
-        try:
-            return list(stub.Meet(meet, timeout=timeout_s + 10).nodes)
-        except grpc.RpcError as exc:
-            raise RemoteRefusal(exc.code(), f"{where}: the root's daemon at {req.root}: {exc.details() or exc.code()}") from None
+        with self.rendezvous_slots.held(where):
+            call = stub.Meet.future(meet, timeout=timeout_s + 10)
+            with self._lock:
+                if self._stopping:
+                    call.cancel()
+                self._forwarded.add(call)
+            try:
+                # Wait in slices: a caller that went away, or a daemon that stops, ends the
+                # forwarded call at once instead of at its deadline.
+                while True:
+                    try:
+                        return list(call.result(timeout=0.5).nodes)
+                    except grpc.FutureTimeoutError:
+                        if not active():
+                            call.cancel()
+                    except grpc.FutureCancelledError:
+                        why = "smddpd is shutting down" if self._stopping else "the caller went away"
+                        raise FailedPrecondition(f"{where}: {why}") from None
+                    except grpc.RpcError as exc:
+                        raise RemoteRefusal(exc.code(), f"{where}: the root's daemon at {req.root}: {exc.details() or exc.code()}") from None
+            finally:
+                with self._lock:
+                    self._forwarded.discard(call)
 
     def _timeout_s(self, where: str, timeout_ms: int) -> float:
         """A client's timeout in seconds; 0 means the daemon's default."""
@@ -219,10 +311,41 @@ class Registry:
             raise InvalidRequest(f"{where}: timeout_ms {timeout_ms} exceeds 7 days")
         return timeout_ms / 1000 if timeout_ms else self.config.default_timeout_s
 
-    def find_comm(self, job_id: str, comm_id: str) -> Communicator | None:
-        """The communicator a peer daemon asks for, if registered here."""
+    # -- jobs ---------------------------------------------------------------------------------
+
+    def _job(self, job_id: str, token: bytes) -> Job | None:
+        """The job of that id and token (lock held)."""
+        for job in self._jobs.get(job_id, ()):
+            if secrets.compare_digest(job.token, token):
+                return job
+        return None
+
+    def _job_of(self, comm: Communicator) -> Job | None:
+        """The job ``comm`` belongs to (lock held)."""
+        for job in self._jobs.get(comm.job_id, ()):
+            if job.comms.get(comm.comm_id) is comm:
+                return job
+        return None
+
+    def _owned_jobs(self) -> int:
+        """Jobs that a rank has attached to (lock held): the ones --max-jobs counts."""
+        return sum(1 for jobs in self._jobs.values() for j in jobs if j.owner is not None)
+
+    def find_comm(self, job_id: str, comm_id: str, proof: bytes | None = None) -> Communicator | None:
+        """The communicator a peer daemon asks for, if registered here.
+
+        Args:
+            proof: the peer's ``token_proof``: picks among jobs that share the id. Without one,
+                or when none matches, any communicator of that name (whose token then fails
+                the caller's own check).
+        """
         with self._lock:
-            return self._comms.get((job_id, comm_id))
+            found = [j.comms[comm_id] for j in self._jobs.get(job_id, ()) if comm_id in j.comms]
+        if proof is not None:
+            for comm in found:
+                if secrets.compare_digest(proof, token_proof(comm.token, job_id, comm_id)):
+                    return comm
+        return found[0] if found else None
 
     def authenticate(self, session_id: str, secret: bytes) -> Session:
         """Returns the live session named by ``session_id`` if ``secret`` proves it.
@@ -236,29 +359,89 @@ class Registry:
             raise Unauthenticated(f"unknown session {session_id[:64]!r} or wrong session secret")
         return session
 
-    def attach(self, session: Session, fd: int, uid: int) -> None:
+    def attach(self, session: Session, fd: int, uid: int, pid: int = 0) -> None:
         """Maps the session's arena from ``fd`` after checking the client's uid.
 
+        Args:
+            uid, pid: the client's, as the kernel tells them (SO_PEERCRED).
+
         Raises:
-            SmddpError: already attached, another user's job, or a bad memfd.
+            SmddpError: already attached, a bad memfd, another user's job, or a limit. A rank
+                refused for its uid or a limit never took part: it is forgotten, and nobody
+                else fails.
         """
         comm = session.comm
-        try:
-            if session.arena is not None:
-                raise FailedPrecondition(f"{comm.name()}: {session.label()} has already attached its arena")
-            with self._lock:
-                owner = self._job_owner.setdefault(comm.job_id, uid)
-            if owner != uid:
-                refusal = f"{comm.name()}: uid {uid} may not join job {comm.job_id}, which belongs to uid {owner}"
-                # The rank never took part: forget it (its slot frees) without failing the job.
-                self._drop(session, refusal, pb.UNAUTHENTICATED, logging.INFO, fail=False)
-                raise PermissionDenied(refusal)
-        except Exception:
+        if session.arena is not None:
             os.close(fd)
+            raise FailedPrecondition(f"{comm.name()}: {session.label()} has already attached its arena")
+        # A bad memfd is refused before anything is counted: the registration stays as it
+        # was (it may attach again with a good one, or expire).
+        arena = Arena(fd, session.arena_bytes, f"{comm.name()} {session.label()}")
+        try:
+            self._bind(session, uid)
+        except SmddpError as exc:
+            arena.close()
+            self._drop(session, str(exc), pb.UNAUTHENTICATED, logging.INFO, fail=False)
             raise
-        session.uid = uid
-        session.arena = Arena(fd, session.arena_bytes, f"{comm.name()} {session.label()}")
+        except BaseException:
+            arena.close()
+            raise
+        session.peer_pid = pid
+        session.arena = arena
         comm.attached()
+
+    def _bind(self, session: Session, uid: int) -> None:
+        """Counts an attaching rank against its uid; the job's first binds the job to the uid."""
+        comm = session.comm
+        with self._lock:
+            if session.closed:
+                raise FailedPrecondition(
+                    f"{comm.name()}: {session.label()}'s registration has ended (it expired after "
+                    f"{self.config.attach_timeout_s:.0f} s, --attach-timeout-s, or was dropped)"
+                )
+            job = self._job_of(comm)
+            assert job is not None
+            if job.owner is None:
+                if self._owned_jobs() >= self.config.max_jobs:
+                    raise LimitExceeded(f"{comm.name()}: the daemon already serves {self.config.max_jobs} jobs (--max-jobs)")
+                if any(j.owner == uid for j in self._jobs.get(comm.job_id, ()) if j is not job):
+                    raise Unauthenticated(
+                        f"{comm.name()} {session.label()}: wrong job token: uid {uid} already runs job "
+                        f"{comm.job_id} here with another token"
+                    )
+                self._ranks_per_uid.take(uid, where=comm.name())
+                try:
+                    self._jobs_per_uid.take(uid, where=comm.name())
+                except LimitExceeded:
+                    self._ranks_per_uid.give(uid)
+                    raise
+                job.owner = uid
+                job.buffers.uid = uid
+            elif job.owner != uid:
+                raise PermissionDenied(f"{comm.name()}: uid {uid} may not join job {comm.job_id}, which belongs to uid {job.owner}")
+            else:
+                self._ranks_per_uid.take(uid, where=comm.name())
+            session.uid = uid
+            self._unattached.pop(session.session_id, None)
+
+    def expire(self, now: float) -> None:
+        """Drops registrations not attached within --attach-timeout-s (the watchdog calls it)."""
+        limit = self.config.attach_timeout_s
+        with self._lock:
+            late = [s for s in self._unattached.values() if now - s.registered_at > limit]
+            for s in late:
+                del self._unattached[s.session_id]
+        for s in late:
+            why = (
+                f"{s.comm.name()}: {s.label()} registered but did not attach its arena within "
+                f"{limit:.0f} s (--attach-timeout-s): its process died or hung before attaching"
+            )
+            self._drop(s, why, pb.RANK_FAILED, logging.INFO, fail=self._others_attached(s))
+
+    @staticmethod
+    def _others_attached(session: Session) -> bool:
+        """True if ranks of the session's communicator took part (dropping it must fail them)."""
+        return any(s is not session and s.arena is not None for s in list(session.comm.members.values()))
 
     # -- leaving ------------------------------------------------------------------------------
 
@@ -283,18 +466,27 @@ class Registry:
                 return
             session.closed = True
             self._sessions.pop(session.session_id, None)
+            self._unattached.pop(session.session_id, None)
+            if session.uid is not None:
+                self._ranks_per_uid.give(session.uid)
         comm = session.comm
         empty = comm.remove(session, why, kind, log_level, fail)
         if empty:
             # The communicator logs a departure only when it fails others; the last one, here.
             log.log(log_level, "%s", why, extra=session.log_fields())
+            job_over = False
             with self._lock:
-                if self._comms.get((comm.job_id, comm.comm_id)) is comm:
-                    del self._comms[(comm.job_id, comm.comm_id)]
-                job_over = not any(k[0] == comm.job_id for k in self._comms)
-                if job_over:
-                    self._job_tokens.pop(comm.job_id, None)
-                    self._job_owner.pop(comm.job_id, None)
+                job = self._job_of(comm)
+                if job is not None:
+                    del job.comms[comm.comm_id]
+                    if not job.comms:
+                        job_over = True
+                        jobs = self._jobs[comm.job_id]
+                        jobs.remove(job)
+                        if not jobs:
+                            del self._jobs[comm.job_id]
+                        if job.owner is not None:
+                            self._jobs_per_uid.give(job.owner)
             if job_over and self.metrics is not None:
                 self.metrics.job_ended(comm.job_id)
             comm.close()
@@ -306,17 +498,22 @@ class Registry:
     def comms(self) -> list[Communicator]:
         """A snapshot of the live communicators."""
         with self._lock:
-            return list(self._comms.values())
+            return [c for jobs in self._jobs.values() for j in jobs for c in j.comms.values()]
 
     def session_count(self) -> int:
         """Number of registered ranks."""
         with self._lock:
             return len(self._sessions)
 
-    def job_count(self) -> int:
-        """Number of jobs with at least one communicator."""
+    def unattached_count(self) -> int:
+        """Number of registered ranks that have not attached yet."""
         with self._lock:
-            return len(self._job_tokens)
+            return len(self._unattached)
+
+    def job_count(self) -> int:
+        """Number of jobs served: those a rank has attached to (what --max-jobs counts)."""
+        with self._lock:
+            return self._owned_jobs()
 
     def sessions(self) -> list[Session]:
         """A snapshot of the registered ranks."""
@@ -333,6 +530,18 @@ class Registry:
         return reply
 
     def shutdown(self, reason: str) -> None:
-        """Fails every communicator: the daemon is stopping."""
+        """Fails every communicator and every waiting rendezvous: the daemon is stopping.
+
+        Ranks between ops hear it too (an OpReply with request_id 0), so that their next op
+        says why instead of finding a broken connection.
+        """
+        with self._lock:
+            self._stopping = True
+            forwarded = list(self._forwarded)
+        for call in forwarded:
+            call.cancel()
+        self.rendezvous.shutdown(reason)
         for comm in self.comms():
             comm.fail(pb.SHUTDOWN, f"{comm.name()}: {reason}")
+        for session in self.sessions():
+            session.reply(pb.OpReply(request_id=0, ok=False, error_kind=pb.SHUTDOWN, error=f"{session.comm.name()}: {reason}"))

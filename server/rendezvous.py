@@ -15,6 +15,7 @@ import hashlib
 import hmac
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -26,6 +27,7 @@ from smddp.server.errors import (
     PermissionDenied,
     SmddpError,
 )
+from smddp.server.fields import check_node_id, check_peer_address
 from smddp.v1 import smddp_pb2 as pb
 from smddp.wire import node_layout, rank_list
 
@@ -63,15 +65,35 @@ class RendezvousTable:
         self._max = max_meetings
         self._meetings: dict[str, _Meeting] = {}
         self._cond = threading.Condition()
+        self._stopped: str | None = None
+
+    def shutdown(self, reason: str) -> None:
+        """Ends every wait with ``reason`` (the daemon is stopping) and refuses new arrivals."""
+        with self._cond:
+            self._stopped = reason
+            self._cond.notify_all()
 
     def meet(
-        self, job_id: str, proof: bytes, rank: int, world_size: int, node_id: str, peer_address: str, timeout_s: float
+        self,
+        job_id: str,
+        proof: bytes,
+        rank: int,
+        world_size: int,
+        node_id: str,
+        peer_address: str,
+        timeout_s: float,
+        active: Callable[[], bool] = lambda: True,
     ) -> list[pb.NodeSpec]:
         """Waits until all ``world_size`` ranks of ``job_id`` arrived; returns the layout.
 
+        Args:
+            active: turns False when the caller has gone (its call was cancelled, say): its
+                arrival is then withdrawn within half a second.
+
         Raises:
-            InvalidRequest, PermissionDenied, FailedPrecondition, LimitExceeded: a bad arrival;
-            RendezvousTimeout: ranks missing after ``timeout_s`` (this rank's arrival is withdrawn).
+            InvalidRequest, PermissionDenied, FailedPrecondition, LimitExceeded: a bad arrival,
+            a caller gone or a daemon stopping; RendezvousTimeout: ranks missing after
+            ``timeout_s`` (this rank's arrival is withdrawn).
         """
         where = f"rendezvous of job {job_id[:64]}"
         if world_size > MAX_WORLD:
@@ -83,8 +105,12 @@ class RendezvousTable:
             raise InvalidRequest(f"{where}: rank {rank} of world size {world_size} is not a rank of a job")
         if not node_id or not peer_address:
             raise InvalidRequest(f"{where}: rank {rank} arrived without a node id and peer address")
+        check_node_id(where, "node_id", node_id)
+        check_peer_address(where, "peer_address", peer_address)
         deadline = time.monotonic() + timeout_s
         with self._cond:
+            if self._stopped is not None:
+                raise FailedPrecondition(f"{where}: {self._stopped}")
             meeting = self._meetings.get(job_id)
             if meeting is None:
                 if len(self._meetings) >= self._max:
@@ -111,16 +137,19 @@ class RendezvousTable:
                 self._cond.notify_all()
             while meeting.layout is None:
                 remaining = deadline - time.monotonic()
-                if remaining <= 0:
+                gone = self._stopped or (None if active() else f"rank {rank}'s call was cancelled (its process went away)")
+                if remaining <= 0 or gone:
                     del meeting.arrivals[rank]
                     if not meeting.arrivals:
                         self._meetings.pop(job_id, None)
+                    if gone:
+                        raise FailedPrecondition(f"{where}: {gone}")
                     missing = [r for r in range(world_size) if r not in meeting.arrivals and r != rank]
                     raise RendezvousTimeout(
                         f"{where}: {rank_list(missing)} did not arrive within {timeout_s:.0f} s "
                         f"({len(meeting.arrivals) + 1} of {world_size} ranks came)"
                     )
-                self._cond.wait(remaining)
+                self._cond.wait(min(remaining, 0.5))
             meeting.answered += 1
             if meeting.answered == world_size:
                 self._meetings.pop(job_id, None)

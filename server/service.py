@@ -11,7 +11,9 @@ from collections.abc import Iterator
 import grpc
 
 from smddp.server import __version__
-from smddp.server.errors import SmddpError
+from smddp.server.errors import LimitExceeded, SmddpError
+from smddp.server.limits import Slots
+from smddp.server.logthrottle import refusals
 from smddp.server.registry import Registry
 from smddp.server.session import Session
 from smddp.server.topology import local_devices
@@ -36,14 +38,22 @@ class NodeService(pb_grpc.NodeServicer):
 
     def __init__(self, registry: Registry) -> None:
         self._registry = registry
+        # Each Ops stream holds a gRPC thread for its life: bounded, so that they cannot take
+        # the threads that Register, Status and health need.
+        self._streams = Slots("gRPC Ops streams", registry.config.max_op_streams, "--max-op-streams")
+
+    def _refuse(self, context: grpc.ServicerContext, what: str, exc: SmddpError) -> None:
+        """Aborts the call with ``exc``'s status, logging it (rate-limited per cause)."""
+        if self._registry.metrics is not None:
+            self._registry.metrics.error(exc.kind)
+        refusals.log(log, logging.INFO, f"{what} refused ({exc.code.name})", "refused a %s: %s", what, exc)
+        context.abort(exc.code, str(exc))
 
     def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.RegisterReply:
         try:
             session = self._registry.register(request)
         except SmddpError as exc:
-            if self._registry.metrics is not None:
-                self._registry.metrics.error(exc.kind)
-            context.abort(exc.code, str(exc))
+            self._refuse(context, "Register", exc)
         return pb.RegisterReply(
             session_id=session.session_id,
             session_secret=session.secret,
@@ -60,7 +70,16 @@ class NodeService(pb_grpc.NodeServicer):
         try:
             session = self._registry.authenticate(first.session_id, first.session_secret)
         except SmddpError as exc:
-            context.abort(exc.code, str(exc))
+            self._refuse(context, "Ops stream", exc)
+        try:
+            with self._streams.held(f"{session.comm.name()} {session.label()}"):
+                yield from self._serve_stream(session, first, request_iterator)
+        except LimitExceeded as exc:
+            self._refuse(context, "Ops stream", exc)
+
+    def _serve_stream(
+        self, session: Session, first: pb.OpRequest, request_iterator: Iterator[pb.OpRequest]
+    ) -> Iterator[pb.OpReply]:
         channel = StreamChannel()
         session.channel = channel
 
@@ -90,7 +109,7 @@ class NodeService(pb_grpc.NodeServicer):
         try:
             session: Session = self._registry.authenticate(request.session_id, request.session_secret)
         except SmddpError as exc:
-            context.abort(exc.code, str(exc))
+            self._refuse(context, "Deregister", exc)
         self._registry.deregister(session)
         return pb.DeregisterReply()
 
@@ -109,9 +128,9 @@ class NodeService(pb_grpc.NodeServicer):
 
     def Rendezvous(self, request: pb.RendezvousRequest, context: grpc.ServicerContext) -> pb.RendezvousReply:
         try:
-            nodes = self._registry.meet(request)
+            nodes = self._registry.meet(request, context.is_active)
         except SmddpError as exc:
-            context.abort(exc.code, str(exc))
+            self._refuse(context, "Rendezvous", exc)
         return pb.RendezvousReply(nodes=nodes)
 
     def Topology(self, request: pb.TopologyRequest, context: grpc.ServicerContext) -> pb.TopologyReply:

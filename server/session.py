@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -34,7 +35,9 @@ class Session:
     arena_bytes: int
     arena: Arena | None = None
     channel: ReplyChannel | None = None
-    uid: int | None = None
+    uid: int | None = None  # the kernel's word, at attach; counted against it from then on
+    peer_pid: int = 0  # the attached process as the kernel names it (SO_PEERCRED)
+    registered_at: float = field(default_factory=time.monotonic)
     ops_completed: int = 0
     closed: bool = False
     # The next (seq, part) this rank may send for collectives, and per (peer, kind) for p2p.

@@ -30,11 +30,78 @@ def test_without_a_gpu_the_script_says_so(tmp_path: Path) -> None:
     )
     assert done.returncode == 2, done.stdout + done.stderr
     assert "no Python here has a torch that sees a GPU" in done.stdout
-    assert "smddp does not install torch" in (tmp_path / "check.log").read_text()
+    log = (tmp_path / "check.log").read_text()
+    assert "installs torch only on a machine whose nvidia-smi sees a GPU" in log
+    assert log.splitlines()[-1] == "gpu_check: SUMMARY FAIL: no GPU usable from torch; nothing ran"
+
+
+def test_the_script_refuses_unknown_arguments() -> None:
+    done = subprocess.run(
+        ["bash", str(SCRIPT), "--fast"], capture_output=True, text=True, timeout=30
+    )
+    assert done.returncode == 64 and "usage:" in done.stderr
+
+
+@pytest.mark.timeout(120)
+def test_required_gpu_tests_fail_instead_of_skipping(tmp_path: Path) -> None:
+    """What gpu_check.sh sets: SMDDP_REQUIRE_GPU=1 turns each GPU test's skip into a
+    failure naming why it cannot run, so a check with no GPU (or no CuPy) cannot pass."""
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the GPU tests would run")
+    env = dict(os.environ, SMDDP_REQUIRE_GPU="1")
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-m",
+            "gpu",
+            str(REPO / "tests" / "gpu" / "test_cuda_ordering.py"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=100,
+        cwd=REPO,
+    )
+    assert done.returncode == 1, done.stdout
+    assert "2 errors" in done.stdout and "skipped" not in done.stdout  # failed in setup
+    assert "SMDDP_REQUIRE_GPU=1, but the GPU tests cannot run here: no CUDA GPU" in done.stdout
+    plain = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-m",
+            "gpu",
+            str(REPO / "tests" / "gpu" / "test_cuda_ordering.py"),
+        ],
+        env={k: v for k, v in os.environ.items() if k != "SMDDP_REQUIRE_GPU"},
+        capture_output=True,
+        text=True,
+        timeout=100,
+        cwd=REPO,
+    )
+    assert plain.returncode == 0 and "2 skipped" in plain.stdout, plain.stdout
 
 
 def test_benchmark_iterations_are_bounded() -> None:
-    from benchmarks.gpu_allreduce import iterations
+    import importlib.util
+
+    # By path: tests/benchmarks shadows the repository's benchmarks package on sys.path.
+    spec = importlib.util.spec_from_file_location(
+        "gpu_allreduce", REPO / "benchmarks" / "gpu_allreduce.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    iterations = module.iterations
 
     budget = 4 << 30
     assert iterations(1 << 20, budget) == 100

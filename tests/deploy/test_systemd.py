@@ -162,3 +162,61 @@ def test_default_file_lists_every_variable_commented_out(daemon_help: str) -> No
     known = set(re.findall(r"env\s+(SMDDP_[A-Z_]+)", daemon_help))
     assert known, daemon_help
     assert listed == known - NOT_FOR_SERVICES
+
+
+MPS_DROP_IN = SYSTEMD_DIR / "smddpd-mps.conf"
+
+
+def _with_drop_ins(tmp_path: Path, *drop_ins: tuple[str, str]) -> Path:
+    tmp_path.mkdir()
+    unit = _unit_copy(tmp_path)
+    folder = unit.parent / f"{unit.name}.d"
+    folder.mkdir()
+    for name, text in drop_ins:
+        (folder / name).write_text(text)
+    return unit
+
+
+@needs_systemd_analyze
+def test_the_mps_drop_in_verifies_and_keeps_the_hardening(tmp_path: Path) -> None:
+    """deploy/systemd/smddpd-mps.conf in smddpd.service.d/: verify is silent, the exposure
+    stays under the threshold, and verify really reads drop-ins from there (a bad key in a
+    second drop-in is reported)."""
+    text = MPS_DROP_IN.read_text()
+    assert (
+        "BindPaths=-/tmp/nvidia-mps" in text and "CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps" in text
+    )
+    unit = _with_drop_ins(tmp_path / "good", ("mps.conf", text))
+    result = subprocess.run(
+        [SYSTEMD_ANALYZE, "verify", str(unit)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert (result.stdout + result.stderr).strip() == "" and result.returncode == 0
+    security = subprocess.run(
+        [
+            SYSTEMD_ANALYZE,
+            "security",
+            "--offline=yes",
+            f"--threshold={round(SECURITY_THRESHOLD * 10)}",
+            str(unit),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert security.returncode == 0, security.stdout + security.stderr
+    bad = _with_drop_ins(
+        tmp_path / "bad", ("mps.conf", text), ("zz-bad.conf", "[Service]\nFrobnicate=1\n")
+    )
+    result = subprocess.run(
+        [SYSTEMD_ANALYZE, "verify", str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert "Frobnicate" in result.stdout + result.stderr

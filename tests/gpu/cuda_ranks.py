@@ -56,15 +56,35 @@ _NP = {
 }
 
 
+# Where a rank's tensors live: a GPU ordinal, CPU (the host path: checks these programs
+# themselves without a GPU), or the fake GPU of tests/gpu/fake_device.py (the GPU path of the
+# backend, client and a real daemon on its fake runtime; SMDDP_TEST_CUDA_DEVICE must be set).
+CPU = -1
+FAKE = -2
+_fake: Any = None
+
+
 def init(rank: int, world: int, init_file: str, device: int) -> torch.device:
-    """Joins the "smddp" world on GPU ``device`` (a negative one: the CPU, to check these
-    programs themselves where there is no GPU)."""
+    """Joins the "smddp" world with tensors on ``device`` (a GPU, CPU or FAKE)."""
+    global _fake
     import smddp  # noqa: F401  (registers the backend)
 
     if device >= 0:
         torch.cuda.set_device(device)
+    elif device == FAKE:
+        from smddp.backend.cuda import device_api
+
+        _fake = device_api()
+        assert hasattr(_fake, "allocations"), "SMDDP_TEST_CUDA_DEVICE names no fake device"
     dist.init_process_group("smddp", init_method=f"file://{init_file}", rank=rank, world_size=world)
     return torch.device("cuda", device) if device >= 0 else torch.device("cpu")
+
+
+def empty(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialised tensor of ``n`` elements on the rank's device."""
+    if _fake is not None:
+        return _fake.empty(n, dtype)
+    return torch.empty(n, dtype=dtype, device=device)
 
 
 def host_values(rank: int, n: int, dtype: torch.dtype, salt: int = 0) -> np.ndarray:
@@ -81,8 +101,10 @@ def host_values(rank: int, n: int, dtype: torch.dtype, salt: int = 0) -> np.ndar
 
 def to_torch(x: np.ndarray, device: torch.device) -> torch.Tensor:
     if x.dtype == ml_dtypes.bfloat16:
-        return torch.from_numpy(x.view(np.int16).copy()).view(torch.bfloat16).to(device)
-    return torch.from_numpy(x.copy()).to(device)
+        t = torch.from_numpy(x.view(np.int16).copy()).view(torch.bfloat16)
+    else:
+        t = torch.from_numpy(x.copy())
+    return _fake.tensor(t) if _fake is not None else t.to(device)
 
 
 def to_numpy(t: torch.Tensor) -> np.ndarray:
@@ -147,22 +169,22 @@ def collectives_rank(
                 f"reduce({n} x {dtype})", x, host_reduce(ins, op) if rank == 0 else ins[rank]
             )
             # all_gather (list) and all_gather_into_tensor
-            outs = [torch.empty(n, dtype=dtype, device=dev) for _ in range(world)]
+            outs = [empty(n, dtype, dev) for _ in range(world)]
             dist.all_gather(outs, to_torch(ins[rank], dev))
             for s in range(world):
                 check.same(f"all_gather[{s}]({n} x {dtype})", outs[s], ins[s])
-            big = torch.empty(world * n, dtype=dtype, device=dev)
+            big = empty(world * n, dtype, dev)
             dist.all_gather_into_tensor(big, to_torch(ins[rank], dev))
             check.same(f"all_gather_into_tensor({n} x {dtype})", big, np.concatenate(ins))
             # reduce_scatter (list) and reduce_scatter_tensor: block d of every rank
             blocks = [
                 [host_values(r, n, dtype, salt=1 + d) for d in range(world)] for r in range(world)
             ]
-            out = torch.empty(n, dtype=dtype, device=dev)
+            out = empty(n, dtype, dev)
             dist.reduce_scatter(out, [to_torch(b, dev) for b in blocks[rank]], op=dist.ReduceOp.SUM)
             want = host_reduce([blocks[r][rank] for r in range(world)], pb.SUM)
             check.same(f"reduce_scatter({n} x {dtype})", out, want)
-            out = torch.empty(n, dtype=dtype, device=dev)
+            out = empty(n, dtype, dev)
             dist.reduce_scatter_tensor(
                 out, to_torch(np.concatenate(blocks[rank]), dev), op=dist.ReduceOp.SUM
             )
@@ -171,14 +193,14 @@ def collectives_rank(
             send_sizes = [rank + d + 1 for d in range(world)]
             recv_sizes = [s + rank + 1 for s in range(world)]
             sent = [host_values(rank, send_sizes[d], dtype, salt=100 + d) for d in range(world)]
-            out = torch.empty(sum(recv_sizes), dtype=dtype, device=dev)
+            out = empty(sum(recv_sizes), dtype, dev)
             dist.all_to_all_single(out, to_torch(np.concatenate(sent), dev), recv_sizes, send_sizes)
             want = np.concatenate(
                 [host_values(s, s + rank + 1, dtype, salt=100 + rank) for s in range(world)]
             )
             check.same(f"all_to_all_single({dtype})", out, want)
             # all_to_all (list)
-            outs = [torch.empty(recv_sizes[s], dtype=dtype, device=dev) for s in range(world)]
+            outs = [empty(recv_sizes[s], dtype, dev) for s in range(world)]
             dist.all_to_all(outs, [to_torch(x, dev) for x in sent])
             for s in range(world):
                 check.same(
@@ -187,16 +209,12 @@ def collectives_rank(
                     host_values(s, s + rank + 1, dtype, salt=100 + rank),
                 )
             # gather and scatter
-            outs = (
-                [torch.empty(n, dtype=dtype, device=dev) for _ in range(world)]
-                if rank == root
-                else None
-            )
+            outs = [empty(n, dtype, dev) for _ in range(world)] if rank == root else None
             dist.gather(to_torch(ins[rank], dev), outs, dst=root)
             if outs is not None:
                 for s in range(world):
                     check.same(f"gather[{s}]({n} x {dtype})", outs[s], ins[s])
-            out = torch.empty(n, dtype=dtype, device=dev)
+            out = empty(n, dtype, dev)
             pieces = (
                 [to_torch(blocks[root][d], dev) for d in range(world)] if rank == root else None
             )
@@ -205,13 +223,13 @@ def collectives_rank(
             # send/recv around the ring
             if world > 1:
                 x = to_torch(ins[rank], dev)
-                y = torch.empty(n, dtype=dtype, device=dev)
+                y = empty(n, dtype, dev)
                 reqs = [dist.isend(x, (rank + 1) % world), dist.irecv(y, (rank - 1) % world)]
                 for req in reqs:
                     req.wait()
                 check.same(f"send/recv({n} x {dtype})", y, ins[(rank - 1) % world])
     # Empty tensors: nothing to move, but the op still completes in order.
-    e = torch.empty(0, device=dev)
+    e = empty(0, torch.float32, dev)
     dist.all_reduce(e)
     dist.broadcast(e, root)
     check.same("all_reduce(0 x float32)", e, np.empty(0, dtype=np.float32))
@@ -386,7 +404,7 @@ def dying_world_rank(
     dev = init(rank, world, init_file, device)
     print(f"pid {os.getpid()}", flush=True)
     total = float(sum(range(1, world + 1)))
-    x = torch.empty(8 << 20, device=dev)
+    x = empty(8 << 20, torch.float32, dev)
     ops = 0
     try:
         while True:
@@ -418,3 +436,61 @@ def after_death_rank(rank: int, world: int, init_file: str, device: int) -> list
     check.same("all_reduce after another job's rank died", x, host_reduce(ins, pb.SUM))
     dist.destroy_process_group()
     return check.failures
+
+
+# -- the fake GPU (tests/gpu/fake_device.py): no GPU needed -------------------------------------
+
+
+def fake_gpu_rank(rank: int, world: int, init_file: str, sizes: list[int]) -> dict[str, Any]:
+    """collectives_rank on the fake GPU, then what only the GPU path does: a Work's future
+    before the reply, capture refused, a fence that cannot be queued failing the Work."""
+    from smddp.backend.cuda import GpuWork, device_api
+
+    failures = collectives_rank(rank, world, init_file, [FAKE] * world, sizes)
+    fake = device_api()
+    out: dict[str, Any] = {"failures": failures, "exports": fake.exports}
+    out["done_waits"] = (fake.streams[0].recorded_waits, fake.streams[0].unrecorded_waits)
+    # A second world on the same fake device and daemon, for the rest.
+    init(rank, world, init_file + ".2", FAKE)
+    check = Checker(rank)
+    ins = [host_values(r, 4099, torch.float32, salt=9) for r in range(world)]
+    x = to_torch(ins[rank], torch.device("cpu"))
+    work = dist.all_reduce(x, async_op=True)
+    out["work_type"] = type(work).__name__
+    start = time.monotonic()
+    fut = work.get_future()
+    out["future_returned_s"] = time.monotonic() - start
+    got = fut.wait()
+    out["future_value_is_x"] = len(got) == 1 and got[0].data_ptr() == x.data_ptr()
+    check.same("all_reduce through get_future()", x, host_reduce(ins, pb.SUM))
+    # all_reduce_coalesced: several ops, one Work.
+    ys = [
+        to_torch(host_values(rank, 33 + k, torch.float32, salt=k), torch.device("cpu"))
+        for k in range(3)
+    ]
+    dist.group.WORLD.allreduce_coalesced(ys).wait()
+    for k, y in enumerate(ys):
+        want = host_reduce(
+            [host_values(r, 33 + k, torch.float32, salt=k) for r in range(world)], pb.SUM
+        )
+        check.same(f"all_reduce_coalesced[{k}]", y, want)
+    # CUDA graph capture: refused, nothing sent.
+    fake.capture = True
+    try:
+        dist.all_reduce(x)
+        out["capture"] = "no error"
+    except Exception as exc:
+        out["capture"] = f"{type(exc).__name__}: {exc}"
+    fake.capture = False
+    # A done event the stream cannot wait on: the Work fails (host waited on done instead).
+    fake.streams[0].fail_waits = True
+    try:
+        dist.all_reduce(x, async_op=True).wait()
+        out["fence"] = "no error"
+    except Exception as exc:
+        out["fence"] = f"{type(exc).__name__}: {exc}"
+    fake.streams[0].fail_waits = False
+    out["is_gpu_work"] = isinstance(work, GpuWork)
+    out["failures"] += check.failures
+    dist.destroy_process_group()
+    return out

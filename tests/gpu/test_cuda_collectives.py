@@ -5,13 +5,13 @@ into several kernel launches."""
 from __future__ import annotations
 
 import pytest
-from cuda_world import layouts, rank_env, requires_gpu
+from cuda_world import layouts, rank_env, requires_gpu, worlds
 
 pytestmark = requires_gpu
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", worlds(2, 3, 4))
 def test_every_collective_and_dtype(world: int, daemon, spawn_ranks, tmp_path) -> None:
     from cuda_ranks import collectives_rank
 

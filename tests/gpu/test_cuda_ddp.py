@@ -5,13 +5,13 @@ ends with the same bits."""
 from __future__ import annotations
 
 import pytest
-from cuda_world import layouts, rank_env, requires_gpu
+from cuda_world import layouts, rank_env, requires_gpu, worlds
 
 pytestmark = requires_gpu
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", worlds(2, 3))
 def test_ddp_on_cuda_trains_like_the_reference(world: int, daemon, spawn_ranks, tmp_path) -> None:
     import torch
     from cuda_ranks import ddp_rank

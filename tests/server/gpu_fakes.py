@@ -1,21 +1,30 @@
 """A fake ``gpu.Runtime`` for tests without a GPU: host memory stands in for GPU memory.
 
 Ranks' allocations are numpy byte buffers named by fake CUDA IPC handles; the daemon's
-mappings get addresses of their own. Kernels and copies run at once on the host (with the
-host path's ``reduce_into``), and every call is logged, so tests check both the bytes and
-the order of waits, work and records on each stream.
+mappings get addresses of their own. Copies run at once on the host; a reduction runs the
+very kernel the daemon would launch: the module ``gpu_kernels.reduce_module`` generates for
+the launch's dtype, op and fan-in/fan-out, its kernel body evaluated by the C interpreter of
+``c_subset`` (so the bits come from the generated code, never from the host path's
+``reduce_into``, which the tests compare them with). Every call is logged, so tests check
+both the bytes and the order of waits, work and records on each stream.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from smddp.reduce import reduce_into
+sys.path.insert(0, str(Path(__file__).parent))
+
+import c_subset
+
 from smddp.server import gpu_kernels
 from smddp.server.gpu import CudaCallError
 from smddp.v1 import smddp_pb2 as pb
@@ -60,6 +69,8 @@ class FakeRuntime:
     log: list[tuple] = field(default_factory=list)
     no_peer: set[tuple[int, int]] = field(default_factory=set)
     pending_marks: bool = False  # event_done answers False while set
+    size_unknown: bool = False  # mapped_size fails while set (as cuPointerGetAttributes can)
+    fail_reduce_at: int = -1  # the launch (counting from 0) that fails, e.g. a bad launch
     allocations: dict[bytes, Allocation] = field(default_factory=dict)
     mapped: dict[int, Allocation] = field(default_factory=dict)
     opened_events: dict[bytes, int] = field(default_factory=dict)
@@ -108,6 +119,8 @@ class FakeRuntime:
         self.log.append(("close_memory", address, device))
 
     def mapped_size(self, address: int) -> int:
+        if self.size_unknown:
+            raise CudaCallError("cuPointerGetAttributes: CUDA_ERROR_INVALID_VALUE")
         return self.mapped[address].data.size
 
     def open_event(self, handle: bytes, device: int) -> Any:
@@ -164,6 +177,10 @@ class FakeRuntime:
         launch: gpu_kernels.Launch,
     ) -> None:
         assert stream.device == device
+        if len(self.calls("reduce")) == self.fail_reduce_at:
+            raise CudaCallError(
+                "launching the reduction kernel: CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES"
+            )
         np_dtype = NUMPY_DTYPES[dtype]
         nbytes = launch.count * np_dtype.itemsize
         off = launch.start * np_dtype.itemsize
@@ -171,17 +188,43 @@ class FakeRuntime:
             assert all((a + off) % gpu_kernels.VECTOR_BYTES == 0 for a in [*inputs, *outputs])
         ins = [self._resolve(a + off, nbytes).view(np_dtype) for a in inputs]
         outs = [self._resolve(a + off, nbytes).view(np_dtype) for a in outputs]
-        self.log.append(("reduce", stream, dtype, reduce_op, len(inputs), len(outputs), launch))
+        self.log.append(
+            (
+                "reduce",
+                stream,
+                dtype,
+                reduce_op,
+                len(inputs),
+                len(outputs),
+                launch,
+                [a + off for a in [*inputs, *outputs]],
+            )
+        )
         # What the kernel computes: every input read before any output is written.
-        result = np.empty(launch.count, dtype=np_dtype)
-        reduce_into([result], [x.copy() for x in ins], reduce_op)
-        for o in outs:
-            o[...] = result
+        storage = c_subset.CTYPES[gpu_kernels.SPECS[dtype].storage]
+        program, body = kernel(dtype, reduce_op, len(inputs), len(outputs), launch.vectorized)
+        results = c_subset.run_body(program, body, [x.view(storage).copy() for x in ins])
+        for k, o in enumerate(outs):
+            o.view(storage)[...] = results[f"out{k}"]
+
+    def prepare(self, device: int, key: tuple[int, int, int, int]) -> None:
+        self.log.append(("prepare", device, key))
+        kernel(*key, False)  # the module is generated (and parsed) once, as the real one compiles
 
     def copy(self, stream: Any, device: int, dst: int, src: int, nbytes: int) -> None:
         assert stream.device == device
         self.log.append(("copy", stream, dst, src, nbytes))
         self._resolve(dst, nbytes)[...] = self._resolve(src, nbytes)
+
+
+@functools.cache
+def kernel(
+    dtype: int, reduce_op: int, fan_in: int, fan_out: int, vectorized: bool
+) -> tuple[c_subset.Program, list[str]]:
+    """The generated module's program (its C helpers) and the launched kernel's body."""
+    source = gpu_kernels.reduce_module(dtype, reduce_op, fan_in, fan_out)
+    name = gpu_kernels.kernel_name(dtype, reduce_op, fan_in, fan_out, vectorized)
+    return c_subset.load_program(source), c_subset.kernel_bodies(source)[name]
 
 
 def uuid(device: int) -> bytes:
@@ -269,3 +312,85 @@ def request(
         reduce_op=reduce_op,
         cuda=cuda,
     )
+
+
+# -- TEST ONLY: the fake runtime of a real smddpd (SMDDP_TEST_GPU_RUNTIME) ------------------------
+
+MEM_PREFIX = b"fakeipc:"  # tests/gpu/fake_device.py: a rank's "IPC handle" names a shared file
+EVENT_PREFIX = b"fakeevt:"
+
+
+@dataclass(eq=False)
+class SharedEvent:
+    """A rank's interprocess event of tests/gpu/fake_device.py: a counter in a shared file."""
+
+    path: str
+
+    def count(self) -> int:
+        with open(self.path, "rb") as f:
+            return int.from_bytes(f.read(8), "little", signed=True)
+
+    def bump(self) -> None:
+        with open(self.path, "r+b") as f:
+            value = int.from_bytes(f.read(8), "little", signed=True)
+            f.seek(0)
+            f.write((value + 1).to_bytes(8, "little", signed=True))
+
+    def __repr__(self) -> str:
+        return f"event {self.path}"
+
+
+@dataclass
+class IpcFakeRuntime(FakeRuntime):
+    """FakeRuntime whose handles name the ranks' shared files: the daemon maps their "GPU
+    memory" and bumps their done events; waits check that the rank recorded ready."""
+
+    def open_memory(self, handle: bytes, device: int) -> int:
+        if not handle.startswith(MEM_PREFIX):
+            return super().open_memory(handle, device)
+        path = handle[len(MEM_PREFIX) :].rstrip(b"\0").decode()
+        try:
+            data = np.memmap(path, dtype=np.uint8, mode="r+")
+        except OSError as exc:
+            raise CudaCallError(f"cudaIpcOpenMemHandle: cudaErrorInvalidValue ({exc})") from None
+        self.allocations[handle] = Allocation(data, device, 0, handle)
+        return super().open_memory(handle, device)
+
+    def close_memory(self, address: int, device: int) -> None:
+        alloc = self.mapped[address]
+        super().close_memory(address, device)
+        self.allocations.pop(alloc.handle, None)
+
+    def open_event(self, handle: bytes, device: int) -> Any:
+        if not handle.startswith(EVENT_PREFIX):
+            return super().open_event(handle, device)
+        self.log.append(("open_event", handle, device))
+        return SharedEvent(handle[len(EVENT_PREFIX) :].rstrip(b"\0").decode())
+
+    def wait_event(self, stream: Any, event: Any, device: int) -> None:
+        super().wait_event(stream, event, device)
+        if isinstance(event, SharedEvent) and event.count() < 1:
+            raise CudaCallError(f"the rank never recorded {event!r} before the op")
+
+    def record_event(self, event: Any, stream: Any, device: int) -> None:
+        super().record_event(event, stream, device)
+        if isinstance(event, SharedEvent):
+            event.bump()
+
+    def reduce(self, stream: Any, device: int, *args: Any) -> None:
+        super().reduce(stream, device, *args)
+        self._trim()
+
+    def copy(self, stream: Any, device: int, dst: int, src: int, nbytes: int) -> None:
+        super().copy(stream, device, dst, src, nbytes)
+        self._trim()
+
+    def _trim(self) -> None:
+        # A daemon serves many ops: keep the log bounded.
+        if len(self.log) > 100_000:
+            del self.log[: len(self.log) // 2]
+
+
+def ipc_runtime() -> IpcFakeRuntime:
+    """The factory SMDDP_TEST_GPU_RUNTIME names: GPU 0 (fake_device.UUID0)."""
+    return IpcFakeRuntime(devices={uuid(0): 0})

@@ -88,15 +88,24 @@ def test_register_rejects_absurd_fields(daemon):
 
         # The daemon still registers a sound rank, and refuses a second one in its slot or
         # one with the wrong job token, naming the problem.
-        stub.Register(register_request(world_size=2), timeout=10)
+        reg = stub.Register(register_request(world_size=2), timeout=10)
         with pytest.raises(grpc.RpcError) as info:
             stub.Register(register_request(world_size=2), timeout=10)
         assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "rank 0 is already registered" in info.value.details()
+        # A job id belongs to a uid once a rank attached; before, a registration with another
+        # token is another job (so that an unattached registration cannot squat the id).
+        arena = ClientArena(1 << 20)
+        s = data_conn(daemon.socket + DATA_SOCKET_SUFFIX)
+        attach = pb.AttachRequest(session_id=reg.session_id, session_secret=reg.session_secret)
+        socket.send_fds(s, [pack(MSG_ATTACH, attach.SerializeToString())], [arena.fd])
+        assert pb.AttachReply.FromString(unpack(s.recv(MAX_MESSAGE_BYTES))[1]).ok
         with pytest.raises(grpc.RpcError) as info:
             stub.Register(register_request(world_size=2, rank=1, job_token=b"x" * 16), timeout=10)
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert "wrong job token" in info.value.details()
+        s.close()
+        arena.close()
 
 
 # -- bad tensors through the torch backend -----------------------------------------------------

@@ -35,7 +35,7 @@ from smddp.wire import NUMPY_DTYPES, REDUCE_NAMES, dtype_name, reduce_op_check
 
 DTYPES = list(gpu_kernels.SPECS)
 COMBOS = [(d, op) for d in DTYPES for op in REDUCE_NAMES if reduce_op_check(d, op) is None]
-FANS = [(1, 1), (2, 2), (3, 1), (4, 3)]
+FANS = [(1, 1), (2, 2), (3, 1), (4, 3), (5, 5), (8, 1), (8, 8)]
 N = 4096
 
 # numpy storage views of each dtype's element bits.
@@ -197,14 +197,23 @@ _HOST_PRELUDE = r"""
 #define __device__
 #define __global__
 #define __forceinline__ inline
+// The launch geometry a "thread" sees: set by smddp_geometry before each call, so a call runs
+// one thread's grid-stride loop, and the test calls every thread of a several-block grid.
 struct smddp_dim3 { unsigned int x; };
-static const smddp_dim3 blockIdx = {0}, threadIdx = {0}, blockDim = {1}, gridDim = {1};
+static smddp_dim3 blockIdx = {0}, threadIdx = {0}, blockDim = {1}, gridDim = {1};
+extern "C" void smddp_geometry(unsigned int grid, unsigned int block, unsigned int b, unsigned int t) {
+  gridDim.x = grid; blockDim.x = block; blockIdx.x = b; threadIdx.x = t;
+}
 static inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
 static inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
-// The PTX half conversions, in host terms (both round to nearest even).
+// The PTX half conversions (cvt.f32.f16, cvt.rn.f16.f32), in host terms: both round to
+// nearest even. The PTX itself is checked by nvcc/ptxas (test_nvcc_compiles_every_module).
 static inline float h2f(unsigned short h) { _Float16 v; std::memcpy(&v, &h, 2); return (float)v; }
 static inline unsigned short f2h(float f) { _Float16 v = (_Float16)f; unsigned short h; std::memcpy(&h, &v, 2); return h; }
 """
+# Several blocks of several threads, neither dividing the element count: the grid-stride
+# loops run more than once per thread, with a partial last round.
+GRID, BLOCK = 3, 5
 
 
 @pytest.fixture(scope="module")
@@ -257,12 +266,21 @@ def _aligned_copy(x: np.ndarray) -> np.ndarray:
     return out
 
 
+def _launch(lib: ctypes.CDLL, fn, args: list[int]) -> None:
+    """Runs every thread of a GRID x BLOCK launch of ``fn`` (one call per thread)."""
+    for b in range(GRID):
+        for t in range(BLOCK):
+            lib.smddp_geometry(GRID, BLOCK, b, t)
+            fn(*args)
+
+
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(
     ("dtype", "op"), COMBOS, ids=[f"{dtype_name(d)}-{REDUCE_NAMES[o]}" for d, o in COMBOS]
 )
 def test_compiled_kernels_match_host_path(host_kernels: ctypes.CDLL, dtype: int, op: int) -> None:
     per_vector = gpu_kernels.VECTOR_BYTES // gpu_kernels.SPECS[dtype].itemsize
+    host_kernels.smddp_geometry.argtypes = [ctypes.c_uint] * 4
     for fan_in, fan_out in FANS:
         inputs = [
             _aligned_copy(sample(dtype, N, seed=500 + 10 * fan_in + r)) for r in range(fan_in)
@@ -273,22 +291,50 @@ def test_compiled_kernels_match_host_path(host_kernels: ctypes.CDLL, dtype: int,
             fn = getattr(host_kernels, name)
             fn.argtypes = [ctypes.c_ulonglong] * (fan_in + fan_out + 1)
             fn.restype = None
-            outs = [_aligned_copy(np.zeros_like(want)) for _ in range(fan_out)]
+            # Outputs start as a pattern no reduction leaves everywhere: an element no thread
+            # wrote shows up as a difference.
+            outs = [_aligned_copy(np.empty_like(want)) for _ in range(fan_out)]
+            for o in outs:
+                o.view(np.uint8)[...] = 0xA5
             units = N // per_vector if vectorized else N
-            fn(*[x.ctypes.data for x in inputs], *[o.ctypes.data for o in outs], units)
+            _launch(
+                host_kernels,
+                fn,
+                [*[x.ctypes.data for x in inputs], *[o.ctypes.data for o in outs], units],
+            )
             for o, got in enumerate(outs):
                 assert_same_bits(got, want, f"{name} out{o}")
         # In place: output 0 is input 0's memory.
         inplace = [x.copy() for x in inputs]
         fn = getattr(host_kernels, gpu_kernels.kernel_name(dtype, op, fan_in, fan_out, False))
         extra = [_aligned_copy(np.zeros_like(want)) for _ in range(fan_out - 1)]
-        fn(
-            *[x.ctypes.data for x in inplace],
-            inplace[0].ctypes.data,
-            *[o.ctypes.data for o in extra],
-            N,
+        _launch(
+            host_kernels,
+            fn,
+            [
+                *[x.ctypes.data for x in inplace],
+                inplace[0].ctypes.data,
+                *[o.ctypes.data for o in extra],
+                N,
+            ],
         )
         assert_same_bits(inplace[0], want, f"{dtype_name(dtype)} {REDUCE_NAMES[op]} in place")
+
+
+def test_a_thread_covers_only_its_grid_stride_share(host_kernels: ctypes.CDLL) -> None:
+    """One thread of the launch writes elements t, t + stride, ...: the others stay as they
+    were (so the test above really depends on every thread of every block)."""
+    name = gpu_kernels.kernel_name(pb.FLOAT32, pb.SUM, 3, 1, False)
+    fn = getattr(host_kernels, name)
+    fn.argtypes = [ctypes.c_ulonglong] * 5
+    host_kernels.smddp_geometry.argtypes = [ctypes.c_uint] * 4
+    a, b = np.arange(100, dtype=np.float32), np.ones(100, dtype=np.float32)
+    out = np.full(100, -1.0, dtype=np.float32)
+    host_kernels.smddp_geometry(GRID, BLOCK, 1, 2)  # block 1, thread 2: element 7, 22, ...
+    fn(a.ctypes.data, b.ctypes.data, b.ctypes.data, out.ctypes.data, 100)
+    mine = np.arange(1 * BLOCK + 2, 100, GRID * BLOCK)
+    assert np.array_equal(np.flatnonzero(out != -1.0), mine)
+    assert np.array_equal(out[mine], a[mine] + 2)
 
 
 # -- launch geometry ----------------------------------------------------------------------------

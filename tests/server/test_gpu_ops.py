@@ -9,7 +9,6 @@ are opened once and released only after the work queued before has finished; and
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 import time
 from pathlib import Path
@@ -451,6 +450,72 @@ def test_a_range_outside_its_allocation_is_refused() -> None:
     assert not w.rt.calls("reduce")
 
 
+def test_a_mapping_of_unknown_size_is_refused_whatever_the_rank_declares() -> None:
+    """The daemon bounds ranges by what it mapped, never by the rank's alloc_bytes."""
+    w = World([0, 0])
+    w.rt.size_unknown = True
+    bufs = [w.buffer(r, 64, pb.FLOAT32) for r in range(2)]
+    reqs = [
+        request(pb.ALL_REDUCE, pb.FLOAT32, 64, r, [b], [b], reduce_op=pb.SUM)
+        for r, b in enumerate(bufs)
+    ]
+    reqs[0].cuda.inputs[0].alloc_bytes = 1 << 40  # a lie that would cover any range
+    with pytest.raises(
+        InvalidRequest,
+        match=r"rank 0 \(pid 1000, node n1\): the size of its allocation at 0x[0-9a-f]+ cannot "
+        r"be read from the mapping \(cuPointerGetAttributes: CUDA_ERROR_INVALID_VALUE\)",
+    ):
+        w.run(reqs)
+    assert not w.rt.calls("reduce") and not w.rt.calls("record")
+    # The mapping it could not bound is closed again, not kept.
+    assert [c[1] for c in w.rt.calls("close_memory")] == [w.rt.calls("open_memory")[0][3]]
+    assert not w.rt.mapped
+
+
+def test_a_launch_failing_midway_still_records_every_done_event() -> None:
+    """Launches already queued write the ranks' buffers: their done events must follow them
+    (the ranks' streams, and so their allocators, wait on those), though the op fails."""
+    w = World([0, 0])
+    w.ops.chunk_bytes = 1 << 16
+    w.rt.fail_reduce_at = 2  # the third launch of a several-launch op
+    n = 1 << 16
+    bufs = [w.buffer(r, n, pb.FLOAT32) for r in range(2)]
+    with pytest.raises(
+        FailedPrecondition,
+        match=r"a CUDA call failed while queueing the op: launching the reduction kernel: "
+        "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES",
+    ):
+        w.run(
+            [
+                request(pb.ALL_REDUCE, pb.FLOAT32, n, r, [b], [b], reduce_op=pb.SUM)
+                for r, b in enumerate(bufs)
+            ]
+        )
+    (stream,) = [c[1] for c in w.rt.calls("new_stream")]
+    calls = stream_log(w.rt, stream)
+    assert calls == [
+        "wait ready0",
+        "wait ready1",
+        "reduce",
+        "reduce",
+        "record done0",
+        "record done1",
+    ]
+
+
+def test_an_op_refused_before_any_work_records_nothing() -> None:
+    w = World([0, 0])
+    bufs = [w.buffer(r, 64, pb.FLOAT32) for r in range(2)]
+    reqs = [
+        request(pb.ALL_REDUCE, pb.FLOAT32, 64, r, [b], [b], reduce_op=pb.SUM)
+        for r, b in enumerate(bufs)
+    ]
+    reqs[1].cuda.outputs[0].nbytes = 128
+    with pytest.raises(InvalidRequest):
+        w.run(reqs)
+    assert not w.rt.calls("record") and not w.rt.calls("wait")
+
+
 def test_a_gpu_the_daemon_cannot_see_is_named() -> None:
     w = World([0, 0])
     bufs = [w.buffer(r, 64, pb.FLOAT32) for r in range(2)]
@@ -527,16 +592,16 @@ def test_all_to_all_split_sizes_must_agree() -> None:
         w.run([request(pb.ALL_TO_ALL, pb.INT32, 8, r, sends[r], recvs[r]) for r in range(2)])
 
 
-@pytest.mark.skipif(importlib.util.find_spec("cupy") is not None, reason="CuPy is installed here")
 def test_without_cupy_the_daemon_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(gpu, "_ops", None)
+    monkeypatch.delenv(gpu.TEST_RUNTIME_ENV, raising=False)
+    monkeypatch.setitem(sys.modules, "cupy", None)  # where CuPy is installed: as if it were not
     with pytest.raises(
         FailedPrecondition,
         match=r"smddpd on node n7 cannot carry GPU tensors: CuPy is not installed .*smddp\[cuda\]",
     ):
         gpu.ops("n7")
     assert gpu.active() is None
-    assert "cupy" not in sys.modules
 
 
 def test_releasing_a_rank_waits_only_for_its_own_communicators_work() -> None:
@@ -577,3 +642,67 @@ def test_a_rank_in_two_communicators_opens_its_handles_once() -> None:
     assert not rt.calls("close_memory")  # the other communicator's entry still uses it
     ops.release_rank(members[1][0])
     assert [c[1] for c in rt.calls("close_memory")] == [rt.calls("open_memory")[0][3]]
+
+
+def test_handles_are_opened_on_the_gpu_whose_kernels_use_them() -> None:
+    """Each GPU reduces with mappings opened on itself (never another GPU's mapping of the
+    same handle), and each handle opens once per GPU that uses it."""
+    w = World([0, 1])
+    n = 4096
+    bufs = [w.buffer(r, n, pb.FLOAT32) for r in range(2)]
+    vals = [fill(b, r) for r, b in enumerate(bufs)]
+    for seq in (1, 2):
+        w.run(
+            [
+                request(
+                    pb.ALL_REDUCE, pb.FLOAT32, n, r, [b], [b], device=r, reduce_op=pb.SUM, seq=seq
+                )
+                for r, b in enumerate(bufs)
+            ]
+        )
+    first = host_reduce(vals, pb.SUM)
+    assert all(bits(b.array()) == bits(host_reduce([first, first], pb.SUM)) for b in bufs)
+    opened_on = {c[3]: c[2] for c in w.rt.calls("open_memory")}  # address -> device
+    assert sorted((c[1], c[2]) for c in w.rt.calls("open_memory")) == sorted(
+        (b.alloc.handle, d) for b in bufs for d in (0, 1)
+    )  # every allocation on both GPUs, once
+    for call in w.rt.calls("reduce"):
+        stream, inputs_outputs = call[1], call[7]
+        assert {opened_on[_base(w.rt, a)] for a in inputs_outputs} == {stream.device}
+
+
+def test_a_copy_across_gpus_enables_peer_access_and_reads_a_local_mapping() -> None:
+    w = World([0, 1])
+    bufs = [w.buffer(r, 100, pb.INT32) for r in range(2)]
+    vals = [fill(b, r) for r, b in enumerate(bufs)]
+    w.run(
+        [
+            request(pb.BROADCAST, pb.INT32, 100, r, [b], [b], device=r, root=0)
+            for r, b in enumerate(bufs)
+        ]
+    )
+    assert bits(bufs[1].array()) == bits(vals[0])
+    assert ("enable_peer", 1, 0) in w.rt.log
+    opened_on = {c[3]: c[2] for c in w.rt.calls("open_memory")}
+    (copy,) = w.rt.calls("copy")
+    assert copy[1].device == 1 and opened_on[_base(w.rt, copy[3])] == 1  # src mapped on GPU 1
+
+
+def test_a_copy_between_gpus_without_peer_access_is_refused() -> None:
+    rt = FakeRuntime(devices={uuid(0): 0, uuid(1): 1}, no_peer={(1, 0)})
+    w = World([0, 1], rt)
+    bufs = [w.buffer(r, 16, pb.INT32) for r in range(2)]
+    with pytest.raises(FailedPrecondition, match="GPU 1 cannot access the memory of GPU 0"):
+        w.run(
+            [
+                request(pb.BROADCAST, pb.INT32, 16, r, [b], [b], device=r, root=0)
+                for r, b in enumerate(bufs)
+            ]
+        )
+    assert not w.rt.calls("copy") and not w.rt.calls("record")
+
+
+def _base(rt: FakeRuntime, address: int) -> int:
+    """The daemon-side mapping an address lies in."""
+    (base,) = [b for b, a in rt.mapped.items() if b <= address < b + a.data.size]
+    return base

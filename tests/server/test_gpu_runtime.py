@@ -1,15 +1,15 @@
-"""server/gpu_runtime.py against a stand-in ``cupy`` module, where CuPy is not installed.
+"""server/gpu_runtime.py against a stand-in ``cupy`` module (put in ``sys.modules``, so the
+real CuPy, where installed, is not used).
 
 The stand-in has the signatures of CuPy's ``cupy.cuda.runtime`` (statuses, return values,
-CUDARuntimeError with ``.status``), ``Device`` and ``ExternalStream`` contexts and
-``RawModule``; it records the calls, so these tests pin down how the daemon calls CuPy:
+CUDARuntimeError with ``.status``), ``Device`` and ``ExternalStream`` contexts, the NVRTC
+bindings ``cupy.cuda.nvrtc`` and ``cupy.cuda.function.Module``; it records the calls, so these tests pin down how the daemon calls CuPy:
 which device is current, which flags go with IPC opens and copies, how a "not ready" event
 query and an already enabled peer are read, and the kernel's arguments.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 import types
 
@@ -20,10 +20,6 @@ from smddp import cuda_driver
 from smddp.server import gpu_kernels
 from smddp.server.gpu import CudaCallError
 from smddp.v1 import smddp_pb2 as pb
-
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("cupy") is not None, reason="the real CuPy is installed here"
-)
 
 
 class CUDARuntimeError(RuntimeError):
@@ -55,9 +51,29 @@ def fake_cupy(calls: list, devices: int = 2, peer_status: int = 0, query_status:
         def __exit__(self, *exc):
             current["stream"] = None
 
-    class RawModule:
-        def __init__(self, code: str, options: tuple = ()) -> None:
-            calls.append(("RawModule", options, len(code)))
+    class NVRTCError(RuntimeError):
+        pass
+
+    def create_program(source: str, name: str, headers: tuple, include_names: tuple):
+        calls.append(("nvrtcCreateProgram", name, len(source)))
+        return {"source": source}
+
+    def compile_program(prog, options):
+        calls.append(("nvrtcCompileProgram", tuple(options)))
+
+    nvrtc = types.SimpleNamespace(
+        NVRTCError=NVRTCError,
+        createProgram=create_program,
+        compileProgram=compile_program,
+        getCUBIN=lambda prog: b"\x7fELF cubin of " + str(len(prog["source"])).encode(),
+        getProgramLog=lambda prog: "",
+        destroyProgram=lambda prog: calls.append(("nvrtcDestroyProgram",)),
+        getVersion=lambda: (13, 0),
+    )
+
+    class Module:
+        def load(self, cubin: bytes) -> None:
+            calls.append(("cuModuleLoadData", cubin[:4], current["device"]))
 
         def get_function(self, name: str):
             def launch(grid, block, args):
@@ -83,6 +99,7 @@ def fake_cupy(calls: list, devices: int = 2, peer_status: int = 0, query_status:
         CUDARuntimeError=CUDARuntimeError,
         getDeviceCount=lambda: devices,
         getDeviceProperties=lambda d: {"multiProcessorCount": 132},
+        deviceGetAttribute=lambda attr, d: {75: 9, 76: 0}[attr],
         ipcOpenMemHandle=call("ipcOpenMemHandle", 0xD000),
         ipcCloseMemHandle=call("ipcCloseMemHandle"),
         ipcOpenEventHandle=call("ipcOpenEventHandle", 0xE000),
@@ -100,9 +117,14 @@ def fake_cupy(calls: list, devices: int = 2, peer_status: int = 0, query_status:
     )
     driver_mod = types.SimpleNamespace(CUDADriverError=type("CUDADriverError", (RuntimeError,), {}))
     cuda = types.SimpleNamespace(
-        runtime=runtime, driver=driver_mod, Device=Device, ExternalStream=ExternalStream
+        runtime=runtime,
+        driver=driver_mod,
+        Device=Device,
+        ExternalStream=ExternalStream,
+        nvrtc=nvrtc,
+        function=types.SimpleNamespace(Module=Module),
     )
-    return types.SimpleNamespace(cuda=cuda, RawModule=RawModule, __version__="fake")
+    return types.SimpleNamespace(cuda=cuda, __version__="fake")
 
 
 class FakeDriver:
@@ -114,8 +136,9 @@ class FakeDriver:
 
 
 @pytest.fixture
-def runtime(monkeypatch: pytest.MonkeyPatch):
+def runtime(monkeypatch: pytest.MonkeyPatch, tmp_path):
     calls: list = []
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path / "cache"))
 
     def make(**kwargs):
         monkeypatch.setitem(sys.modules, "cupy", fake_cupy(calls, **kwargs))
@@ -180,12 +203,56 @@ def test_a_launch_passes_addresses_at_its_start_and_runs_on_the_stream(runtime) 
     rt, calls = runtime()
     launch = gpu_kernels.Launch(start=1000, count=4096, vectorized=True, units=512, grid=2)
     rt.reduce(0x5000, 1, pb.FLOAT32, pb.SUM, [0x1000, 0x9000], [0x1000], launch)
-    (module,) = [c for c in calls if c[0] == "RawModule"]
-    assert module[1] == ("--std=c++14",)
+    (compiled,) = [c for c in calls if c[0] == "nvrtcCompileProgram"]
+    assert compiled[1] == ("--std=c++14", "-arch=sm_90")  # the device's architecture
+    assert [c for c in calls if c[0] == "cuModuleLoadData"] == [("cuModuleLoadData", b"\x7fELF", 1)]
     (_, name, grid, block, args, device, stream) = [c for c in calls if c[0] == "launch"][0]
     assert name == gpu_kernels.kernel_name(pb.FLOAT32, pb.SUM, 2, 1, True)
     assert (grid, block, device, stream) == ((2,), (gpu_kernels.BLOCK_THREADS,), 1, 0x5000)
     assert all(isinstance(a, np.uint64) for a in args)
     assert [int(a) for a in args] == [0x1000 + 4000, 0x9000 + 4000, 0x1000 + 4000, 512]
     rt.reduce(0x5000, 1, pb.FLOAT32, pb.SUM, [0x1000, 0x9000], [0x1000], launch)
-    assert len([c for c in calls if c[0] == "RawModule"]) == 1  # compiled once
+    assert len([c for c in calls if c[0] == "nvrtcCompileProgram"]) == 1  # compiled once
+
+
+def test_one_module_per_device_and_one_compile_per_architecture(runtime) -> None:
+    """A module's functions belong to one device's context: GPU 0 gets a module of its own,
+    loaded there, from the cubin already compiled for the same architecture."""
+    rt, calls = runtime()
+    launch = gpu_kernels.Launch(start=0, count=64, vectorized=False, units=64, grid=1)
+    rt.reduce(0x5000, 1, pb.FLOAT32, pb.SUM, [0x1000, 0x9000], [0x1000], launch)
+    rt.reduce(0x5000, 0, pb.FLOAT32, pb.SUM, [0x1000, 0x9000], [0x1000], launch)
+    assert [c[2] for c in calls if c[0] == "cuModuleLoadData"] == [1, 0]
+    assert len([c for c in calls if c[0] == "nvrtcCompileProgram"]) == 1
+    launches = [c for c in calls if c[0] == "launch"]
+    assert [c[5] for c in launches] == [1, 0]  # each launched with its own device current
+
+
+def test_a_compiled_module_is_reused_from_the_disk_cache(runtime) -> None:
+    """What gpu_check.sh warms (or an earlier daemon compiled) is not compiled again."""
+    rt, calls = runtime()
+    rt.warm(0, [(pb.BFLOAT16, pb.SUM, 4, 4)])
+    assert len([c for c in calls if c[0] == "nvrtcCompileProgram"]) == 1
+    before = len(calls)
+    rt2, _ = runtime()  # another daemon process, the same cache folder
+    rt2.warm(0, [(pb.BFLOAT16, pb.SUM, 4, 4)])
+    assert not [c for c in calls[before:] if c[0] == "nvrtcCompileProgram"]
+    assert [c for c in calls[before:] if c[0] == "cuModuleLoadData"]
+
+
+def test_a_compile_error_names_the_kernel_and_nvrtcs_log(runtime) -> None:
+    rt, calls = runtime()
+    nvrtc = sys.modules["cupy"].cuda.nvrtc
+
+    def refuse(prog, options):
+        raise nvrtc.NVRTCError("NVRTC_ERROR_COMPILATION (6)")
+
+    nvrtc.compileProgram = refuse
+    nvrtc.getProgramLog = lambda prog: "error: identifier h2f is undefined"
+    with pytest.raises(
+        CudaCallError,
+        match=r"NVRTC cannot compile smddp_reduce_float16_SUM_2x2.cu for sm_90: "
+        r"NVRTC_ERROR_COMPILATION \(6\)\nerror: identifier h2f",
+    ):
+        rt.prepare(0, (pb.FLOAT16, pb.SUM, 2, 2))
+    assert calls[-1] == ("nvrtcDestroyProgram",)

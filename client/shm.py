@@ -1,0 +1,287 @@
+"""The shared-memory path: a single-node communicator's collectives run between its ranks.
+
+Through the communicator's control region (``smddp.region``), with no message to the daemon:
+a rank copies its input into its slot's data buffer (or, for large ops, its arena), writes
+the op's signature and bumps its step; once every rank's step has reached its own, it
+checks that all signatures agree, then reduces or copies what it needs from the others'
+buffers, in rank order, so that every rank gets the same bits. Data buffers alternate with
+the op's parity, so an op needs no trailing synchronisation.
+
+Waiting spins briefly (a few microseconds only when ranks share cores), then sleeps on
+the other rank's step word (futex), so an oversubscribed host does not collapse and an idle
+rank costs nothing. While it sleeps it watches the daemon's connection and the region's
+alarm word: the daemon writes a failure there (a rank died, a timeout, shutdown) and wakes
+every rank, which raises the same error.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from smddp.client.errors import DaemonLostError, MismatchError, OpError, op_error
+from smddp.region import (
+    C_BYTES,
+    C_DUR_BUCKET,
+    C_DUR_SUM,
+    C_OPS,
+    DTYPES,
+    G_ARRIVAL,
+    G_COUNT,
+    G_DTYPE,
+    G_KIND,
+    G_OP,
+    G_PACKED,
+    G_ROOT,
+    G_SEQ,
+    H_ALARM,
+    HEADER_BYTES,
+    K_BUCKET,
+    K_COUNT,
+    K_SUM,
+    LATENCY_BUCKETS,
+    OP_COLS,
+    OP_TABLE_OFFSET,
+    S_DONE,
+    S_LAST,
+    S_OPS,
+    S_PID,
+    S_SEQ,
+    S_SLEEPING,
+    S_STEP,
+    SIG_WORD,
+    SIG_WORDS,
+    SKEW_COLS,
+    SKEW_TABLE_OFFSET,
+    RegionView,
+    futex_wait,
+    futex_wake,
+    packed_signature,
+    usable_cores,
+)
+from smddp.v1 import smddp_pb2 as pb
+from smddp.wire import describe, rank_list
+
+_BOUNDS_NS = [int(b * 1e9) for b in LATENCY_BUCKETS]
+SPIN_S = 50e-6  # pure spinning, when every rank has a core
+SHORT_SPIN_S = 5e-6  # when ranks share cores: the rank we wait for needs ours
+# Then futex sleeps of this long, checking the daemon in between. No sched_yield phase: on a
+# host shared with other work, one yield gave the core away for 4 ms (measured).
+SLEEP_SLICE_S = 0.05
+# The daemon enforces the op timeout; this is a rank's last resort when it cannot.
+GRACE_S = 30.0
+
+
+class ShmPath:
+    """One rank's side of a communicator's control region."""
+
+    def __init__(
+        self,
+        name: str,
+        rank: int,
+        region: np.ndarray,
+        timeout_s: float,
+        daemon_alive: Callable[[], bool],
+        daemon_gone: Callable[[], DaemonLostError],
+    ) -> None:
+        self.name = name
+        self.rank = rank
+        self.view = v = RegionView(region)
+        self.world = v.world
+        self.data_bytes = v.data_bytes
+        self.timeout_s = timeout_s
+        self._alive = daemon_alive
+        self._gone = daemon_gone
+        # Scalar access through a memoryview costs a third of numpy's.
+        self.q = memoryview(region).cast("q")
+        self.base = v.slot_base[rank]
+        self.bases = v.slot_base
+        self.others = [(j, v.slot_base[j] + S_STEP, v.step_address(j)) for j in range(self.world) if j != rank]
+        self.sleep_words = [b + S_SLEEPING for b in v.slot_base]
+        self.my_address = v.step_address(rank)
+        self.step = self.q[self.base + S_STEP]
+        self.q[self.base + S_PID] = os.getpid()
+        slot_start = HEADER_BYTES + rank * v.slot_bytes
+        self.op_base = (slot_start + OP_TABLE_OFFSET) // 8
+        self.skew_base = (slot_start + SKEW_TABLE_OFFSET) // 8
+        self.buffers = [[v.data(j, p) for j in range(self.world)] for p in (0, 1)]
+        self._typed: dict[tuple[int, np.dtype], list[np.ndarray]] = {}
+        self.spin_s = SPIN_S if usable_cores() >= self.world else SHORT_SPIN_S
+        self.error: OpError | DaemonLostError | None = None
+        self.count = 0  # ops run in the region so far (their parity alternates)
+
+    # -- synchronisation ----------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Raises the communicator's error, if it has one (at the start of every op)."""
+        if self.error is not None and getattr(self.error, "kind", None) != pb.SHUTDOWN:
+            raise self.error
+        if self.q[H_ALARM]:
+            self._raise_alarm(entry=True)
+
+    def _raise_alarm(self, entry: bool = False) -> None:
+        found = self.view.failure() or self.view.first_slot_error()
+        if found is None:
+            return  # the alarm is being raised right now; its message follows
+        kind, message = found
+        if entry and kind == pb.SHUTDOWN and not self._alive():
+            # A new op after the daemon went away: say so, as an op sent to it would. (An
+            # op that was in flight when it stopped says that it was shutting down.)
+            self.error = self._gone()
+        else:
+            self.error = op_error(kind, message)
+        raise self.error
+
+    def bump(self) -> int:
+        """Marks this rank arrived at its next synchronisation point; returns its number."""
+        q = self.q
+        self.step += 1
+        q[self.base + S_STEP] = self.step
+        for w in self.sleep_words:
+            if q[w]:  # someone may sleep on a step word: wake ours
+                futex_wake(self.my_address)
+                break
+        return self.step
+
+    def wait(self, target: int, seq: int) -> None:
+        """Returns once every other rank's step has reached ``target``."""
+        q = self.q
+        for j, word, address in self.others:
+            if q[word] < target:
+                self._wait_one(j, word, address, target, seq)
+
+    def _wait_one(self, j: int, word: int, address: int, target: int, seq: int) -> None:
+        q = self.q
+        start = time.perf_counter()
+        spin_until = start + self.spin_s
+        while q[word] < target:
+            if q[H_ALARM]:
+                self._raise_alarm()
+            if time.perf_counter() < spin_until:
+                continue
+            break
+        else:
+            return
+        sleeping = self.base + S_SLEEPING
+        deadline = start + self.timeout_s + GRACE_S
+        try:
+            while True:
+                q[sleeping] = 1
+                seen = q[word]
+                if seen >= target:
+                    return
+                if q[H_ALARM]:
+                    self._raise_alarm()
+                futex_wait(address, seen, SLEEP_SLICE_S)
+                if q[word] >= target:
+                    return
+                if not self._alive():
+                    if q[H_ALARM]:
+                        self._raise_alarm()
+                    self.error = self._gone()
+                    raise self.error
+                if time.perf_counter() > deadline:
+                    self._local_timeout(seq, time.perf_counter() - start)
+        finally:
+            q[sleeping] = 0
+
+    def _local_timeout(self, seq: int, waited: float) -> None:
+        """The daemon did not time the op out (it is stuck): name the lagging ranks here."""
+        q = self.q
+        lagging = [j for j in range(self.world) if q[self.bases[j] + S_SEQ] < seq]
+        arrived = [j for j in range(self.world) if j not in lagging]
+        sig = self.view.signature(self.rank, seq) or (0,) * SIG_WORDS
+        self.error = op_error(
+            pb.TIMEOUT,
+            f"{self.name}: op #{seq} {describe(*sig[G_KIND : G_OP + 1])} timed out: {rank_list(lagging or [-1])} "
+            f"never arrived while {rank_list(arrived)} waited {waited:.1f} s (timeout {self.timeout_s:.1f} s; "
+            "smddpd did not answer in time)",
+        )
+        raise self.error
+
+    # -- one op ----------------------------------------------------------------------------------
+
+    def next_parity(self) -> int:
+        """The parity of the next op in the region: its data buffers and signature words."""
+        self.count += 1
+        return self.count & 1
+
+    def publish(self, seq: int, parity: int, kind: int, dtype: int, count: int, root: int, reduce_op: int) -> int:
+        """Writes this rank's signature of op ``seq`` and arrives at it; returns the step."""
+        q = self.q
+        w = self.base + SIG_WORD + parity * SIG_WORDS
+        q[w + G_SEQ] = seq
+        q[w + G_KIND] = kind
+        q[w + G_DTYPE] = dtype
+        q[w + G_COUNT] = count
+        q[w + G_ROOT] = root
+        q[w + G_OP] = reduce_op
+        q[w + G_ARRIVAL] = time.monotonic_ns()
+        q[w + G_PACKED] = packed_signature(kind, dtype, count, root, reduce_op)
+        q[self.base + S_SEQ] = seq
+        return self.bump()
+
+    def agree(self, seq: int, parity: int) -> None:
+        """After the op's first synchronisation: raises MismatchError unless every rank
+        published the same signature for op ``seq`` (the same text on every rank)."""
+        q = self.q
+        off = SIG_WORD + parity * SIG_WORDS
+        mine = q[self.base + off + G_PACKED]
+        for b in self.bases:
+            if q[b + off + G_PACKED] != mine or q[b + off + G_SEQ] != seq:
+                self._mismatch(seq, parity)
+
+    def _mismatch(self, seq: int, parity: int) -> None:
+        groups: dict[tuple[int, ...], list[int]] = {}
+        sigs = {}
+        for r in range(self.world):
+            sig = self.view.signature_at(r, parity)
+            sigs[r] = sig
+            groups.setdefault(sig[G_KIND : G_OP + 1] + (sig[G_SEQ],), []).append(r)
+        ordered = sorted(groups.items(), key=lambda kv: (len(kv[1]), kv[1][0]))
+
+        def call(ranks: list[int]) -> str:
+            sig = sigs[ranks[0]]
+            text = f"{rank_list(ranks)} called {describe(*sig[G_KIND : G_OP + 1])}"
+            return text if sig[G_SEQ] == seq else f"{text} as op #{sig[G_SEQ]}"
+
+        message = f"{self.name}: {call(ordered[0][1])} as op #{seq} while " + " and ".join(call(r) for _, r in ordered[1:])
+        message = message.replace(f" as op #{seq} as op #", " as op #")
+        self.view.set_slot_error(self.rank, pb.MISMATCH, message)
+        self.error = MismatchError(message)
+        raise self.error
+
+    def done(self, seq: int, parity: int, kind: int, dtype: int, nbytes: int) -> None:
+        """Counts the completed op in this rank's slot (the daemon reads the counters)."""
+        q = self.q
+        col = SIG_WORD + parity * SIG_WORDS + G_ARRIVAL
+        arrivals = [q[b + col] for b in self.bases]
+        first, last = min(arrivals), max(arrivals)
+        now = time.monotonic_ns()
+        e = self.op_base + (kind * DTYPES + dtype) * OP_COLS
+        q[e + C_OPS] += 1
+        q[e + C_BYTES] += nbytes
+        q[e + C_DUR_SUM] += now - first
+        q[e + C_DUR_BUCKET + bisect.bisect_left(_BOUNDS_NS, now - first)] += 1
+        k = self.skew_base + kind * SKEW_COLS
+        q[k + K_COUNT] += 1
+        q[k + K_SUM] += last - first
+        q[k + K_BUCKET + bisect.bisect_left(_BOUNDS_NS, last - first)] += 1
+        if arrivals.index(last) == self.rank:
+            q[self.base + S_LAST] += 1
+        q[self.base + S_OPS] += 1
+        q[self.base + S_DONE] = seq
+
+    def typed(self, parity: int, dtype: np.dtype) -> list[np.ndarray]:
+        """Every rank's data buffer for ``parity`` as ``dtype`` (cached)."""
+        key = (parity, dtype)
+        views = self._typed.get(key)
+        if views is None:
+            n = self.data_bytes // dtype.itemsize
+            views = [b[: n * dtype.itemsize].view(dtype) for b in self.buffers[parity]]
+            self._typed[key] = views
+        return views
