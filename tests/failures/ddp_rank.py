@@ -20,6 +20,7 @@ SPEC fields:
   (``torch.distributed._functional_collectives.all_reduce``, whose result torch waits for
   in C++ through ``wait_tensor``), checked, in a loop.
 - ``steps``: train this many steps and finish cleanly (0: until the group fails).
+- ``backend``: "smddp" (the default), or "gloo" to compare.
 - ``run_s``: give up after this long (the result then says no error came).
 
 Prints ``pid RANK PID`` at the start, ``ready RANK ATTEMPT TIME`` after the first step,
@@ -138,7 +139,7 @@ def main() -> None:
                               "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}
     say(f"pid {rank} {os.getpid()}")
     torch.set_num_threads(1)
-    dist.init_process_group("smddp", timeout=timedelta(seconds=spec.get("pg_timeout_s", 60)))
+    dist.init_process_group(spec.get("backend", "smddp"), timeout=timedelta(seconds=spec.get("pg_timeout_s", 60)))
     try:
         record.update((funcol_loop if spec.get("program") == "funcol" else train)(rank, spec))
     except dist.DistBackendError as exc:

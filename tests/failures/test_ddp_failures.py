@@ -38,6 +38,7 @@ from ddp_launch import (
 )
 
 pytest.importorskip("torch")
+pytestmark = pytest.mark.slow  # every test starts three torch processes (and torchrun)
 
 def survivors(
     procs: list[Proc], ranks: list[int], out: Path, failed_at: float | None, same_after: bool = True
