@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import sys
+import warnings
 from types import ModuleType
 
 __version__ = "0.1.0"
@@ -22,8 +23,15 @@ def _register() -> None:
     backend = sys.modules.get("smddp.backend")
     if backend is not None and not hasattr(backend, "register"):
         return  # smddp.backend is importing torch itself; it registers when it is done
-    from smddp.backend import register
-
+    try:
+        from smddp.backend import register
+    except ImportError as exc:
+        if not getattr(exc, "unsupported_torch", False):
+            raise
+        # torch itself must still import for a job that uses smddp.client or another backend;
+        # ``import smddp.backend`` (or SageMaker's import) raises this error instead.
+        warnings.warn(str(exc), RuntimeWarning, stacklevel=2)
+        return
     register()
 
 

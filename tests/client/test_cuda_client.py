@@ -266,6 +266,7 @@ class FakeSession:
         from smddp.client.arena import ClientArena
 
         self.rank, self.world_size, self.chunk_bytes = 0, 2, 1 << 16
+        self.comm_id, self.job_id = "fake-comm", "fake-job"
         self.arena = ClientArena(1 << 20)
         self.sent: list[pb.OpRequest] = []
         self.fail = fail
@@ -289,7 +290,8 @@ class FakeSession:
         self.arena.close()
 
 
-def test_gpu_ops_share_the_numbering_and_retire_in_order_with_host_ops() -> None:
+def test_gpu_ops_share_the_numbering_and_retire_in_order_with_host_ops(monkeypatch) -> None:
+    monkeypatch.setenv("SMDDP_REGION", "0")  # host ops through the (fake) daemon, no region
     session = FakeSession()
     comm = Communicator(session, timeout_s=10, single_node=True)  # type: ignore[arg-type]
     comm._direct_min = -1  # keep host ops on the daemon path
@@ -328,7 +330,8 @@ def test_gpu_ops_share_the_numbering_and_retire_in_order_with_host_ops() -> None
     assert comm._ring.empty()
 
 
-def test_a_failed_gpu_op_reports_and_releases_its_events() -> None:
+def test_a_failed_gpu_op_reports_and_releases_its_events(monkeypatch) -> None:
+    monkeypatch.setenv("SMDDP_REGION", "0")
     session = FakeSession(fail={1})
     comm = Communicator(session, timeout_s=10, single_node=True)  # type: ignore[arg-type]
     done: list[bool] = []

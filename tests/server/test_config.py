@@ -118,7 +118,7 @@ def test_bad_type_in_file_is_a_clear_error(
         ({"SMDDP_MAX_JOBS": "many"}, [], "max_jobs"),
         ({"SMDDP_DEFAULT_TIMEOUT_S": "1h"}, [], "default_timeout_s"),
         ({"SMDDP_LOG_LEVEL": "chatty"}, [], "log_level"),
-        ({}, ["--max-arena-bytes", "16G"], "--max-arena-bytes"),
+        ({}, ["--max-arena-bytes", "16Q"], "--max-arena-bytes"),  # 16G is a size now; Q is no unit
         ({}, ["--log-format", "yaml"], "log_format"),
     ],
 )

@@ -501,3 +501,13 @@ class StatusReply(_message.Message):
     uptime_seconds: float
     comms: _containers.RepeatedCompositeFieldContainer[CommStatus]
     def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., comms: _Optional[_Iterable[_Union[CommStatus, _Mapping]]] = ...) -> None: ...
+
+class MetricsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class MetricsReply(_message.Message):
+    __slots__ = ("exposition",)
+    EXPOSITION_FIELD_NUMBER: _ClassVar[int]
+    exposition: str
+    def __init__(self, exposition: _Optional[str] = ...) -> None: ...
