@@ -116,12 +116,7 @@ def test_raising_rank(hook: str, env: dict[str, str], tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("sig", [
-    pytest.param(signal.SIGKILL, marks=pytest.mark.xfail(strict=True, reason=(
-        "since the shared-memory fast path (issue 16) was merged, the ranks hear of a SIGKILLed "
-        "daemon 10-17 s later (0.01 s before); they still raise SmddpDaemonLostError and exit 1"))),
-    signal.SIGTERM,
-], ids=["SIGKILL", "SIGTERM"])
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
 def test_daemon_stops(sig: int, system_daemon: Any, env: dict[str, str], tmp_path: Path) -> None:
     procs = launch_direct(env, tmp_path)
     try:
