@@ -39,6 +39,7 @@ def _gone(pid: int) -> bool:
         return True
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_restart_recovers(tmp_path: Path) -> None:
     # No daemon answers at SMDDP_SOCKET: each attempt's local leader starts an embedded one.
