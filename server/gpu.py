@@ -220,6 +220,10 @@ class _CommStreams:
         self.gates: dict[int, Any] = {}
         self.flags: dict[int, Any] = {}
         self.joins: dict[int, Any] = {}
+        # Gate marks whose gates opened, for the next ops (re-recorded, not created anew:
+        # two CUDA calls fewer per op and GPU). Appended by the gate thread, taken under
+        # the daemon's lock; list append and pop are atomic.
+        self.spare_marks: dict[int, list[Any]] = {}
         self.ticket = 0
         self.pending: collections.deque[tuple[int, list[tuple[Any, int]]]] = collections.deque()
         self.aborted = False
@@ -244,6 +248,13 @@ class _CommStreams:
         if device not in self.joins:
             self.joins[device] = self.rt.new_event(device)
         return self.joins[device]
+
+    def mark(self, device: int) -> Any:
+        """An event for a gate mark on ``device``: a spare one, else a new one."""
+        try:
+            return self.spare_marks.get(device, []).pop()
+        except IndexError:
+            return self.rt.new_event(device)
 
     def open(self, ticket: int) -> None:
         """Lets the work streams past the waits for ``ticket`` (and every one before it)."""
@@ -395,7 +406,9 @@ class GpuOps:
         for freed in cuda.freed:
             bid = freed.buffer_id
             self._close_base(
-                handles, freed.alloc_base, lambda m, b=bid: not b or not m.buffer_id or m.buffer_id == b
+                handles,
+                freed.alloc_base,
+                lambda m, b=bid: not b or not m.buffer_id or m.buffer_id == b,
             )
         ready = self._event(session, handles, cuda.ready_event, device, "ready")
         done = self._event(session, handles, cuda.done_event, device, "done")
@@ -516,6 +529,9 @@ class GpuOps:
                 self._quietly(lambda s=gate, d=device: self.rt.destroy_stream(s, d))
             for device, event in cs.joins.items():
                 self._quietly(lambda e=event, d=device: self.rt.destroy_event(e, d))
+            for device, spare in cs.spare_marks.items():
+                for event in spare:
+                    self._quietly(lambda e=event, d=device: self.rt.destroy_event(e, d))
             for flag in cs.flags.values():  # the work streams that read them are done
                 self._quietly(lambda f=flag: self.rt.destroy_flag(f))
             self.collect()
@@ -564,16 +580,25 @@ class GpuOps:
         last: tuple[int, list[tuple[Any, int]]] | None = None
         while cs.pending:
             ticket, marks = cs.pending[0]
+            # A mark that fired is kept for the next op; one of an aborted communicator (it
+            # may never fire) or that failed is destroyed.
+            reuse = not cs.aborted
             if not cs.aborted:
                 try:
                     if not all(self.rt.event_done(e, d) for e, d in marks):
                         break
                 except CudaCallError as exc:
                     log.warning("a gate's event failed (%s): opening it", exc)
+                    reuse = False
+            for e, d in marks:
+                if reuse:
+                    cs.spare_marks.setdefault(d, []).append(e)
+                else:
+                    self._quietly(lambda e=e, d=d: self.rt.destroy_event(e, d))
+            # Popped after the marks are put away: the drain, which waits for an empty
+            # queue, then finds every spare mark to destroy.
             last = cs.pending.popleft()
             opened += 1
-            for e, d in marks:
-                self._quietly(lambda e=e, d=d: self.rt.destroy_event(e, d))
         if last is not None:
             self._quietly(lambda: cs.open(last[0]))
         with self._gate_wake:
@@ -921,7 +946,7 @@ class _Work:
                 gate = cs.gate(device)
                 for r in ranks:
                     self.rt.wait_event(gate, r.ready, device)
-                mark = self.rt.new_event(device)
+                mark = cs.mark(device)
                 self.rt.record_event(mark, gate, device)
                 marks.append((mark, device))
                 cs.flag(device)

@@ -187,7 +187,9 @@ def reduce_module(dtype: int, reduce_op: int, fan_in: int, fan_out: int) -> str:
 
     passes = [range(a, min(fan_in, a + PASS_FAN_IN)) for a in range(0, fan_in, PASS_FAN_IN)]
 
-    def body(element: str, result: str, indent: str, ranks: range, first: bool, last: bool) -> list[str]:
+    def body(
+        element: str, result: str, indent: str, ranks: range, first: bool, last: bool
+    ) -> list[str]:
         """Combines ``element.format(r)`` over ``ranks`` in rank order into storage value
         ``result``: from the first rank's value in the first pass, else from ``result``
         (the accumulator the previous pass stored)."""

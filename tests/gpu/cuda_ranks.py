@@ -507,8 +507,9 @@ def free_rank(rank: int, world: int, init_file: str) -> dict[str, Any]:
     dist.all_reduce(x)
     y = to_torch(host_values(rank, 257, torch.float32, salt=1), torch.device("cpu"))
     dist.all_reduce(y)
+    # x stays referenced: its fake memory keeps its address, so no new allocation lands
+    # there and only the report of the free can make the daemon unmap it.
     path = _fake.free(x)
-    del x
     out["closed_before"] = os.path.exists(path + ".closed")
     z = to_torch(host_values(rank, 129, torch.float32, salt=2), torch.device("cpu"))
     dist.all_reduce(z)
@@ -520,6 +521,7 @@ def free_rank(rank: int, world: int, init_file: str) -> dict[str, Any]:
     )
     out["failures"] = check.failures
     dist.destroy_process_group()
+    del x
     return out
 
 

@@ -104,14 +104,29 @@ def test_the_widest_kernels_keep_to_registers(tmp_path: Path) -> None:
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc (the CUDA toolkit) is not installed here")
     parts = [LEAD]
-    mods = [(pb.FLOAT16, pb.SUM, 64, 64), (pb.FLOAT16, pb.SUM, WIDEST, WIDEST), (pb.FLOAT64, pb.MAX, WIDEST, 1), (pb.INT8, pb.SUM, WIDEST, 1)]
+    mods = [
+        (pb.FLOAT16, pb.SUM, 64, 64),
+        (pb.FLOAT16, pb.SUM, WIDEST, WIDEST),
+        (pb.FLOAT64, pb.MAX, WIDEST, 1),
+        (pb.INT8, pb.SUM, WIDEST, 1),
+    ]
     for dtype, op, fan_in, fan_out in mods:
         src = gpu_kernels.reduce_module(dtype, op, fan_in, fan_out)
         parts.append(f"namespace m_{dtype}_{fan_in}_{fan_out} {{\n{src[len(LEAD) :]}}}\n")
     cu = tmp_path / "wide.cu"
     cu.write_text("".join(parts))
     done = subprocess.run(
-        ["nvcc", "--std=c++14", "-cubin", "-arch=sm_90", "-Xptxas", "-v", "-o", str(tmp_path / "wide.cubin"), str(cu)],
+        [
+            "nvcc",
+            "--std=c++14",
+            "-cubin",
+            "-arch=sm_90",
+            "-Xptxas",
+            "-v",
+            "-o",
+            str(tmp_path / "wide.cubin"),
+            str(cu),
+        ],
         capture_output=True,
         text=True,
         timeout=540,
@@ -124,9 +139,7 @@ def test_the_widest_kernels_keep_to_registers(tmp_path: Path) -> None:
             r"Compiling entry function '(\w+)'.*?\n.*?(\d+) bytes spill stores", report, re.S
         )
     )
-    names = [
-        gpu_kernels.kernel_name(d, op, i, o, v) for d, op, i, o in mods for v in (False, True)
-    ]
+    names = [gpu_kernels.kernel_name(d, op, i, o, v) for d, op, i, o in mods for v in (False, True)]
     assert set(spills) == set(names), report[-3000:]
     assert all(spills[n] == "0" for n in names), {n: spills[n] for n in names}
 

@@ -36,7 +36,16 @@ from smddp.wire import NUMPY_DTYPES, REDUCE_NAMES, dtype_name, reduce_op_check
 DTYPES = list(gpu_kernels.SPECS)
 COMBOS = [(d, op) for d in DTYPES for op in REDUCE_NAMES if reduce_op_check(d, op) is None]
 # (35, 2): past the pass size, three passes (the last one partial) carry the accumulator.
-FANS = [(1, 1), (2, 2), (3, 1), (4, 3), (5, 5), (8, 1), (8, 8), (2 * gpu_kernels.PASS_FAN_IN + 3, 2)]
+FANS = [
+    (1, 1),
+    (2, 2),
+    (3, 1),
+    (4, 3),
+    (5, 5),
+    (8, 1),
+    (8, 8),
+    (2 * gpu_kernels.PASS_FAN_IN + 3, 2),
+]
 N = 4096
 
 # numpy storage views of each dtype's element bits.

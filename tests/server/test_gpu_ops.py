@@ -865,3 +865,22 @@ def test_a_killed_ranks_event_never_wedges_the_drain_or_the_survivors_memory() -
     # Without the gate the drain would have blocked: the gate stream is still stuck.
     (gate,) = gate_streams(rt)
     assert rt._queues[gate] and ("synchronize", gate) not in rt.log
+
+
+def test_gate_marks_are_reused_and_destroyed_with_the_communicator() -> None:
+    """An op's gate mark is a spare event of an earlier op whose gate opened (no event is
+    created and destroyed per op); the communicator's teardown destroys the spares."""
+    w = World([0, 0])
+    bufs = [w.buffer(r, 64, pb.FLOAT32) for r in range(2)]
+    _all_reduce_pair(w, bufs, 1)
+    wait_until(lambda: not w.ops._gated)
+    created = [c[1] for c in w.rt.calls("new_event")]
+    for seq in range(2, 8):
+        _all_reduce_pair(w, bufs, seq)
+        wait_until(lambda: not w.ops._gated)
+    assert [c[1] for c in w.rt.calls("new_event")] == created
+    # Each op re-recorded the one mark on the gate stream.
+    assert sum(c[1] in created for c in w.rt.calls("record")) == 7
+    assert not w.rt.calls("destroy_event")
+    w.ops.release_comm(w.comm)
+    wait_until(lambda: {c[1] for c in w.rt.calls("destroy_event")} >= set(created))
