@@ -37,7 +37,6 @@ from ddp_launch import (
     wait_ready,
 )
 
-pytest.importorskip("torch")
 
 def survivors(
     procs: list[Proc], ranks: list[int], out: Path, failed_at: float | None, same_after: bool = True

@@ -22,8 +22,6 @@ from pathlib import Path
 import pytest
 from ddp_launch import VICTIM, WORLD, kill_all, launch_torchrun, wait_exit
 
-pytest.importorskip("torch")
-
 RUNS = 3
 STEPS = 8
 STARTED = re.compile(r"started an embedded daemon for this job on (\S+) \(pid (\d+)\)")
