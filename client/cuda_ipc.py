@@ -96,6 +96,8 @@ class IpcExporter:
             except cuda_driver.CudaUnavailable:
                 gone.append((base, export))  # no longer memory the driver knows
                 continue
+            # cuPointerGetAttributes answers an address it does not know with zeros (base 0,
+            # buffer id 0) rather than an error; a new allocation there has a new id.
             if info.base != base or info.buffer_id != export.buffer_id:
                 gone.append((base, export))
         with self._lock:

@@ -229,8 +229,22 @@ def test_freed_allocations_go_to_the_daemon_with_each_communicators_next_op() ->
     assert not late.sent[0][0].cuda.freed
 
 
-def test_without_a_free_counter_every_op_checks_the_cached_allocations() -> None:
-    cc, comm, drv = collectives()
+class ZeroingDriver(FakeDriver):
+    """cuPointerGetAttributes as the driver documents it: an unknown address gets zeros."""
+
+    def pointer_info(self, ptr: int) -> cuda_driver.PointerInfo:
+        try:
+            return super().pointer_info(ptr)
+        except cuda_driver.CudaUnavailable:
+            return cuda_driver.PointerInfo(0, 0, 0, -1, 0, False, 0)
+
+
+@pytest.mark.parametrize("driver", [FakeDriver, ZeroingDriver])
+def test_without_a_free_counter_every_op_checks_the_cached_allocations(driver) -> None:
+    drv = driver()
+    drv.allocate(BASE, 1 << 24)
+    comm = StubComm()
+    cc = CudaCollectives(comm, IpcExporter(lambda: drv))  # type: ignore[arg-type]
     cc.all_reduce(arr(0, 16), pb.SUM, Events())
     (bid,) = {b.buffer_id for b in comm.sent[0][0].cuda.inputs}
     del drv.allocations[BASE]
