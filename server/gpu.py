@@ -14,8 +14,10 @@ module, on the communicator's own streams (one per GPU involved):
 3. records every rank's done event after all of it, which the rank's stream then waits on.
 
 The daemon replies once the work is queued; the GPU does it later, ordered by the events.
-Handles are opened once per rank and cached by allocation base; events by handle. When a
-rank leaves, its mappings are closed once the communicator's queued work has finished.
+Handles are opened once per rank and cached by allocation base and buffer id; events by
+handle. Allocations a rank reports freed (``CudaOp.freed``, before its op's buffers) and
+those superseded by a new allocation at the same base are closed once the work the rank's
+streams already hold has passed them, as are all of a rank's when it leaves.
 
 CuPy is imported on the first GPU op (``ops()``), never before: the daemon runs without it
 and answers a GPU op there with a clear error. All CUDA calls go through ``Runtime``, so the
@@ -165,14 +167,15 @@ class _Mapping:
     address: int
     device: int
     size: int
+    buffer_id: int = 0
 
 
 @dataclass
 class _RankHandles:
     """The open mappings (by the rank's allocation base) and events (by handle) of one rank."""
 
-    # By (allocation base, device the mapping was opened on).
-    mappings: collections.OrderedDict[tuple[int, int], _Mapping] = field(
+    # By (allocation base, the client's buffer id of it, device the mapping was opened on).
+    mappings: collections.OrderedDict[tuple[int, int, int], _Mapping] = field(
         default_factory=collections.OrderedDict
     )
     events: collections.OrderedDict[bytes, tuple[Any, int]] = field(
@@ -217,6 +220,10 @@ class _CommStreams:
         self.gates: dict[int, Any] = {}
         self.flags: dict[int, Any] = {}
         self.joins: dict[int, Any] = {}
+        # Gate marks whose gates opened, for the next ops (re-recorded, not created anew:
+        # two CUDA calls fewer per op and GPU). Appended by the gate thread, taken under
+        # the daemon's lock; list append and pop are atomic.
+        self.spare_marks: dict[int, list[Any]] = {}
         self.ticket = 0
         self.pending: collections.deque[tuple[int, list[tuple[Any, int]]]] = collections.deque()
         self.aborted = False
@@ -242,6 +249,13 @@ class _CommStreams:
             self.joins[device] = self.rt.new_event(device)
         return self.joins[device]
 
+    def mark(self, device: int) -> Any:
+        """An event for a gate mark on ``device``: a spare one, else a new one."""
+        try:
+            return self.spare_marks.get(device, []).pop()
+        except IndexError:
+            return self.rt.new_event(device)
+
     def open(self, ticket: int) -> None:
         """Lets the work streams past the waits for ``ticket`` (and every one before it)."""
         for flag in self.flags.values():
@@ -265,10 +279,12 @@ class GpuOps:
             weakref.WeakKeyDictionary()
         )
         self._devices: dict[bytes, int] = {}
-        # Mappings by (handle, device): a handle is opened on each GPU whose kernels or
+        # Mappings by (handle, buffer id, device): a handle is opened on each GPU whose kernels or
         # copies access it (as NCCL does): memory opened on one GPU and read from another
         # is an illegal address there.
-        self._memory: dict[tuple[bytes, int], _Opened] = {}
+        # Keyed with the buffer id too: a handle that a new allocation happened to repeat
+        # never gets the old one's mapping.
+        self._memory: dict[tuple[bytes, int, int], _Opened] = {}
         self._events: dict[bytes, _Opened] = {}
         self._peers: set[tuple[int, int]] = set()
         # What to release once the work queued before it has finished: (events marking that
@@ -331,15 +347,16 @@ class GpuOps:
             raise InvalidRequest(
                 f"{session.label()}: a CUDA IPC memory handle has {len(buf.ipc_handle)} bytes, not 64"
             )
-        key = (buf.alloc_base, device)
+        key = (buf.alloc_base, buf.buffer_id, device)
         mapping = handles.mappings.get(key)
         if mapping is not None and mapping.handle != buf.ipc_handle:
-            # The rank freed that allocation and got a new one at the same address.
-            for k in [k for k in handles.mappings if k[0] == buf.alloc_base]:
-                self._bury_mapping(handles, handles.mappings.pop(k))
-            mapping = None
+            mapping = None  # a client that sends no buffer ids (0) reused the address
         if mapping is None:
-            opened = self._memory.get((buf.ipc_handle, device))
+            # Any other allocation at that base is gone: the rank freed it and got a new
+            # one at the same address (its free not reported, or reported to another
+            # communicator).
+            self._close_base(handles, buf.alloc_base, lambda m: m.handle != buf.ipc_handle)
+            opened = self._memory.get((buf.ipc_handle, buf.buffer_id, device))
             if opened is None:
                 try:
                     address = self.rt.open_memory(buf.ipc_handle, device)
@@ -360,9 +377,9 @@ class GpuOps:
                         "it cannot bound"
                     ) from None
                 opened = _Opened(address, device, size)
-                self._memory[(buf.ipc_handle, device)] = opened
+                self._memory[(buf.ipc_handle, buf.buffer_id, device)] = opened
             opened.refs += 1
-            mapping = _Mapping(buf.ipc_handle, opened.obj, device, opened.size)
+            mapping = _Mapping(buf.ipc_handle, opened.obj, device, opened.size, buf.buffer_id)
             handles.mappings[key] = mapping
             while len(handles.mappings) > MAX_MAPPINGS_PER_RANK:
                 _, old = handles.mappings.popitem(last=False)
@@ -385,6 +402,14 @@ class GpuOps:
         if handles is None:
             handles = _RankHandles(streams=self._comm_streams(comm))
             self._ranks[session] = handles
+        # First what the rank freed: a buffer of this op may be a new allocation there.
+        for freed in cuda.freed:
+            bid = freed.buffer_id
+            self._close_base(
+                handles,
+                freed.alloc_base,
+                lambda m, b=bid: not b or not m.buffer_id or m.buffer_id == b,
+            )
         ready = self._event(session, handles, cuda.ready_event, device, "ready")
         done = self._event(session, handles, cuda.done_event, device, "done")
         return _Resolved(
@@ -403,8 +428,17 @@ class GpuOps:
 
     # -- releasing ----------------------------------------------------------------------------
 
+    def _close_base(
+        self, handles: _RankHandles, base: int, which: Callable[[_Mapping], bool]
+    ) -> None:
+        """Closes, once the work already queued on the rank's streams has passed them, the
+        rank's mappings (on every GPU) at allocation base ``base`` that ``which`` picks."""
+        for k in [k for k, m in handles.mappings.items() if k[0] == base and which(m)]:
+            self._bury_mapping(handles, handles.mappings.pop(k))
+
     def _bury_mapping(self, handles: _RankHandles, mapping: _Mapping) -> None:
-        self._bury(handles, lambda: self._unref(self._memory, (mapping.handle, mapping.device)))
+        key = (mapping.handle, mapping.buffer_id, mapping.device)
+        self._bury(handles, lambda: self._unref(self._memory, key))
 
     def _unref(self, table: dict[Any, _Opened], handle: Any) -> None:
         """Drops one rank entry's reference; the last one closes the handle."""
@@ -495,6 +529,9 @@ class GpuOps:
                 self._quietly(lambda s=gate, d=device: self.rt.destroy_stream(s, d))
             for device, event in cs.joins.items():
                 self._quietly(lambda e=event, d=device: self.rt.destroy_event(e, d))
+            for device, spare in cs.spare_marks.items():
+                for event in spare:
+                    self._quietly(lambda e=event, d=device: self.rt.destroy_event(e, d))
             for flag in cs.flags.values():  # the work streams that read them are done
                 self._quietly(lambda f=flag: self.rt.destroy_flag(f))
             self.collect()
@@ -543,16 +580,25 @@ class GpuOps:
         last: tuple[int, list[tuple[Any, int]]] | None = None
         while cs.pending:
             ticket, marks = cs.pending[0]
+            # A mark that fired is kept for the next op; one of an aborted communicator (it
+            # may never fire) or that failed is destroyed.
+            reuse = not cs.aborted
             if not cs.aborted:
                 try:
                     if not all(self.rt.event_done(e, d) for e, d in marks):
                         break
                 except CudaCallError as exc:
                     log.warning("a gate's event failed (%s): opening it", exc)
+                    reuse = False
+            for e, d in marks:
+                if reuse:
+                    cs.spare_marks.setdefault(d, []).append(e)
+                else:
+                    self._quietly(lambda e=e, d=d: self.rt.destroy_event(e, d))
+            # Popped after the marks are put away: the drain, which waits for an empty
+            # queue, then finds every spare mark to destroy.
             last = cs.pending.popleft()
             opened += 1
-            for e, d in marks:
-                self._quietly(lambda e=e, d=d: self.rt.destroy_event(e, d))
         if last is not None:
             self._quietly(lambda: cs.open(last[0]))
         with self._gate_wake:
@@ -599,6 +645,8 @@ class GpuOps:
         with self._lock:
             self.collect()
             resolved = [self._resolve(comm, r, s, q) for r, s, q in zip(ranks, sessions, reqs)]
+            # Mappings of freed allocations close now if their streams are idle.
+            self.collect()
             work = _Work(self, comm, resolved)
             work.plan()
             work.run()
@@ -647,6 +695,7 @@ class GpuOps:
             self.collect()
             a = self._resolve(comm, s_send.rank, s_send, send)
             b = self._resolve(comm, s_recv.rank, s_recv, recv)
+            self.collect()
             if len(a.inputs) != 1 or len(b.outputs) != 1:
                 raise InvalidRequest("a GPU send names one input and a GPU recv one output")
             if a.in_bytes[0] != b.out_bytes[0]:
@@ -897,7 +946,7 @@ class _Work:
                 gate = cs.gate(device)
                 for r in ranks:
                     self.rt.wait_event(gate, r.ready, device)
-                mark = self.rt.new_event(device)
+                mark = cs.mark(device)
                 self.rt.record_event(mark, gate, device)
                 marks.append((mark, device))
                 cs.flag(device)

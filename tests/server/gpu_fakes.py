@@ -69,6 +69,7 @@ class Allocation:
     device: int
     base: int
     handle: bytes
+    buffer_id: int = 0  # the client driver's id of the allocation (0: a client that sends none)
 
 
 @dataclass
@@ -94,7 +95,7 @@ class FakeRuntime:
         k = len(self.allocations)
         handle = f"mem{k}".encode().ljust(64, b"\0")
         alloc = Allocation(
-            np.zeros(nbytes, dtype=np.uint8), device, CLIENT_BASE + (k << 32), handle
+            np.zeros(nbytes, dtype=np.uint8), device, CLIENT_BASE + (k << 32), handle, k + 1
         )
         self.allocations[handle] = alloc
         return alloc
@@ -304,6 +305,7 @@ class Buffer:
             alloc_bytes=self.alloc.data.size,
             offset=self.offset,
             nbytes=self.nbytes,
+            buffer_id=self.alloc.buffer_id,
         )
 
 
@@ -386,6 +388,11 @@ class IpcFakeRuntime(FakeRuntime):
         alloc = self.mapped[address]
         super().close_memory(address, device)
         self.allocations.pop(alloc.handle, None)
+        if alloc.handle.startswith(MEM_PREFIX):
+            # Tells the rank's test (tests/gpu) the daemon has unmapped its allocation.
+            path = alloc.handle[len(MEM_PREFIX) :].rstrip(b"\0").decode()
+            with open(path + ".closed", "a"):
+                pass
 
     def open_event(self, handle: bytes, device: int) -> Any:
         if not handle.startswith(EVENT_PREFIX):

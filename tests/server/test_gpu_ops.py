@@ -19,6 +19,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from gpu_fakes import (
+    Allocation,
     Buffer,
     FakeComm,
     FakeRuntime,
@@ -424,6 +425,74 @@ def test_a_new_allocation_at_an_old_address_replaces_the_mapping_after_queued_wo
     assert [c[1] for c in w.rt.calls("close_memory")] == [old_address]
 
 
+def _all_reduce_pair(w: World, bufs: list[Buffer], seq: int, freed=()) -> None:
+    reqs = [
+        request(pb.ALL_REDUCE, pb.FLOAT32, 64, r, [b], [b], reduce_op=pb.SUM, seq=seq)
+        for r, b in enumerate(bufs)
+    ]
+    reqs[0].cuda.freed.extend(freed)
+    w.run(reqs)
+
+
+def test_a_freed_allocation_is_closed_when_the_ranks_next_op_runs() -> None:
+    """Rank 0 frees its allocation (empty_cache()) and says so with its next op, which uses
+    other memory: the daemon closes the old mapping then, once its queued work has passed
+    it, not only when a new allocation appears at that address or the rank leaves."""
+    w = World([0, 0])
+    bufs = [w.buffer(r, 64, pb.FLOAT32) for r in range(2)]
+    _all_reduce_pair(w, bufs, 1)
+    old = bufs[0].alloc
+    old_address = [c[3] for c in w.rt.calls("open_memory") if c[1] == old.handle]
+    other = w.buffer(0, 64, pb.FLOAT32)
+    freed = pb.CudaBuffer(alloc_base=old.base, buffer_id=old.buffer_id)
+    # Work queued before the free has not finished: the mapping stays open for it.
+    w.rt.pending_marks = True
+    _all_reduce_pair(w, [other, bufs[1]], 2, [freed])
+    assert not w.rt.calls("close_memory")
+    w.rt.pending_marks = False
+    vals = [fill(other, 3), fill(bufs[1], 4)]
+    _all_reduce_pair(w, [other, bufs[1]], 3)  # the next op finds the marks passed
+    assert [c[1] for c in w.rt.calls("close_memory")] == old_address
+    assert bits(other.array()) == bits(host_reduce(vals, pb.SUM))
+    # With idle streams the mapping closes during the op that reports the free.
+    third = w.buffer(0, 64, pb.FLOAT32)
+    _all_reduce_pair(w, [third, bufs[1]], 4)
+    _all_reduce_pair(
+        w,
+        [w.buffer(0, 64, pb.FLOAT32), bufs[1]],
+        5,
+        [pb.CudaBuffer(alloc_base=third.alloc.base, buffer_id=third.alloc.buffer_id)],
+    )
+    third_address = [c[3] for c in w.rt.calls("open_memory") if c[1] == third.alloc.handle]
+    assert [c[1] for c in w.rt.calls("close_memory")] == old_address + third_address
+
+
+def test_a_new_allocation_at_a_freed_base_gets_a_fresh_mapping() -> None:
+    """The free and the new allocation at the same base arrive with one op: the old mapping
+    closes, the new one (another buffer id, even under the same handle bytes) is opened."""
+    w = World([0, 0])
+    bufs = [w.buffer(r, 64, pb.FLOAT32) for r in range(2)]
+    _all_reduce_pair(w, bufs, 1)
+    old = bufs[0].alloc
+    (old_address,) = [c[3] for c in w.rt.calls("open_memory") if c[1] == old.handle]
+    # The driver gives the address to a new allocation; its handle repeats the old bytes
+    # (the daemon must not trust handles alone) but its buffer id is new.
+    fresh = Allocation(np.zeros(256, dtype=np.uint8), 0, old.base, old.handle, 1000)
+    w.rt.allocations[old.handle] = fresh
+    replaced = Buffer(fresh, 0, 64, pb.FLOAT32)
+    vals = [fill(replaced, 5), fill(bufs[1], 6)]
+    freed = pb.CudaBuffer(alloc_base=old.base, buffer_id=old.buffer_id)
+    _all_reduce_pair(w, [replaced, bufs[1]], 2, [freed])
+    opens = [c for c in w.rt.calls("open_memory") if c[1] == old.handle]
+    assert len(opens) == 2 and opens[1][3] != old_address
+    assert [c[1] for c in w.rt.calls("close_memory")] == [old_address]
+    assert bits(replaced.array()) == bits(host_reduce(vals, pb.SUM))
+    # A free reported late (its buffer id already superseded) closes nothing else.
+    _all_reduce_pair(w, [replaced, bufs[1]], 3, [freed])
+    assert [c[1] for c in w.rt.calls("close_memory")] == [old_address]
+    assert len(w.rt.calls("open_memory")) == 3
+
+
 def test_a_departed_ranks_handles_close_once_its_work_is_done() -> None:
     w = World([0, 0])
     bufs = [w.buffer(r, 64, pb.FLOAT32) for r in range(2)]
@@ -631,7 +700,7 @@ def test_without_cupy_the_daemon_says_what_to_install(monkeypatch: pytest.Monkey
     monkeypatch.setitem(sys.modules, "cupy", None)  # where CuPy is installed: as if it were not
     with pytest.raises(
         FailedPrecondition,
-        match=r"smddpd on node n7 cannot carry GPU tensors: CuPy is not installed .*smddp\[cuda\]",
+        match=r"smddpd on node n7 cannot carry GPU tensors: CuPy is not installed .*pip install '\.\[cuda\]'",
     ):
         gpu.ops("n7")
     assert gpu.active() is None
@@ -796,3 +865,22 @@ def test_a_killed_ranks_event_never_wedges_the_drain_or_the_survivors_memory() -
     # Without the gate the drain would have blocked: the gate stream is still stuck.
     (gate,) = gate_streams(rt)
     assert rt._queues[gate] and ("synchronize", gate) not in rt.log
+
+
+def test_gate_marks_are_reused_and_destroyed_with_the_communicator() -> None:
+    """An op's gate mark is a spare event of an earlier op whose gate opened (no event is
+    created and destroyed per op); the communicator's teardown destroys the spares."""
+    w = World([0, 0])
+    bufs = [w.buffer(r, 64, pb.FLOAT32) for r in range(2)]
+    _all_reduce_pair(w, bufs, 1)
+    wait_until(lambda: not w.ops._gated)
+    created = [c[1] for c in w.rt.calls("new_event")]
+    for seq in range(2, 8):
+        _all_reduce_pair(w, bufs, seq)
+        wait_until(lambda: not w.ops._gated)
+    assert [c[1] for c in w.rt.calls("new_event")] == created
+    # Each op re-recorded the one mark on the gate stream.
+    assert sum(c[1] in created for c in w.rt.calls("record")) == 7
+    assert not w.rt.calls("destroy_event")
+    w.ops.release_comm(w.comm)
+    wait_until(lambda: {c[1] for c in w.rt.calls("destroy_event")} >= set(created))
