@@ -13,6 +13,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from smddp.backend import version  # noqa: F401  (first: refuses a torch outside the supported range)
 from smddp.backend.job import Job, rendezvous
 from smddp.backend.process_group import BACKEND_NAME, SmddpProcessGroup
 from smddp.client.communicator import Communicator, connect

@@ -93,6 +93,15 @@ class TorchCuda:
     def contiguous(self, t: torch.Tensor) -> torch.Tensor:
         return t.contiguous()
 
+    def free_count(self, device: int) -> int:
+        """Segments the caching allocator has returned to the driver on ``device`` so far
+        (``empty_cache()``, its retry after an out-of-memory): the exporter asks the driver
+        about its cached allocations only when this moves. Read from the nested statistics
+        (no flattening) before each op; torch exposes no hook that runs at the free itself
+        to Python."""
+        stats = torch.cuda.memory.memory_stats_as_nested_dict(device)
+        return int(stats.get("segment", {}).get("all", {}).get("freed", 0))
+
 
 # TEST ONLY: FILE.py:FUNCTION returning a device to use instead of torch.cuda.
 TEST_DEVICE_ENV = "SMDDP_TEST_CUDA_DEVICE"
@@ -242,6 +251,9 @@ class CudaCollectives:
         driver = device_api().driver
         if driver is not None:  # a test device exports its own "IPC handles"
             comm.cuda.exporter = IpcExporter(lambda: driver)
+        counter = getattr(device_api(), "free_count", None)
+        if counter is not None and comm.cuda.exporter.free_counter is None:
+            comm.cuda.exporter.free_counter = counter
 
     # -- checks and plumbing --------------------------------------------------------------------
 

@@ -79,9 +79,16 @@ case "$CUDA_MAJOR" in
   13) CUPY_PKG=cupy-cuda13x; NVRTC_PKG="nvidia-cuda-nvrtc==13.*" ;;
   *) say "torch's CUDA is $TORCH_CUDA: smddp's daemon supports CUDA 12 and 13 builds"; exit 2 ;;
 esac
-# A CuPy of the other CUDA major would load an NVRTC the daemon cannot find next to torch's.
-"$PY" -c "import importlib.metadata as m; m.version('$CUPY_PKG')" >/dev/null 2>&1 \
-  || install "$CUPY_PKG==14.2.0" "$NVRTC_PKG"
+# A CuPy of the other CUDA major would load an NVRTC the daemon cannot find next to torch's
+# (and two CuPy builds in one environment overwrite each other's files): replace it.
+installed() { "$PY" -c "import importlib.metadata as m; m.version('$1')" >/dev/null 2>&1; }
+for other in cupy-cuda12x cupy-cuda13x; do
+  if [ "$other" != "$CUPY_PKG" ] && installed "$other"; then
+    say "removing $other: torch here is CUDA $TORCH_CUDA"
+    "$PY" -m pip uninstall --quiet -y "$other" >>"$OUT/check.log" 2>&1
+  fi
+done
+installed "$CUPY_PKG" || install "$CUPY_PKG==14.2.0" "$NVRTC_PKG"
 need grpc "grpcio==1.85.1"
 need grpc_health "grpcio-health-checking==1.85.1"
 need grpc_reflection "grpcio-reflection==1.85.1"
@@ -154,7 +161,7 @@ TESTS_TIMEOUT=300
 [ "$QUICK" = 1 ] && TESTS_TIMEOUT=180
 say "tests/gpu (log: $OUT/gpu-tests.log) at $(elapsed)"
 SMDDP_REQUIRE_GPU=1 SMDDP_GPU_QUICK=$QUICK timeout "$TESTS_TIMEOUT" "$PY" -m pytest -q -rs -p no:cacheprovider \
-  --rootdir "$REPO" -c "$REPO/pyproject.toml" --junitxml="$OUT/gpu-tests.xml" \
+  --rootdir "$REPO" -c "$REPO/pyproject.toml" --junitxml="$OUT/gpu-tests.xml" -m gpu \
   "$REPO/tests/gpu" 2>&1 | tee "$OUT/gpu-tests.log"
 TESTS_RC=${PIPESTATUS[0]}
 COUNTS=$("$PY" - "$OUT/gpu-tests.xml" <<'EOF' 2>/dev/null

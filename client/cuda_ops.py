@@ -13,6 +13,7 @@ Only single-node communicators: across nodes GPU tensors are refused (Unsupporte
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -61,7 +62,19 @@ class CudaCollectives:
 
     def __init__(self, comm: Communicator, exporter: IpcExporter | None = None) -> None:
         self.comm = comm
-        self.exporter = exporter or _exporter
+        self._exporter: IpcExporter = exporter or _exporter
+        self._freed_cursor = self._exporter.freed_cursor()
+        self._freed_lock = threading.Lock()
+
+    @property
+    def exporter(self) -> IpcExporter:
+        """The exporter of this communicator's buffers."""
+        return self._exporter
+
+    @exporter.setter
+    def exporter(self, exporter: IpcExporter) -> None:
+        self._exporter = exporter
+        self._freed_cursor = exporter.freed_cursor()
 
     # -- building one request -------------------------------------------------------------------
 
@@ -100,9 +113,15 @@ class CudaCollectives:
             ready_event=events.ready,
             done_event=events.done,
         )
+        # Allocations freed since this communicator's last op go first: the daemon closes
+        # them before mapping this op's buffers, one of which may be new at a freed base.
+        self.exporter.sweep(device, what)
         for target, group in ((cuda.inputs, inputs), (cuda.outputs, outputs)):
             for a in group:
                 target.append(self.exporter.export(a.ptr, a.nbytes, device, what))
+        with self._freed_lock:
+            self._freed_cursor, freed = self.exporter.freed_since(self._freed_cursor)
+        cuda.freed.extend(freed)
         req = pb.OpRequest(
             kind=kind, dtype=dtype, count=count, root=root, reduce_op=reduce_op, tag=tag, cuda=cuda
         )

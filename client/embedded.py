@@ -62,6 +62,7 @@ def find_or_start_daemon(peer_host: str | None = None) -> str:
     candidates = socket_candidates()
     for path in candidates:
         if daemon_answers(path):
+            log.warning("smddp: using the smddpd that answers at %s (a daemon of this node, not started by this job)", path)
             return path
     if os.environ.get(ENV_EMBEDDED) == "0":
         raise ConnectError(

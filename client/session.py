@@ -152,16 +152,7 @@ class DaemonSession:
         try:
             self._sock.sendall(pack(MSG_OP, req.SerializeToString()))
         except OSError as exc:
-            try:
-                while self._recv(block=False) is not None:
-                    pass  # replies to earlier ops; the daemon's last word, if it left one, raises
-            except OpError:
-                raise
-            except DaemonLostError:
-                pass
-            raise DaemonLostError(
-                f"smddpd at {self.socket_path} is gone (it stopped or restarted): {exc}"
-            ) from None
+            raise self.gone(exc) from None
 
     def wait_reply(self, request_id: int, timeout_s: float) -> pb.OpReply:
         """Blocks until the reply to ``request_id`` arrives.
@@ -281,7 +272,15 @@ class DaemonSession:
         return not any(ev & (select.POLLHUP | select.POLLERR | select.POLLNVAL) for _, ev in poller.poll(0))
 
     def gone(self, detail: object = None) -> DaemonLostError:
-        """The error for a daemon that went away."""
+        """The error for a daemon that went away: its parting notice, if it left one."""
+        try:
+            while not self._closed and self._recv(block=False) is not None:
+                pass  # replies to earlier ops; the notice (request_id 0) raises
+        except OpError as exc:
+            if isinstance(exc, DaemonLostError):
+                return exc
+        except (DaemonLostError, OSError, ValueError):
+            pass
         suffix = f": {detail}" if detail is not None else ""
         return DaemonLostError(f"smddpd at {self.socket_path} is gone (it stopped or restarted){suffix}")
 

@@ -72,6 +72,9 @@ SHORT_SPIN_S = 5e-6  # when ranks share cores: the rank we wait for needs ours
 # Then futex sleeps of this long, checking the daemon in between. No sched_yield phase: on a
 # host shared with other work, one yield gave the core away for 4 ms (measured).
 SLEEP_SLICE_S = 0.05
+# Ops that never wait (every rank arrives together) would otherwise not notice that the daemon
+# died: the region needs no daemon to run. So an op's entry asks at most this often.
+ALIVE_CHECK_S = 0.1
 # The daemon enforces the op timeout; this is a rank's last resort when it cannot.
 GRACE_S = 30.0
 
@@ -113,6 +116,7 @@ class ShmPath:
         self.spin_s = SPIN_S if usable_cores() >= self.world else SHORT_SPIN_S
         self.error: OpError | DaemonLostError | None = None
         self.count = 0  # ops run in the region so far (their parity alternates)
+        self._next_alive_check = 0.0
 
     # -- synchronisation ----------------------------------------------------------------------
 
@@ -122,6 +126,14 @@ class ShmPath:
             raise self.error
         if self.q[H_ALARM]:
             self._raise_alarm(entry=True)
+        now = time.monotonic()
+        if now >= self._next_alive_check:
+            self._next_alive_check = now + ALIVE_CHECK_S
+            if not self._alive():
+                if self.q[H_ALARM]:
+                    self._raise_alarm(entry=True)
+                self.error = self._gone()
+                raise self.error
 
     def _raise_alarm(self, entry: bool = False) -> None:
         found = self.view.failure() or self.view.first_slot_error()

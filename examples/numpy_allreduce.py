@@ -5,9 +5,9 @@ secret of at least 16 bytes) and find the daemon through ``--socket`` or ``SMDDP
 
 Run (with smddpd serving on /run/smddp/smddpd.sock, or SMDDP_SOCKET pointing at it)::
 
-    TOKEN=$(python -c 'import secrets; print(secrets.token_hex(16))')
+    TOKEN=$(.venv/bin/python -c 'import secrets; print(secrets.token_hex(16))')
     for r in 0 1; do
-        python examples/numpy_allreduce.py --rank $r --world-size 2 --job-token $TOKEN &
+        .venv/bin/python examples/numpy_allreduce.py --rank $r --world-size 2 --job-token $TOKEN &
     done
     wait
 
@@ -15,7 +15,7 @@ Across nodes, every node runs smddpd with peers enabled, and every rank names th
 the peer address of one of the daemons (``smddpctl topology`` shows it): the daemons meet the
 ranks there and work out which ranks share a node::
 
-    python examples/numpy_allreduce.py --rank $R --world-size 4 --job-token $TOKEN \\
+    .venv/bin/python examples/numpy_allreduce.py --rank $R --world-size 4 --job-token $TOKEN \\
         --root 10.0.0.1:7470
 
 Every rank checks its results and exits with status 1 if one is wrong.

@@ -24,4 +24,26 @@ fi
 .venv/bin/python -m pip install --quiet -c tests/frameworks/constraints.txt -r tests/frameworks/requirements.txt
 DS_BUILD_OPS=0 .venv/bin/python -m pip install --quiet --no-build-isolation --no-deps "deepspeed==0.19.8"
 # --- end frameworks
+# -- What the tests need, so that none of them skips in CI (tests/ci_skips.py fails a skip
+# under CI=true). Python packages the tests import plainly, pinned (they are also in the test
+# extra): the deploy tests parse the manifests with PyYAML and check them with jsonschema.
+.venv/bin/python -m pip install --quiet "PyYAML==6.0.4" "jsonschema==4.26.0"
+# Tools the tests run; as root on Debian (CI), the packages of any that is missing.
+missing=()
+for need in systemd-analyze:systemd systemd-sysusers:systemd setpriv:util-linux ip:iproute2 \
+    tc:iproute2 gcc:gcc g++:g++; do
+    command -v "${need%%:*}" >/dev/null || missing+=("${need#*:}")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+            $(printf '%s\n' "${missing[@]}" | sort -u)
+    else
+        echo "setup.sh: the tests need the Debian packages ${missing[*]}; without them CI fails" >&2
+    fi
+fi
+# tests/failures/test_security.py runs smddp's client as uid 65534 with this venv's Python.
+chmod -R a+rX .venv
+# -- end of what the tests need.
 echo "smddp is installed in $(pwd)/.venv"

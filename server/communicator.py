@@ -107,6 +107,7 @@ class Communicator:
         self._progress: dict[tuple, tuple[float, int]] = {}
         self._pending: dict[tuple, Pending] = {}
         self._failed: tuple[int, str] | None = None
+        self._failure_counted = False  # smddp_errors_total has this communicator's failure
         self._left: list[str] = []
         self._lock = threading.Lock()
         self._attached = threading.Condition(self._lock)
@@ -199,6 +200,7 @@ class Communicator:
         except SmddpError as exc:
             # A rank that sends an impossible op leaves the others waiting forever: fail all.
             self.fail(exc.kind, f"{self.name()}: {session.label()} sent an invalid op: {exc}", culprit=session)
+            self._count_op_failure()
             self._reply_error(session, req, exc.kind, str(exc))
             return
         with self._lock:
@@ -380,12 +382,14 @@ class Communicator:
         except PeerError as exc:
             msg = f"{self.name()}: {exc}"
             self.fail(exc.kind, msg)
+            self._count_op_failure()
             for s, r in zip(sessions, reqs):
                 self._reply_error(s, r, self._failed[0] if self._failed else exc.kind, self._failed[1] if self._failed else msg)
             return
         except SmddpError as exc:
             msg = str(exc) if str(exc).startswith(self.name()) else f"{self.name()}: {exc}"
             self.fail(exc.kind, msg)
+            self._count_op_failure()
             for s, r in zip(sessions, reqs):
                 self._reply_error(s, r, exc.kind, msg)
             return
@@ -393,6 +397,7 @@ class Communicator:
             log.exception("%s: op #%d failed", self.name(), pending.seq, extra=self._log_fields())
             msg = f"{self.name()}: internal error in smddpd running op #{pending.seq}: {exc!r}"
             self.fail(pb.INVALID, msg)
+            self._count_op_failure()
             for s, r in zip(sessions, reqs):
                 self._reply_error(s, r, pb.INVALID, msg)
             return
@@ -496,7 +501,11 @@ class Communicator:
             if propagate:
                 self.peers.abort(kind, message)
             self.peers.failed(message)
-        if self._metrics is not None and (pending or in_region):
+        # Counted once: here when an op waited, else by _count_op_failure for the op that failed.
+        with self._lock:
+            count = bool(pending or in_region) and not self._failure_counted
+            self._failure_counted = self._failure_counted or count
+        if self._metrics is not None and count:
             self._metrics.error(kind)
         log.log(logging.WARNING if pending or in_region else log_level, "%s", message, extra=self._log_fields(culprit))
         for p in pending:
@@ -506,6 +515,17 @@ class Communicator:
                         self.buffers.give(p.sent.nbytes)
                     continue  # answered when it arrived
                 self._reply_error(session, req, kind, message)
+
+    def _count_op_failure(self) -> None:
+        """Counts the communicator's failure for an op that failed outside ``_pending`` (while
+        it ran: a mismatch, a node lost mid-exchange; or refused on arrival), once."""
+        with self._lock:
+            if self._failed is None or self._failure_counted:
+                return
+            self._failure_counted = True
+            kind = self._failed[0]
+        if self._metrics is not None:
+            self._metrics.error(kind)
 
     def check_timeouts(self, now: float) -> None:
         """Fails the communicator if an op has waited longer than the timeout, or if a rank

@@ -14,6 +14,7 @@ from typing import Any
 
 import tomllib
 
+from smddp.server import units
 from smddp.wire import default_socket_path
 
 ENV_PREFIX = "SMDDP_"
@@ -36,7 +37,7 @@ class DaemonConfig:
 
     socket: str = ""  # unix socket of the Node service; "" picks the default
     socket_group: str = ""  # group that may also use the socket and join jobs
-    grpc_bind: str = ""  # optional TCP listener for health and status (Kubernetes probes)
+    grpc_bind: str = ""  # optional TCP listener for health and reflection (Kubernetes probes)
     http_bind: str = "127.0.0.1:9464"  # /healthz /readyz /metrics; "off" disables
     # Daemon-to-daemon control (gRPC Peer service); "off" (the default) serves one node only.
     # --data-port, --advertise, --peer-transport or --ucx-port given alone imply 0.0.0.0:7470.
@@ -84,7 +85,8 @@ _HELP = {
     "socket": "unix socket of the local Node service (default /run/smddp/smddpd.sock, or a "
     "per-user runtime folder when /run/smddp is not writable)",
     "socket_group": "group allowed to use the socket besides the daemon's user",
-    "grpc_bind": "HOST:PORT of a TCP gRPC listener for health and status",
+    "grpc_bind": "HOST:PORT of a TCP gRPC listener serving grpc.health.v1 and reflection only, "
+    "for probes (status, metrics and jobs stay on the unix socket)",
     "http_bind": "HOST:PORT serving /healthz, /readyz and /metrics; 'off' disables",
     "peer_bind": "HOST:PORT of the control service (gRPC) for other nodes' daemons; 'off' "
     "serves one node only (the default, unless --data-port, --advertise, --peer-transport or "
@@ -92,7 +94,8 @@ _HELP = {
     "data_port": "TCP port, on the --peer-bind host, of the data connections from other nodes' "
     "daemons (0: any free port; other daemons learn it when they join)",
     "peer_transport": "what carries a job's bytes between nodes: tcp, or ucx (UCX stream "
-    "endpoints: RDMA where the site's UCX has it; needs pip install 'smddp[ucx]'); every "
+    "endpoints: RDMA where the site's UCX has it; needs smddp's ucx extra, e.g. pip install "
+    "'.[ucx]' in a checkout); every "
     "daemon of a job must use the same",
     "ucx_port": "port of the UCX listener with --peer-transport ucx (0: any free port)",
     "advertise": "HOST:PORT other daemons use to reach this one",
@@ -138,7 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
         "this node and exchanges with the daemons of other nodes. Every flag can also be set "
         "as an SMDDP_<NAME> environment variable (e.g. SMDDP_SOCKET) or in the TOML file "
         "given by --config / SMDDP_CONFIG; flags win over the environment, which wins over "
-        "the file.",
+        "the file. Sizes (the --*-bytes flags) take units: 4MiB, 1GiB (powers of 1024), 4MB "
+        "(powers of 1000), or a plain byte count.",
     )
     parser.add_argument("--config", help="TOML file with any of the settings below (env SMDDP_CONFIG)")
     for f in fields(DaemonConfig):
@@ -147,6 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
         default = DaemonConfig.__dataclass_fields__[f.name].default
         shown = default if default != "" else ("auto" if f.name in _DERIVED else "none")
         kind = {"int": int, "float": float}.get(str(f.type), str)
+        if units.is_size(f.name):  # 4MiB, 1GiB, or a plain byte count
+            kind, shown = units.size_arg, units.format_size(default)
         parser.add_argument(flag, type=kind, default=None, help=f"{_HELP[f.name]} (env {env}; default {shown})")
     return parser
 
@@ -175,7 +181,7 @@ def load(argv: list[str] | None = None, environ: dict[str, str] | None = None) -
             # TOML values arrive typed: refuse true for an int or 1.5 for an int rather than
             # let Python's int() quietly turn them into 1.
             kind = _KINDS.get(str(names[name].type), str)
-            accepted = (int, float) if kind is float else (kind,)
+            accepted = (int, float) if kind is float else (int, str) if units.is_size(name) else (kind,)
             if isinstance(value, bool) or not isinstance(value, accepted):
                 parser.error(f"config file {config_file}: {key} = {value!r} is not a valid {kind.__name__}")
             values[name] = value
@@ -189,9 +195,9 @@ def load(argv: list[str] | None = None, environ: dict[str, str] | None = None) -
     for name, value in list(values.items()):
         kind = _KINDS.get(str(names[name].type), str)
         try:
-            values[name] = kind(value)
-        except (TypeError, ValueError):
-            parser.error(f"{name}: {value!r} is not a valid {kind.__name__}")
+            values[name] = units.parse_size(value) if units.is_size(name) else kind(value)
+        except (TypeError, ValueError) as exc:
+            parser.error(f"{name}: {exc}" if units.is_size(name) else f"{name}: {value!r} is not a valid {kind.__name__}")
     if values.get("log_format", "text") not in ("text", "json"):
         parser.error("log_format must be 'text' or 'json'")
     tls = [values.get(name, "") for name in ("tls_cert", "tls_key", "tls_ca")]

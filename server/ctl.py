@@ -1,11 +1,20 @@
-"""``smddpctl``: health, status, topology and metrics of a node's smddpd, for people and scripts."""
+"""``smddpctl``: health, status, topology and metrics of a node's smddpd, for people and scripts.
+
+Every command talks to one daemon: the one on ``--socket`` (or ``SMDDP_SOCKET``, or the
+standard paths), over its unix socket; metrics too (the Node service's ``Metrics`` call), so
+that what is printed always belongs to the daemon named, whatever its ``--http-bind``.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
-import urllib.request
+import time
+from collections import defaultdict
+from typing import Any
 
 import grpc
 from google.protobuf.json_format import MessageToDict
@@ -16,28 +25,84 @@ from smddp.v1 import smddp_pb2_grpc as pb_grpc
 from smddp.wire import socket_candidates
 
 TIMEOUT_S = 5.0
+SOCKET_ENV = "SMDDP_SOCKET"
 
 
 def _target(args: argparse.Namespace) -> str:
+    """The gRPC target of the daemon that ``args`` names; exits with a hint when there is none."""
     if args.address:
         return args.address
-    import os
-
-    paths = [args.socket] if args.socket else socket_candidates()
+    if args.socket:
+        paths, origin = [args.socket], "--socket"
+    elif os.environ.get(SOCKET_ENV):
+        paths, origin = [os.environ[SOCKET_ENV]], SOCKET_ENV
+    else:
+        paths, origin = socket_candidates(), ""
     for path in paths:
         if os.path.exists(path):
             return "unix:" + path
-    raise SystemExit(f"smddpctl: no smddpd socket at {', '.join(paths)} (use --socket or SMDDP_SOCKET)")
+    if origin:
+        # The user named the socket: suggesting --socket again would send them in a circle.
+        raise SystemExit(
+            f"smddpctl: no smddpd socket at {paths[0]} (from {origin}): is smddpd running? Start "
+            f"it with `smddpd --socket {paths[0]}`, or give the socket a running smddpd serves on "
+            "(its startup line 'smddpd serving on ...' names it)"
+        )
+    raise SystemExit(
+        f"smddpctl: no smddpd socket at {' or '.join(paths)}: is smddpd running? "
+        f"If it serves elsewhere, name its socket with --socket PATH or {SOCKET_ENV}=PATH"
+    )
+
+
+def _fail(target: str, exc: grpc.RpcError) -> SystemExit:
+    """The exit message of a failed call; a socket nobody answers on says so."""
+    hint = ""
+    if exc.code() == grpc.StatusCode.UNAVAILABLE and target.startswith("unix:"):
+        hint = (" (the socket exists but no daemon answers on it: a smddpd that stopped without removing "
+                "it; a new smddpd on that socket replaces it)")
+    elif exc.code() == grpc.StatusCode.UNIMPLEMENTED and not target.startswith("unix:"):
+        hint = " (a --grpc-bind listener serves health only: run smddpctl on that node, with --socket)"
+    return SystemExit(f"smddpctl: {target}: {exc.code().name}: {exc.details()}{hint}")
+
+
+def _node(args: argparse.Namespace) -> tuple[str, pb_grpc.NodeStub]:
+    if args.address:
+        raise SystemExit(
+            f"smddpctl {args.command}: --address reaches a --grpc-bind listener, which serves "
+            "health only; run smddpctl on the daemon's node, with --socket or SMDDP_SOCKET"
+        )
+    target = _target(args)
+    return target, pb_grpc.NodeStub(grpc.insecure_channel(target))
+
+
+def _print_json(message: Any) -> None:
+    print(json.dumps(MessageToDict(message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)))
+
+
+def _check(target: str, service: str) -> str:
+    stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(target))
+    try:
+        reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=TIMEOUT_S)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    except grpc.RpcError as exc:
+        return f"UNREACHABLE ({exc.code().name}: {exc.details()})"
 
 
 def cmd_health(args: argparse.Namespace) -> int:
-    target = _target(args)
-    stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(target))
-    try:
-        reply = stub.Check(health_pb2.HealthCheckRequest(service=args.service), timeout=TIMEOUT_S)
-        status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-    except grpc.RpcError as exc:
-        status = f"UNREACHABLE ({exc.code().name}: {exc.details()})"
+    deadline = time.monotonic() + args.wait
+    while True:
+        # With --wait, a daemon still starting has no socket yet, or does not answer: retry.
+        try:
+            target = _target(args)
+        except SystemExit:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.1)
+            continue
+        status = _check(target, args.service)
+        if status == "SERVING" or time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
     if args.json:
         print(json.dumps({"target": target, "service": args.service, "status": status}))
     else:
@@ -45,19 +110,14 @@ def cmd_health(args: argparse.Namespace) -> int:
     return 0 if status == "SERVING" else 1
 
 
-def _status(args: argparse.Namespace) -> pb.StatusReply:
-    target = _target(args)
-    stub = pb_grpc.NodeStub(grpc.insecure_channel(target))
-    try:
-        return stub.Status(pb.StatusRequest(), timeout=TIMEOUT_S)
-    except grpc.RpcError as exc:
-        raise SystemExit(f"smddpctl: {target}: {exc.code().name}: {exc.details()}") from None
-
-
 def cmd_status(args: argparse.Namespace) -> int:
-    st = _status(args)
+    target, stub = _node(args)
+    try:
+        st = stub.Status(pb.StatusRequest(), timeout=TIMEOUT_S)
+    except grpc.RpcError as exc:
+        raise _fail(target, exc) from None
     if args.json:
-        print(json.dumps(MessageToDict(st, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)))
+        _print_json(st)
         return 0
     print(f"node {st.node_id}  smddpd {st.version}  up {st.uptime_seconds:.0f} s  communicators {len(st.comms)}")
     for c in st.comms:
@@ -74,14 +134,13 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_topology(args: argparse.Namespace) -> int:
-    target = _target(args)
-    stub = pb_grpc.NodeStub(grpc.insecure_channel(target))
+    target, stub = _node(args)
     try:
         topo = stub.Topology(pb.TopologyRequest(), timeout=TIMEOUT_S)
     except grpc.RpcError as exc:
-        raise SystemExit(f"smddpctl: {target}: {exc.code().name}: {exc.details()}") from None
+        raise _fail(target, exc) from None
     if args.json:
-        print(json.dumps(MessageToDict(topo, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)))
+        _print_json(topo)
         return 0
     if topo.peer_address:
         transport = pb.Transport.Name(topo.peer_transport).lower()
@@ -100,25 +159,202 @@ def cmd_topology(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- metrics -------------------------------------------------------------------------------------
+
+
+def _quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
+    """``q``-quantile of a cumulative histogram, interpolated within a bucket (as PromQL's
+    ``histogram_quantile``); the largest finite bound when it falls in the +Inf bucket."""
+    buckets = sorted(buckets)
+    total = buckets[-1][1] if buckets else 0.0
+    if total <= 0:
+        return None
+    rank = q * total
+    lower, below = 0.0, 0.0
+    for bound, count in buckets:
+        if count >= rank:
+            if math.isinf(bound):
+                return lower
+            if count == below:
+                return bound
+            return lower + (bound - lower) * (rank - below) / (count - below)
+        lower, below = bound, count
+    return lower
+
+
+def summarize(text: str) -> dict[str, Any]:
+    """The readable part of a daemon's exposition: per op and dtype the count, bytes and
+    p50/p99 durations; stragglers per job and rank; errors by kind; the gauges."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    ops: dict[tuple[str, str], dict[str, Any]] = defaultdict(lambda: {"count": 0, "bytes": 0, "buckets": []})
+    stragglers: dict[str, dict[str, int]] = defaultdict(dict)
+    errors: dict[str, int] = {}
+    gauges: dict[str, float] = {}
+    peers: dict[str, dict[str, int]] = defaultdict(lambda: {"sent": 0, "received": 0})
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = s.labels
+            key = (labels.get("op", ""), labels.get("dtype", ""))
+            if s.name == "smddp_ops_total":
+                ops[key]["count"] = int(s.value)
+            elif s.name == "smddp_op_bytes_total":
+                ops[key]["bytes"] = int(s.value)
+            elif s.name == "smddp_op_duration_seconds_bucket":
+                ops[key]["buckets"].append((float(labels["le"]), s.value))
+            elif s.name == "smddp_straggler_total":
+                stragglers[labels["job"]][labels["rank"]] = int(s.value)
+            elif s.name == "smddp_errors_total" and s.value:
+                errors[labels["kind"]] = int(s.value)
+            elif s.name in ("smddp_registered_ranks", "smddp_active_jobs", "smddp_shm_bytes"):
+                gauges[s.name.removeprefix("smddp_")] = s.value
+            elif s.name == "smddp_peer_bytes_sent_total":
+                peers[labels["peer"]]["sent"] = int(s.value)
+            elif s.name == "smddp_peer_bytes_received_total":
+                peers[labels["peer"]]["received"] = int(s.value)
+    rows = []
+    for (op, dtype), v in sorted(ops.items()):
+        if not v["count"]:
+            continue
+        rows.append({
+            "op": op, "dtype": dtype, "count": v["count"], "bytes": v["bytes"],
+            "p50_seconds": _quantile(0.5, v["buckets"]), "p99_seconds": _quantile(0.99, v["buckets"]),
+        })
+    return {
+        "ops": rows,
+        "stragglers": [
+            {"job": job, "rank": int(rank), "ops_last": n}
+            for job, ranks in sorted(stragglers.items())
+            for rank, n in sorted(ranks.items(), key=lambda kv: -kv[1])
+        ],
+        "errors": errors,
+        "registered_ranks": int(gauges.get("registered_ranks", 0)),
+        "active_jobs": int(gauges.get("active_jobs", 0)),
+        "shm_bytes": int(gauges.get("shm_bytes", 0)),
+        "peers": [{"peer": p, **v} for p, v in sorted(peers.items())],
+    }
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.0f} µs"
+    if seconds < 1:
+        return f"{seconds * 1e3:.1f} ms"
+    return f"{seconds:.2f} s"
+
+
+def _bytes(n: int) -> str:
+    for unit, factor in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= factor:
+            return f"{n / factor:.1f} {unit}"
+    return f"{n} B"
+
+
+def print_summary(target: str, summary: dict[str, Any]) -> None:
+    """Prints :func:`summarize`'s result as a few tables."""
+    print(f"smddpd at {target}: {summary['registered_ranks']} ranks registered, "
+          f"{summary['active_jobs']} jobs, {_bytes(summary['shm_bytes'])} of arenas mapped")
+    if summary["ops"]:
+        print(f"\n{'op':<16}{'dtype':<10}{'count':>10}{'bytes':>13}{'p50':>11}{'p99':>11}")
+        for r in summary["ops"]:
+            print(f"{r['op']:<16}{r['dtype']:<10}{r['count']:>10}{_bytes(r['bytes']):>13}"
+                  f"{_duration(r['p50_seconds']):>11}{_duration(r['p99_seconds']):>11}")
+        print("(durations: first rank's arrival to completion, from the histogram's buckets)")
+    else:
+        print("\nno op completed yet")
+    if summary["stragglers"]:
+        print("\nstragglers (ops at which a rank arrived last, jobs still running):")
+        by_job: dict[str, list[str]] = defaultdict(list)
+        for s in summary["stragglers"]:
+            by_job[s["job"]].append(f"rank {s['rank']} {s['ops_last']}")
+        for job, ranks in by_job.items():
+            print(f"  job {job}: {', '.join(ranks)}")
+    if summary["peers"]:
+        print("\nother nodes' daemons:")
+        for p in summary["peers"]:
+            print(f"  {p['peer']}: sent {_bytes(p['sent'])}, received {_bytes(p['received'])}")
+    errors = ", ".join(f"{k} {v}" for k, v in sorted(summary["errors"].items())) or "none"
+    print(f"\nerrors: {errors}")
+
+
 def cmd_metrics(args: argparse.Namespace) -> int:
-    url = f"http://{args.http}/metrics"
+    target, stub = _node(args)
     try:
-        with urllib.request.urlopen(url, timeout=TIMEOUT_S) as resp:
-            text = resp.read().decode()
-    except OSError as exc:
-        raise SystemExit(f"smddpctl: cannot read {url}: {exc}") from None
-    if args.json:
+        text = stub.Metrics(pb.MetricsRequest(), timeout=TIMEOUT_S).exposition
+    except grpc.RpcError as exc:
+        raise _fail(target, exc) from None
+    if args.raw and args.json:
         from prometheus_client.parser import text_string_to_metric_families
 
-        out = [
+        samples = [
             {"name": s.name, "labels": s.labels, "value": s.value}
             for fam in text_string_to_metric_families(text)
             for s in fam.samples
         ]
-        print(json.dumps(out))
-    else:
+        print(json.dumps(samples))
+    elif args.raw:
         print(text, end="")
+    elif args.json:
+        print(json.dumps(summarize(text)))
+    else:
+        print_summary(target, summarize(text))
     return 0
+
+
+def _common(parser: argparse.ArgumentParser, suppress: bool) -> None:
+    """The options every command takes, before or after its name.
+
+    On the subcommands their defaults are SUPPRESS, so that an option given before the command
+    is not reset by the subparser's default.
+    """
+    default: Any = argparse.SUPPRESS if suppress else None
+    parser.add_argument(
+        "--socket", default=default,
+        help="the daemon's unix socket (default: SMDDP_SOCKET, else /run/smddp/smddpd.sock or the "
+        "per-user path smddpd uses when it may not create /run/smddp)",
+    )
+    parser.add_argument(
+        "--address", default=default,
+        help="HOST:PORT of a daemon's --grpc-bind listener instead of the socket (health only: that "
+        "listener serves nothing else)",
+    )
+    parser.add_argument(
+        "--json", action="store_true", default=argparse.SUPPRESS if suppress else False,
+        help="machine-readable output (one JSON document)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """smddpctl's argparse parser."""
+    parser = argparse.ArgumentParser(
+        prog="smddpctl",
+        description="Look at one node's smddpd: the one on --socket, SMDDP_SOCKET or the standard "
+        "socket paths. Options go before or after the command.",
+    )
+    _common(parser, suppress=False)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    h = sub.add_parser("health", help="grpc.health.v1 status (exit 1 unless SERVING)")
+    h.add_argument("--service", default="", help="service name ('' for the whole daemon, or smddp.v1.Node)")
+    h.add_argument(
+        "--wait", type=float, default=0.0, metavar="SECONDS",
+        help="wait up to SECONDS for the daemon to serve (for scripts that start one)",
+    )
+    h.set_defaults(func=cmd_health)
+    s = sub.add_parser("status", help="jobs, communicators, ranks and ops in flight (who is missing)")
+    s.set_defaults(func=cmd_status)
+    t = sub.add_parser("topology", help="this node, its devices and the node layout of every communicator")
+    t.set_defaults(func=cmd_topology)
+    m = sub.add_parser(
+        "metrics",
+        help="a summary of the daemon's metrics: per op count, bytes, p50/p99 duration; stragglers; errors",
+    )
+    m.add_argument("--raw", action="store_true", help="the Prometheus exposition text as /metrics serves it")
+    m.set_defaults(func=cmd_metrics)
+    for p in (h, s, t, m):
+        _common(p, suppress=True)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,22 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     Returns:
         0 on success; 1 when the daemon is not healthy.
     """
-    parser = argparse.ArgumentParser(prog="smddpctl", description="Look at a node's smddpd.")
-    parser.add_argument("--socket", help="the daemon's unix socket (default SMDDP_SOCKET or the standard paths)")
-    parser.add_argument("--address", help="a gRPC target instead of the socket, e.g. node1:7471 (health only)")
-    parser.add_argument("--json", action="store_true", help="machine-readable output")
-    sub = parser.add_subparsers(dest="command", required=True)
-    h = sub.add_parser("health", help="grpc.health.v1 status")
-    h.add_argument("--service", default="", help="service name ('' for the whole daemon)")
-    h.set_defaults(func=cmd_health)
-    sub.add_parser("status", help="jobs, ranks and ops in flight").set_defaults(func=cmd_status)
-    sub.add_parser("topology", help="this node, its devices and the node layout of every communicator").set_defaults(
-        func=cmd_topology
-    )
-    m = sub.add_parser("metrics", help="the Prometheus metrics")
-    m.add_argument("--http", default="127.0.0.1:9464", help="the daemon's --http-bind address")
-    m.set_defaults(func=cmd_metrics)
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     return args.func(args)
 
 

@@ -5,14 +5,19 @@ interprocess "ready" event the rank recorded on its stream after writing its inp
 "done" event for the daemon to record (``CudaOp`` in the proto). For one matched op this
 module, on the communicator's own streams (one per GPU involved):
 
-1. makes every stream wait on every rank's ready event (no host blocking);
+1. makes every stream wait on a flag the daemon owns (``cuStreamWaitValue32``), raised by its
+   gate thread once a gate stream has passed every rank's ready event, or at once when the
+   communicator is torn down: a killed rank's event, which never fires, holds up only the
+   gate stream, never the work, the done events or the drain;
 2. reduces with the kernels of ``gpu_kernels`` (in rank order, so every rank gets the same
    bits as on the host path), or moves bytes with device-to-device copies;
 3. records every rank's done event after all of it, which the rank's stream then waits on.
 
 The daemon replies once the work is queued; the GPU does it later, ordered by the events.
-Handles are opened once per rank and cached by allocation base; events by handle. When a
-rank leaves, its mappings are closed once the communicator's queued work has finished.
+Handles are opened once per rank and cached by allocation base and buffer id; events by
+handle. Allocations a rank reports freed (``CudaOp.freed``, before its op's buffers) and
+those superseded by a new allocation at the same base are closed once the work the rank's
+streams already hold has passed them, as are all of a rank's when it leaves.
 
 CuPy is imported on the first GPU op (``ops()``), never before: the daemon runs without it
 and answers a GPU op there with a clear error. All CUDA calls go through ``Runtime``, so the
@@ -24,6 +29,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -123,6 +129,19 @@ class Runtime(Protocol):
     def copy(self, stream: Any, device: int, dst: int, src: int, nbytes: int) -> None:
         """Queues a device-to-device copy on ``stream``."""
 
+    def new_flag(self, device: int) -> Any:
+        """A 32-bit word in host memory that ``device``'s streams can wait on (0 at first)."""
+
+    def set_flag(self, flag: Any, value: int) -> None:
+        """Writes ``value`` (from the host) into ``flag``."""
+
+    def wait_flag(self, stream: Any, flag: Any, value: int, device: int) -> None:
+        """Makes ``stream`` wait until ``flag`` reaches ``value`` (cuStreamWaitValue32, GEQ,
+        wrap-around safe)."""
+
+    def destroy_flag(self, flag: Any) -> None:
+        """Frees a flag of ``new_flag``."""
+
     def prepare(self, device: int, key: tuple[int, int, int, int]) -> None:
         """Compiles and loads the reduction module of ``key`` (dtype, reduce op, fan-in,
         fan-out) for ``device``; called outside the daemon's lock (a compile takes ~1 s)."""
@@ -148,14 +167,15 @@ class _Mapping:
     address: int
     device: int
     size: int
+    buffer_id: int = 0
 
 
 @dataclass
 class _RankHandles:
     """The open mappings (by the rank's allocation base) and events (by handle) of one rank."""
 
-    # By (allocation base, device the mapping was opened on).
-    mappings: collections.OrderedDict[tuple[int, int], _Mapping] = field(
+    # By (allocation base, the client's buffer id of it, device the mapping was opened on).
+    mappings: collections.OrderedDict[tuple[int, int, int], _Mapping] = field(
         default_factory=collections.OrderedDict
     )
     events: collections.OrderedDict[bytes, tuple[Any, int]] = field(
@@ -183,27 +203,67 @@ class _Resolved:
 
 
 class _CommStreams:
-    """A communicator's stream on each GPU it uses, and an event per GPU to join them.
+    """A communicator's streams on each GPU it uses: the work stream, a gate stream, a flag
+    the daemon owns, and an event per GPU to join the work streams.
 
-    One stream per communicator and GPU: its ops run in order, and a stream stuck on a dead
-    rank's event holds up that communicator only (it fails anyway), not other jobs.
+    The work stream never waits on a rank's event: the gate stream does (and records a
+    daemon event after), and the work stream waits on the flag, which the daemon's gate
+    thread raises to an op's ticket once that event has fired, or at once when the
+    communicator is torn down. So a dead rank's event that never fires holds up a gate
+    stream only: the work stream, its done events and the drain still finish, and the
+    mappings it used can be closed.
     """
 
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
         self.streams: dict[int, Any] = {}
+        self.gates: dict[int, Any] = {}
+        self.flags: dict[int, Any] = {}
         self.joins: dict[int, Any] = {}
+        # Gate marks whose gates opened, for the next ops (re-recorded, not created anew:
+        # two CUDA calls fewer per op and GPU). Appended by the gate thread, taken under
+        # the daemon's lock; list append and pop are atomic.
+        self.spare_marks: dict[int, list[Any]] = {}
+        self.ticket = 0
+        self.pending: collections.deque[tuple[int, list[tuple[Any, int]]]] = collections.deque()
+        self.aborted = False
 
     def stream(self, device: int) -> Any:
         if device not in self.streams:
             self.streams[device] = self.rt.new_stream(device)
         return self.streams[device]
 
+    def gate(self, device: int) -> Any:
+        if device not in self.gates:
+            self.gates[device] = self.rt.new_stream(device)
+        return self.gates[device]
+
+    def flag(self, device: int) -> Any:
+        if device not in self.flags:
+            self.flags[device] = self.rt.new_flag(device)
+        return self.flags[device]
+
     def join(self, device: int) -> Any:
         # Reused by every op: a wait captures the record just before it, never a later one.
         if device not in self.joins:
             self.joins[device] = self.rt.new_event(device)
         return self.joins[device]
+
+    def mark(self, device: int) -> Any:
+        """An event for a gate mark on ``device``: a spare one, else a new one."""
+        try:
+            return self.spare_marks.get(device, []).pop()
+        except IndexError:
+            return self.rt.new_event(device)
+
+    def open(self, ticket: int) -> None:
+        """Lets the work streams past the waits for ``ticket`` (and every one before it)."""
+        for flag in self.flags.values():
+            self.rt.set_flag(flag, ticket & 0xFFFFFFFF)
+
+
+# How long the gate thread sleeps between polls of the ranks' events, growing while idle.
+_GATE_POLL_S = (0.00001, 0.00005, 0.0002, 0.001)
 
 
 class GpuOps:
@@ -219,15 +279,21 @@ class GpuOps:
             weakref.WeakKeyDictionary()
         )
         self._devices: dict[bytes, int] = {}
-        # Mappings by (handle, device): a handle is opened on each GPU whose kernels or
+        # Mappings by (handle, buffer id, device): a handle is opened on each GPU whose kernels or
         # copies access it (as NCCL does): memory opened on one GPU and read from another
         # is an illegal address there.
-        self._memory: dict[tuple[bytes, int], _Opened] = {}
+        # Keyed with the buffer id too: a handle that a new allocation happened to repeat
+        # never gets the old one's mapping.
+        self._memory: dict[tuple[bytes, int, int], _Opened] = {}
         self._events: dict[bytes, _Opened] = {}
         self._peers: set[tuple[int, int]] = set()
         # What to release once the work queued before it has finished: (events marking that
         # point on every stream, with their devices; the release).
         self._graveyard: list[tuple[list[tuple[Any, int]], Callable[[], None]]] = []
+        # Communicators with ops whose gates the gate thread watches.
+        self._gated: dict[int, _CommStreams] = {}
+        self._gate_wake = threading.Condition(threading.Lock())
+        self._gate_thread: threading.Thread | None = None
 
     # -- resolving a rank's request -------------------------------------------------------------
 
@@ -281,15 +347,16 @@ class GpuOps:
             raise InvalidRequest(
                 f"{session.label()}: a CUDA IPC memory handle has {len(buf.ipc_handle)} bytes, not 64"
             )
-        key = (buf.alloc_base, device)
+        key = (buf.alloc_base, buf.buffer_id, device)
         mapping = handles.mappings.get(key)
         if mapping is not None and mapping.handle != buf.ipc_handle:
-            # The rank freed that allocation and got a new one at the same address.
-            for k in [k for k in handles.mappings if k[0] == buf.alloc_base]:
-                self._bury_mapping(handles, handles.mappings.pop(k))
-            mapping = None
+            mapping = None  # a client that sends no buffer ids (0) reused the address
         if mapping is None:
-            opened = self._memory.get((buf.ipc_handle, device))
+            # Any other allocation at that base is gone: the rank freed it and got a new
+            # one at the same address (its free not reported, or reported to another
+            # communicator).
+            self._close_base(handles, buf.alloc_base, lambda m: m.handle != buf.ipc_handle)
+            opened = self._memory.get((buf.ipc_handle, buf.buffer_id, device))
             if opened is None:
                 try:
                     address = self.rt.open_memory(buf.ipc_handle, device)
@@ -310,9 +377,9 @@ class GpuOps:
                         "it cannot bound"
                     ) from None
                 opened = _Opened(address, device, size)
-                self._memory[(buf.ipc_handle, device)] = opened
+                self._memory[(buf.ipc_handle, buf.buffer_id, device)] = opened
             opened.refs += 1
-            mapping = _Mapping(buf.ipc_handle, opened.obj, device, opened.size)
+            mapping = _Mapping(buf.ipc_handle, opened.obj, device, opened.size, buf.buffer_id)
             handles.mappings[key] = mapping
             while len(handles.mappings) > MAX_MAPPINGS_PER_RANK:
                 _, old = handles.mappings.popitem(last=False)
@@ -335,6 +402,14 @@ class GpuOps:
         if handles is None:
             handles = _RankHandles(streams=self._comm_streams(comm))
             self._ranks[session] = handles
+        # First what the rank freed: a buffer of this op may be a new allocation there.
+        for freed in cuda.freed:
+            bid = freed.buffer_id
+            self._close_base(
+                handles,
+                freed.alloc_base,
+                lambda m, b=bid: not b or not m.buffer_id or m.buffer_id == b,
+            )
         ready = self._event(session, handles, cuda.ready_event, device, "ready")
         done = self._event(session, handles, cuda.done_event, device, "done")
         return _Resolved(
@@ -353,8 +428,17 @@ class GpuOps:
 
     # -- releasing ----------------------------------------------------------------------------
 
+    def _close_base(
+        self, handles: _RankHandles, base: int, which: Callable[[_Mapping], bool]
+    ) -> None:
+        """Closes, once the work already queued on the rank's streams has passed them, the
+        rank's mappings (on every GPU) at allocation base ``base`` that ``which`` picks."""
+        for k in [k for k, m in handles.mappings.items() if k[0] == base and which(m)]:
+            self._bury_mapping(handles, handles.mappings.pop(k))
+
     def _bury_mapping(self, handles: _RankHandles, mapping: _Mapping) -> None:
-        self._bury(handles, lambda: self._unref(self._memory, (mapping.handle, mapping.device)))
+        key = (mapping.handle, mapping.buffer_id, mapping.device)
+        self._bury(handles, lambda: self._unref(self._memory, key))
 
     def _unref(self, table: dict[Any, _Opened], handle: Any) -> None:
         """Drops one rank entry's reference; the last one closes the handle."""
@@ -427,15 +511,100 @@ class GpuOps:
         if cs is None:
             return
 
+        # Ops whose ranks' events have not fired (a dead rank's never will) go ahead: their
+        # outputs are undefined, as the communicator has failed; the work streams finish.
+        with self._gate_wake:
+            cs.aborted = True
+            self._gate_wake.notify()
+
         def drain() -> None:
+            while cs.pending:
+                time.sleep(0.001)  # the gate thread opens them at once
             for device, stream in cs.streams.items():
                 self._quietly(lambda s=stream, d=device: self.rt.synchronize(s, d))
                 self._quietly(lambda s=stream, d=device: self.rt.destroy_stream(s, d))
+            # A gate stream may wait forever on a dead rank's event: destroyed without a
+            # wait (CUDA frees it once its work is done, if ever); nothing else waits on it.
+            for device, gate in cs.gates.items():
+                self._quietly(lambda s=gate, d=device: self.rt.destroy_stream(s, d))
             for device, event in cs.joins.items():
                 self._quietly(lambda e=event, d=device: self.rt.destroy_event(e, d))
+            for device, spare in cs.spare_marks.items():
+                for event in spare:
+                    self._quietly(lambda e=event, d=device: self.rt.destroy_event(e, d))
+            for flag in cs.flags.values():  # the work streams that read them are done
+                self._quietly(lambda f=flag: self.rt.destroy_flag(f))
             self.collect()
 
         threading.Thread(target=drain, name="smddp-gpu-drain", daemon=True).start()
+
+    # -- the gates ------------------------------------------------------------------------------
+
+    def _gate(self, cs: _CommStreams, marks: list[tuple[Any, int]]) -> int:
+        """Queues the next ticket's gate: its work waits until ``marks`` (daemon events after
+        the ranks' ready events, on the gate streams) have fired. Returns the ticket."""
+        with self._gate_wake:
+            cs.ticket += 1
+            cs.pending.append((cs.ticket, marks))
+            self._gated[id(cs)] = cs
+            if self._gate_thread is None:
+                self._gate_thread = threading.Thread(
+                    target=self._gate_loop, name="smddp-gpu-gates", daemon=True
+                )
+                self._gate_thread.start()
+            self._gate_wake.notify()
+            return cs.ticket
+
+    def _gate_loop(self) -> None:
+        idle = 0
+        while True:
+            with self._gate_wake:
+                if not self._gated:
+                    self._gate_wake.wait()
+                    idle = 0
+                comms = list(self._gated.values())
+            progressed = False
+            for cs in comms:
+                progressed |= self._open_gates(cs)
+            if progressed:
+                idle = 0
+                continue
+            with self._gate_wake:
+                self._gate_wake.wait(_GATE_POLL_S[min(idle, len(_GATE_POLL_S) - 1)])
+            idle += 1
+
+    def _open_gates(self, cs: _CommStreams) -> bool:
+        """Opens ``cs``'s gates whose marks have fired, in ticket order (all of them once it
+        is aborted). True when any opened."""
+        opened = 0
+        last: tuple[int, list[tuple[Any, int]]] | None = None
+        while cs.pending:
+            ticket, marks = cs.pending[0]
+            # A mark that fired is kept for the next op; one of an aborted communicator (it
+            # may never fire) or that failed is destroyed.
+            reuse = not cs.aborted
+            if not cs.aborted:
+                try:
+                    if not all(self.rt.event_done(e, d) for e, d in marks):
+                        break
+                except CudaCallError as exc:
+                    log.warning("a gate's event failed (%s): opening it", exc)
+                    reuse = False
+            for e, d in marks:
+                if reuse:
+                    cs.spare_marks.setdefault(d, []).append(e)
+                else:
+                    self._quietly(lambda e=e, d=d: self.rt.destroy_event(e, d))
+            # Popped after the marks are put away: the drain, which waits for an empty
+            # queue, then finds every spare mark to destroy.
+            last = cs.pending.popleft()
+            opened += 1
+        if last is not None:
+            self._quietly(lambda: cs.open(last[0]))
+        with self._gate_wake:
+            if not cs.pending:
+                self._gated.pop(id(cs), None)
+        return opened > 0
 
     # -- running ops --------------------------------------------------------------------------
 
@@ -476,6 +645,8 @@ class GpuOps:
         with self._lock:
             self.collect()
             resolved = [self._resolve(comm, r, s, q) for r, s, q in zip(ranks, sessions, reqs)]
+            # Mappings of freed allocations close now if their streams are idle.
+            self.collect()
             work = _Work(self, comm, resolved)
             work.plan()
             work.run()
@@ -524,6 +695,7 @@ class GpuOps:
             self.collect()
             a = self._resolve(comm, s_send.rank, s_send, send)
             b = self._resolve(comm, s_recv.rank, s_recv, recv)
+            self.collect()
             if len(a.inputs) != 1 or len(b.outputs) != 1:
                 raise InvalidRequest("a GPU send names one input and a GPU recv one output")
             if a.in_bytes[0] != b.out_bytes[0]:
@@ -753,8 +925,10 @@ class _Work:
     def run(self) -> None:
         """Queues the steps between the ranks' ready and done events.
 
-        Every stream involved (of a GPU that works or holds a rank) waits on every rank's
-        ready event first; then the steps go to their GPUs' streams; then, with several GPUs,
+        Every stream involved (of a GPU that works or holds a rank) first waits on the
+        communicator's flag for this op's ticket, which the gate thread raises once the gate
+        stream of that GPU has passed every rank's ready event; then the steps go to their
+        GPUs' streams; then, with several GPUs,
         every stream waits for every working one (join events); then each rank's done event
         is recorded on the stream of its GPU. So no rank's stream passes its done event before
         all inputs were written and all outputs are complete.
@@ -767,10 +941,19 @@ class _Work:
         queued = False
         try:
             streams = {d: cs.stream(d) for d in involved}
+            marks = []
             for device in involved:
+                gate = cs.gate(device)
                 for r in ranks:
-                    queued = True
-                    self.rt.wait_event(streams[device], r.ready, device)
+                    self.rt.wait_event(gate, r.ready, device)
+                mark = cs.mark(device)
+                self.rt.record_event(mark, gate, device)
+                marks.append((mark, device))
+                cs.flag(device)
+            ticket = self.ops._gate(cs, marks)
+            for device in involved:
+                queued = True
+                self.rt.wait_flag(streams[device], cs.flag(device), ticket & 0xFFFFFFFF, device)
             for step in self.steps:
                 step.run(streams[step.device])
             if len(involved) > 1:
@@ -824,7 +1007,7 @@ def ops(node_id: str = "") -> GpuOps:
 
             try:
                 test_runtime = _test_runtime()
-                runtime = test_runtime if test_runtime is not None else CupyRuntime()
+                runtime = test_runtime if test_runtime is not None else CupyRuntime(warm=True)
                 _ops = GpuOps(runtime, chunk_bytes=_chunk_bytes)
             except GpuUnavailable as exc:
                 where = f"smddpd on node {node_id}" if node_id else "smddpd"

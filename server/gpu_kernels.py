@@ -39,6 +39,16 @@ BLOCK_THREADS = 256
 # Largest fan-in (ranks whose buffers one kernel reads): CUDA kernel parameters are limited
 # to 4 KiB, and a node seldom hosts more ranks than this.
 MAX_FAN_IN = 128
+# Inputs one pass of a kernel reads before combining them: a thread holds one pass's values
+# (16-byte vectors in the vectorised kernel) in registers, never all ``fan_in`` of them,
+# which past ~16-32 ranks would spill to local memory. Each pass carries the accumulator in
+# over the result (stored, so rounded to the element type, as every step already is), then
+# combines its inputs in rank order: ``((((x0 op x1) op x2) ...)`` exactly as in one pass.
+PASS_FAN_IN = 16
+# Between passes: no load of the next pass may be hoisted above the previous pass's combines
+# (so the compiler cannot bring all inputs into registers after all). An empty asm with a
+# memory clobber emits no instruction.
+PASS_BARRIER = 'asm volatile("" ::: "memory");'
 
 
 @dataclass(frozen=True)
@@ -155,7 +165,9 @@ def reduce_module(dtype: int, reduce_op: int, fan_in: int, fan_out: int) -> str:
     as ``unsigned long long``: ``(in0, ..., out0, ..., n)``. Outputs may alias inputs (each
     thread reads all its inputs before writing). The scalar kernel handles element ``i`` per
     thread; the vectorised one 16-byte vector ``i`` (``n`` counts vectors, every address must
-    be 16-byte aligned).
+    be 16-byte aligned). Inputs are read in passes of at most ``PASS_FAN_IN`` ranks, each pass
+    carrying the accumulator in the thread's (stored) result, so large fan-ins keep to a
+    bounded number of registers with the same rank order and rounding.
 
     Raises:
         ValueError: the op does not apply to the dtype, or the fan-in is out of range.
@@ -173,17 +185,27 @@ def reduce_module(dtype: int, reduce_op: int, fan_in: int, fan_out: int) -> str:
         + ["const unsigned long long n"]
     )
 
-    def body(element: str, result: str, indent: str) -> list[str]:
-        """Reduces ``element.format(r)`` over r in rank order into storage value ``result``."""
-        lines = [f"{indent}C acc = load({element.format(0)});"]
-        lines += [f"{indent}acc = step(acc, {element.format(r)});" for r in range(1, fan_in)]
-        if divide:
-            lines.append(f"{indent}acc = divide(acc);")
+    passes = [range(a, min(fan_in, a + PASS_FAN_IN)) for a in range(0, fan_in, PASS_FAN_IN)]
+
+    def body(
+        element: str, result: str, indent: str, ranks: range, first: bool, last: bool
+    ) -> list[str]:
+        """Combines ``element.format(r)`` over ``ranks`` in rank order into storage value
+        ``result``: from the first rank's value in the first pass, else from ``result``
+        (the accumulator the previous pass stored)."""
         if fan_in == 1:
             # One rank: copy the stored bits (a load/store round trip would canonicalise NaNs).
-            lines = [f"{indent}{result} = {element.format(0)};"]
+            return [f"{indent}{result} = {element.format(0)};"]
+        if first:
+            lines = [f"{indent}C acc = load({element.format(ranks[0])});"]
+            rest = ranks[1:]
         else:
-            lines.append(f"{indent}{result} = store(acc);")
+            lines = [f"{indent}C acc = load({result});"]
+            rest = ranks
+        lines += [f"{indent}acc = step(acc, {element.format(r)});" for r in rest]
+        if last and divide:
+            lines.append(f"{indent}acc = divide(acc);")
+        lines.append(f"{indent}{result} = store(acc);")
         return lines
 
     out: list[str] = [HEADER + HALF_CONVERSIONS + BFLOAT16_CONVERSIONS]
@@ -212,7 +234,12 @@ def reduce_module(dtype: int, reduce_op: int, fan_in: int, fan_out: int) -> str:
         "  for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {"
     )
     out.append("    T r;")
-    out += body("((const T*)in{})[i]", "r", "    ")
+    for p, ranks in enumerate(passes):
+        if p:
+            out.append(f"    {PASS_BARRIER}")
+        out.append("    {")
+        out += body("((const T*)in{})[i]", "r", "      ", ranks, p == 0, p == len(passes) - 1)
+        out.append("    }")
     out += [f"    ((T*)out{o})[i] = r;" for o in range(fan_out)]
     out.append("  }")
     out.append("}")
@@ -222,12 +249,17 @@ def reduce_module(dtype: int, reduce_op: int, fan_in: int, fan_out: int) -> str:
     out.append(
         "  for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {"
     )
-    out += [f"    const Vec v{r} = ((const Vec*)in{r})[i];" for r in range(fan_in)]
     out.append("    Vec r;")
-    out.append("#pragma unroll")
-    out.append(f"    for (int k = 0; k < {per_vector}; ++k) {{")
-    out += body("v{}.e[k]", "r.e[k]", "      ")
-    out.append("    }")
+    for p, ranks in enumerate(passes):
+        if p:
+            out.append(f"    {PASS_BARRIER}")
+        out.append("    {")
+        out += [f"      const Vec v{r} = ((const Vec*)in{r})[i];" for r in ranks]
+        out.append("#pragma unroll")
+        out.append(f"      for (int k = 0; k < {per_vector}; ++k) {{")
+        out += body("v{}.e[k]", "r.e[k]", "        ", ranks, p == 0, p == len(passes) - 1)
+        out.append("      }")
+        out.append("    }")
     out += [f"    ((Vec*)out{o})[i] = r;" for o in range(fan_out)]
     out.append("  }")
     out.append("}")

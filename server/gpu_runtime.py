@@ -8,7 +8,9 @@ its own, then loaded once per device (a module's functions belong to one device'
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
+import logging
 import os
 import threading
 from collections.abc import Sequence
@@ -19,6 +21,8 @@ from smddp.server import gpu_kernels
 from smddp.server.gpu import CudaCallError
 from smddp.v1 import smddp_pb2 as pb
 
+log = logging.getLogger(__name__)
+
 # cudaStreamNonBlocking: the stream does not synchronise with the legacy default stream.
 _STREAM_NON_BLOCKING = 1
 # cudaEventDisableTiming
@@ -27,6 +31,10 @@ _EVENT_DISABLE_TIMING = 2
 _MEMCPY_DEFAULT = 4
 # cudaIpcMemLazyEnablePeerAccess
 _IPC_LAZY_PEER = 1
+# cudaHostAllocPortable | cudaHostAllocMapped
+_HOST_ALLOC_PORTABLE_MAPPED = 1 | 2
+# CU_STREAM_WAIT_VALUE_GEQ: (int32_t)(*addr - value) >= 0, so tickets may wrap around.
+_WAIT_VALUE_GEQ = 0
 # cudaErrorNotReady, cudaErrorPeerAccessAlreadyEnabled
 _NOT_READY = 600
 _PEER_ALREADY_ENABLED = 704
@@ -73,15 +81,19 @@ class GpuUnavailable(RuntimeError):
 
 
 class CupyRuntime:
-    """The CUDA calls of ``gpu.GpuOps``, made with CuPy (runtime API) and the driver."""
+    """The CUDA calls of ``gpu.GpuOps``, made with CuPy (runtime API) and the driver.
 
-    def __init__(self) -> None:
+    ``warm``: compile and load ``COMMON_KERNELS`` on every GPU in a background thread (the
+    daemon's first GPU op does this; ops meanwhile wait only for the modules they need).
+    """
+
+    def __init__(self, warm: bool = False) -> None:
         try:
             import cupy
         except ImportError as exc:
             raise GpuUnavailable(
                 f"CuPy is not installed in the daemon's environment ({exc}); install the "
-                "'cuda' extra (pip install 'smddp[cuda]', i.e. cupy-cuda12x)"
+                "'cuda' extra where smddpd runs (pip install '.[cuda]' in smddp's checkout, i.e. cupy-cuda12x)"
             ) from None
         self.cp = cupy
         self.rt = cupy.cuda.runtime
@@ -98,11 +110,22 @@ class CupyRuntime:
             raise GpuUnavailable(str(exc)) from None
         self._driver = drv
         self._grid: dict[int, int] = {}
+        self._wait_value: Any = None
         self._archs: dict[int, str] = {}
         self._binaries: dict[tuple[tuple[int, int, int, int], str], bytes] = {}
         self._compiling: dict[tuple[tuple[int, int, int, int], str], threading.Lock] = {}
         self._modules: dict[tuple[tuple[int, int, int, int], int], Any] = {}
         self._lock = threading.Lock()
+        if warm:
+            threading.Thread(target=self._warm_all, name="smddp-gpu-warm", daemon=True).start()
+
+    def _warm_all(self) -> None:
+        for device in sorted(set(self._uuids.values())):
+            try:
+                self.warm(device, COMMON_KERNELS)
+            except CudaCallError as exc:  # the op that needs the module reports it
+                log.warning("warming the reduction kernels on GPU %d: %s", device, exc)
+                return
 
     def _call(self, what: str, fn: Any, *args: Any) -> Any:
         try:
@@ -183,6 +206,41 @@ class CupyRuntime:
     def synchronize(self, stream: Any, device: int) -> None:
         with self._on(device):
             self._call("cudaStreamSynchronize", self.rt.streamSynchronize, stream)
+
+    def new_flag(self, device: int) -> Any:
+        # Pinned, mapped and portable host memory: every GPU's streams can read it, and with
+        # unified addressing its device address is its host address.
+        with self._on(device):
+            address = int(
+                self._call("cudaHostAlloc", self.rt.hostAlloc, 4, _HOST_ALLOC_PORTABLE_MAPPED)
+            )
+        ctypes.c_uint32.from_address(address).value = 0
+        return address
+
+    def set_flag(self, flag: Any, value: int) -> None:
+        ctypes.c_uint32.from_address(flag).value = value & 0xFFFFFFFF
+
+    def wait_flag(self, stream: Any, flag: Any, value: int, device: int) -> None:
+        with self._on(device):
+            status = self._wait_value32()(stream, flag, value & 0xFFFFFFFF, _WAIT_VALUE_GEQ)
+        if status != 0:
+            raise CudaCallError(f"cuStreamWaitValue32: CUDA error {status}")
+
+    def destroy_flag(self, flag: Any) -> None:
+        self._call("cudaFreeHost", self.rt.freeHost, flag)
+
+    def _wait_value32(self) -> Any:
+        """cuStreamWaitValue32 of the driver (its _v2 entry point where there is one)."""
+        if self._wait_value is None:
+            try:
+                lib = ctypes.CDLL(cuda_driver.LIBRARY)
+            except OSError as exc:
+                raise CudaCallError(f"cuStreamWaitValue32: {exc}") from None
+            fn = getattr(lib, "cuStreamWaitValue32_v2", None) or lib.cuStreamWaitValue32
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+            self._wait_value = fn
+        return self._wait_value
 
     def enable_peer(self, device: int, peer: int) -> None:
         if not self._call("cudaDeviceCanAccessPeer", self.rt.deviceCanAccessPeer, device, peer):

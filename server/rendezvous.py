@@ -56,6 +56,10 @@ class _Meeting:
     arrivals: dict[int, tuple[str, str]] = field(default_factory=dict)  # rank -> (node id, peer address)
     layout: list[pb.NodeSpec] | None = None
     answered: int = 0
+    # Set once an arrival shows the meeting cannot complete (disagreeing world sizes): every
+    # rank waiting, and every rank arriving until ``failed_until``, gets it at once.
+    failed: str = ""
+    failed_until: float = 0.0
 
 
 class RendezvousTable:
@@ -112,6 +116,13 @@ class RendezvousTable:
             if self._stopped is not None:
                 raise FailedPrecondition(f"{where}: {self._stopped}")
             meeting = self._meetings.get(job_id)
+            now = time.monotonic()
+            for stale in [j for j, m in self._meetings.items() if m.failed and m.failed_until <= now]:
+                if stale == job_id:
+                    meeting = None
+                del self._meetings[stale]
+            if meeting is not None and meeting.failed:
+                raise FailedPrecondition(meeting.failed)
             if meeting is None:
                 if len(self._meetings) >= self._max:
                     raise LimitExceeded(f"{where}: this daemon already hosts {self._max} rendezvous (--max-jobs)")
@@ -119,9 +130,13 @@ class RendezvousTable:
             if not hmac.compare_digest(meeting.proof, proof):
                 raise PermissionDenied(f"{where}: rank {rank} has the wrong job token")
             if meeting.world_size != world_size:
-                raise FailedPrecondition(
-                    f"{where}: rank {rank} says the world size is {world_size}, earlier ranks said {meeting.world_size}"
+                meeting.failed = (
+                    f"{where}: rank {rank} says the world size is {world_size}, earlier ranks said "
+                    f"{meeting.world_size}: the ranks of one job must agree on it"
                 )
+                meeting.failed_until = now + timeout_s
+                self._cond.notify_all()  # the ranks already waiting cannot meet either
+                raise FailedPrecondition(meeting.failed)
             if rank in meeting.arrivals or meeting.layout is not None:
                 raise FailedPrecondition(f"{where}: rank {rank} arrived twice (from node {node_id})")
             for other, (other_node, other_address) in meeting.arrivals.items():
@@ -136,6 +151,9 @@ class RendezvousTable:
                 meeting.layout = node_layout(nodes, {n: a for n, a in meeting.arrivals.values()})
                 self._cond.notify_all()
             while meeting.layout is None:
+                if meeting.failed:
+                    del meeting.arrivals[rank]
+                    raise FailedPrecondition(meeting.failed)
                 remaining = deadline - time.monotonic()
                 gone = self._stopped or (None if active() else f"rank {rank}'s call was cancelled (its process went away)")
                 if remaining <= 0 or gone:

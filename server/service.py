@@ -9,6 +9,7 @@ import threading
 from collections.abc import Iterator
 
 import grpc
+from prometheus_client import generate_latest
 
 from smddp.server import __version__
 from smddp.server.errors import LimitExceeded, SmddpError
@@ -115,6 +116,11 @@ class NodeService(pb_grpc.NodeServicer):
 
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
         return self._registry.status(__version__)
+
+    def Metrics(self, request: pb.MetricsRequest, context: grpc.ServicerContext) -> pb.MetricsReply:
+        metrics = self._registry.metrics
+        text = generate_latest(metrics.registry).decode() if metrics is not None else ""
+        return pb.MetricsReply(exposition=text)
 
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoReply:
         network = self._registry.network

@@ -120,7 +120,7 @@ def unavailable_reason() -> str | None:
         return None
     return (
         f"UCX transport unavailable: importing ucxx failed ({type(_IMPORT_ERROR).__name__}: "
-        f"{_IMPORT_ERROR}); install it with pip install 'smddp[ucx]'"
+        f"{_IMPORT_ERROR}); install smddp's ucx extra where smddpd runs (pip install '.[ucx]' in smddp's checkout)"
     )
 
 

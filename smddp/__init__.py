@@ -38,7 +38,11 @@ _launch_problem: str | None = launch_env.fill()
 
 
 def _create(dist_opts: Any, pg_options: Any) -> Any:
-    """The backend's creator as registered before ``smddp.backend`` is imported."""
+    """The backend's creator as registered before ``smddp.backend`` is imported.
+
+    Importing the backend here is also where a torch outside the supported range is refused
+    (smddp.backend.version), with its message, when a group is first made.
+    """
     from smddp.backend import _create as create
 
     return create(dist_opts, pg_options)

@@ -10,6 +10,8 @@
 - ``spawn_ranks``: runs a module-level function of a test module in fresh Python processes,
   one per rank, and fails the test with a rank's traceback, or its exit signal (a segfault),
   when a rank does not finish cleanly.
+- Under ``CI=true``, a skip outside ``tests/gpu`` fails the test (``ci_skips``: the hooks
+  imported below).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import Any
 
 import grpc
 import pytest
+from ci_skips import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 DAEMON_COMMAND = (sys.executable, "-m", "smddp.server")

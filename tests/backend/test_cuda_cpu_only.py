@@ -10,8 +10,7 @@ from __future__ import annotations
 import os
 
 import pytest
-
-torch = pytest.importorskip("torch")
+import torch
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="CUDA is available: tests/gpu covers GPU tensors"

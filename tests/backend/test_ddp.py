@@ -7,14 +7,17 @@ rank's exit status) and reaches the fixture's daemon through SMDDP_SOCKET.
 from __future__ import annotations
 
 import os
+import socket
+import urllib.request
 
 import pytest
-
-torch = pytest.importorskip("torch")
+import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 WORLD = 2
 STEPS = 6
-HOOKS = ["allreduce_hook", "fp16_compress_hook", "builtin FP16_COMPRESS"]
+HOOKS = ["allreduce_hook", "fp16_compress_hook", "builtin FP16_COMPRESS", "float16 reference"]
+FP16_HOOKS = ("fp16_compress_hook", "builtin FP16_COMPRESS")
 
 
 def train(rank: int, world: int, backend: str, init_file: str, hooks: list[str]) -> dict:
@@ -34,6 +37,31 @@ def train(rank: int, world: int, backend: str, init_file: str, hooks: list[str])
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
     assert dist.get_backend() == backend
     results = {}
+    calls = {"fp16_compress_hook": 0, "float16 reference": 0}
+
+    def counted_fp16_compress_hook(state, bucket):
+        calls["fp16_compress_hook"] += 1
+        return default_hooks.fp16_compress_hook(state, bucket)
+
+    def float16_reference_hook(state, bucket):
+        # What FP16 compression must give, computed here with float16 rounding at each step:
+        # every rank's gradients rounded to float16 and divided by the world size (as both
+        # compress hooks do), gathered unchanged (all_gather only copies), summed in rank order
+        # in float16 (as the daemon reduces), widened back to float32.
+        calls["float16 reference"] += 1
+        buffer = bucket.buffer()
+        compressed = buffer.to(torch.float16).div_(world)
+        parts = [torch.empty_like(compressed) for _ in range(world)]
+        dist.all_gather(parts, compressed)
+        total = parts[0]
+        for part in parts[1:]:
+            total = total + part
+        assert total.dtype == torch.float16
+        buffer.copy_(total)
+        fut = torch.futures.Future()
+        fut.set_result(buffer)
+        return fut
+
     for hook in ["none", *hooks]:
         torch.manual_seed(1000 + rank)  # ranks start apart; DDP must broadcast rank 0's weights
         model = nn.Sequential(
@@ -43,9 +71,11 @@ def train(rank: int, world: int, backend: str, init_file: str, hooks: list[str])
         if hook == "allreduce_hook":
             ddp.register_comm_hook(None, default_hooks.allreduce_hook)
         elif hook == "fp16_compress_hook":
-            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+            ddp.register_comm_hook(None, counted_fp16_compress_hook)
         elif hook == "builtin FP16_COMPRESS":
             ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
+        elif hook == "float16 reference":
+            ddp.register_comm_hook(None, float16_reference_hook)
         initial = [p.detach().clone() for p in model.parameters()]
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
         data = torch.Generator().manual_seed(7 + rank)  # each rank its own shard
@@ -64,6 +94,7 @@ def train(rank: int, world: int, backend: str, init_file: str, hooks: list[str])
         )
         results[hook] = {"params": params, "losses": losses}
     dist.destroy_process_group()
+    results["calls"] = calls
     return results
 
 
@@ -98,9 +129,30 @@ def test_ddp_trains_like_gloo(daemon, spawn_ranks, tmp_path):
         )
 
 
-@pytest.mark.timeout(180)
-def test_ddp_comm_hooks(daemon, spawn_ranks, tmp_path):
-    """Python hooks and the built-in C++ FP16_COMPRESS hook run, train and agree with no hook."""
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ops_by_dtype(port: int, op: str) -> dict[str, float]:
+    """The daemon's smddp_ops_total for ``op``, by dtype."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return {
+        s.labels["dtype"]: s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.name == "smddp_ops_total" and s.labels["op"] == op
+    }
+
+
+@pytest.mark.timeout(300)  # five trainings in two fresh processes; slow on a loaded machine
+def test_ddp_comm_hooks(start_daemon, spawn_ranks, tmp_path):
+    """Python hooks and the built-in C++ FP16_COMPRESS hook run and train; the FP16 hooks send
+    float16 to the daemon and give exactly what float16 rounding gives."""
+    port = _free_port()
+    daemon = start_daemon(args=("--http-bind", f"127.0.0.1:{port}"))
     results = spawn_ranks(
         train, WORLD, WORLD, "smddp", str(tmp_path / "init"), HOOKS, env=rank_env(daemon)
     ).join()
@@ -110,9 +162,24 @@ def test_ddp_comm_hooks(daemon, spawn_ranks, tmp_path):
         torch.testing.assert_close(
             rank_results["allreduce_hook"]["params"], plain, rtol=1e-6, atol=1e-7
         )
-        for hook in ("fp16_compress_hook", "builtin FP16_COMPRESS"):
-            # Gradients travel as float16: close to the float32 run, not equal.
-            torch.testing.assert_close(rank_results[hook]["params"], plain, rtol=1e-2, atol=1e-2)
+        reference = rank_results["float16 reference"]["params"]
+        # float16 rounding changed the training: the reference is not the float32 run.
+        assert not all(torch.equal(a, b) for a, b in zip(reference, plain))
+        for hook in FP16_HOOKS:
+            # Bit for bit what float16 rounding gives: the gradients were compressed.
+            for a, b in zip(rank_results[hook]["params"], reference):
+                assert torch.equal(a, b), f"{hook} differs from the float16 reference"
+            assert rank_results[hook]["losses"] == rank_results["float16 reference"]["losses"]
     for hook in ["none", *HOOKS]:
         for a, b in zip(results[0][hook]["params"], results[1][hook]["params"]):
             assert torch.equal(a, b), f"{hook}: ranks disagree"
+
+    # The daemon saw each compressed bucket as a float16 all_reduce: one per call of the Python
+    # hook and as many for the built-in hook (the same buckets and steps); nothing else of the
+    # run sends float16 all_reduces (the reference gathers).
+    calls = results[0]["calls"]
+    assert calls["fp16_compress_hook"] == calls["float16 reference"] >= STEPS, calls
+    all_reduces = _ops_by_dtype(port, "all_reduce")
+    assert all_reduces["float16"] == 2 * calls["fp16_compress_hook"], (all_reduces, calls)
+    assert _ops_by_dtype(port, "all_gather")["float16"] == calls["float16 reference"]
+    assert daemon.stop() == 0, daemon.log()

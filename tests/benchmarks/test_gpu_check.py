@@ -21,7 +21,8 @@ def test_the_script_is_valid_bash() -> None:
 
 @pytest.mark.timeout(120)
 def test_without_a_gpu_the_script_says_so(tmp_path: Path) -> None:
-    torch = pytest.importorskip("torch")
+    import torch
+
     if torch.cuda.is_available():
         pytest.skip("a GPU is here: the script would run the whole check")
     env = dict(os.environ, PYTHON=sys.executable, OUT=str(tmp_path))
@@ -46,7 +47,8 @@ def test_the_script_refuses_unknown_arguments() -> None:
 def test_required_gpu_tests_fail_instead_of_skipping(tmp_path: Path) -> None:
     """What gpu_check.sh sets: SMDDP_REQUIRE_GPU=1 turns each GPU test's skip into a
     failure naming why it cannot run, so a check with no GPU (or no CuPy) cannot pass."""
-    torch = pytest.importorskip("torch")
+    import torch
+
     if torch.cuda.is_available():
         pytest.skip("a GPU is here: the GPU tests would run")
     env = dict(os.environ, SMDDP_REQUIRE_GPU="1")

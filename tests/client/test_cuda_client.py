@@ -182,6 +182,77 @@ def test_all_reduce_request_names_the_buffer_and_events() -> None:
     assert after == ev.finish
 
 
+def test_freed_allocations_go_to_the_daemon_with_each_communicators_next_op() -> None:
+    """Close before free: once the allocator's freed-segment count moves, the next op of
+    each communicator names the allocations the driver no longer has (base and buffer id),
+    once; a new allocation at the same base travels with its own buffer id."""
+    drv = FakeDriver()
+    drv.allocate(BASE, 1 << 20)
+    other = BASE + (1 << 30)
+    drv.allocate(other, 1 << 20)
+    exporter = IpcExporter(lambda: drv)  # type: ignore[arg-type, return-value]
+    frees = {"count": 0}
+    exporter.free_counter = lambda device: frees["count"]
+    comms = [StubComm(), StubComm()]
+    ccs = [CudaCollectives(c, exporter) for c in comms]  # type: ignore[arg-type]
+    mine = DeviceArray(BASE, 64, pb.FLOAT32, 0)
+    for cc in ccs:
+        cc.all_reduce(mine, pb.SUM, Events())
+    first = comms[0].sent[0][0].cuda.inputs[0]
+    assert first.buffer_id == drv.allocations[BASE][1] and first.alloc_base == BASE
+    old_id = first.buffer_id
+    del drv.allocations[BASE]  # empty_cache(): the segment went back to the driver
+    # The count has not moved (no sweep asks the driver): nothing to report yet.
+    ccs[0].all_reduce(DeviceArray(other, 64, pb.FLOAT32, 0), pb.SUM, Events())
+    assert not comms[0].sent[-1][0].cuda.freed
+    frees["count"] += 1
+    for cc, comm in zip(ccs, comms):
+        cc.all_reduce(DeviceArray(other, 64, pb.FLOAT32, 0), pb.SUM, Events())
+        assert [(f.alloc_base, f.buffer_id) for f in comm.sent[-1][0].cuda.freed] == [
+            (BASE, old_id)
+        ]
+        cc.all_reduce(DeviceArray(other, 64, pb.FLOAT32, 0), pb.SUM, Events())
+        assert not comm.sent[-1][0].cuda.freed  # reported once
+    # Freed and allocated again at the same base between two ops, the count not moved:
+    # export itself sees the new buffer id; the free goes with the op naming the new one.
+    drv.allocate(BASE, 1 << 20)
+    ccs[0].all_reduce(mine, pb.SUM, Events())
+    new_id = drv.allocations[BASE][1]
+    drv.allocate(BASE, 1 << 21)
+    ccs[0].all_reduce(mine, pb.SUM, Events())
+    req = comms[0].sent[-1][0]
+    assert [(f.alloc_base, f.buffer_id) for f in req.cuda.freed] == [(BASE, new_id)]
+    assert req.cuda.inputs[0].buffer_id == drv.allocations[BASE][1] != new_id
+    # A communicator made after a free has nothing of it to report.
+    late = StubComm()
+    CudaCollectives(late, exporter).all_reduce(mine, pb.SUM, Events())  # type: ignore[arg-type]
+    assert not late.sent[0][0].cuda.freed
+
+
+class ZeroingDriver(FakeDriver):
+    """cuPointerGetAttributes as the driver documents it: an unknown address gets zeros."""
+
+    def pointer_info(self, ptr: int) -> cuda_driver.PointerInfo:
+        try:
+            return super().pointer_info(ptr)
+        except cuda_driver.CudaUnavailable:
+            return cuda_driver.PointerInfo(0, 0, 0, -1, 0, False, 0)
+
+
+@pytest.mark.parametrize("driver", [FakeDriver, ZeroingDriver])
+def test_without_a_free_counter_every_op_checks_the_cached_allocations(driver) -> None:
+    drv = driver()
+    drv.allocate(BASE, 1 << 24)
+    comm = StubComm()
+    cc = CudaCollectives(comm, IpcExporter(lambda: drv))  # type: ignore[arg-type]
+    cc.all_reduce(arr(0, 16), pb.SUM, Events())
+    (bid,) = {b.buffer_id for b in comm.sent[0][0].cuda.inputs}
+    del drv.allocations[BASE]
+    drv.allocate(BASE + (1 << 30), 1 << 20)
+    cc.all_reduce(DeviceArray(BASE + (1 << 30), 16, pb.FLOAT32, 0), pb.SUM, Events())
+    assert [(f.alloc_base, f.buffer_id) for f in comm.sent[-1][0].cuda.freed] == [(BASE, bid)]
+
+
 @pytest.mark.parametrize("rank", [0, 1])
 def test_each_kind_sends_the_buffers_its_layout_names(rank: int) -> None:
     w, root = 2, 1
@@ -266,6 +337,7 @@ class FakeSession:
         from smddp.client.arena import ClientArena
 
         self.rank, self.world_size, self.chunk_bytes = 0, 2, 1 << 16
+        self.comm_id, self.job_id = "fake-comm", "fake-job"
         self.arena = ClientArena(1 << 20)
         self.sent: list[pb.OpRequest] = []
         self.fail = fail
@@ -289,7 +361,8 @@ class FakeSession:
         self.arena.close()
 
 
-def test_gpu_ops_share_the_numbering_and_retire_in_order_with_host_ops() -> None:
+def test_gpu_ops_share_the_numbering_and_retire_in_order_with_host_ops(monkeypatch) -> None:
+    monkeypatch.setenv("SMDDP_REGION", "0")  # host ops through the (fake) daemon, no region
     session = FakeSession()
     comm = Communicator(session, timeout_s=10, single_node=True)  # type: ignore[arg-type]
     comm._direct_min = -1  # keep host ops on the daemon path
@@ -328,7 +401,8 @@ def test_gpu_ops_share_the_numbering_and_retire_in_order_with_host_ops() -> None
     assert comm._ring.empty()
 
 
-def test_a_failed_gpu_op_reports_and_releases_its_events() -> None:
+def test_a_failed_gpu_op_reports_and_releases_its_events(monkeypatch) -> None:
+    monkeypatch.setenv("SMDDP_REGION", "0")
     session = FakeSession(fail={1})
     comm = Communicator(session, timeout_s=10, single_node=True)  # type: ignore[arg-type]
     done: list[bool] = []

@@ -13,9 +13,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
-
-yaml = pytest.importorskip("yaml")
-tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+import tomllib
+import yaml
 
 pytestmark = pytest.mark.timeout(300)
 

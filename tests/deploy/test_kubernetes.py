@@ -9,11 +9,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import jsonschema
+import kubernetes_validate
 import pytest
-
-yaml = pytest.importorskip("yaml")
-jsonschema = pytest.importorskip("jsonschema")
-kubernetes_validate = pytest.importorskip("kubernetes_validate")
+import yaml
 
 pytestmark = pytest.mark.timeout(120)
 

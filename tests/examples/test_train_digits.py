@@ -9,27 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
-
-torch = pytest.importorskip("torch")
-pytest.importorskip("sklearn")
+import torch
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "examples" / "train_digits.py"
-SMDDP_MODULE = "smdistributed.dataparallel.torch.torch_smddp"
 RUN_TIMEOUT_S = 180
-
-
-def _smddp_skip_reason():
-    """None when SageMaker's smddp import can be resolved, else why not."""
-    if importlib.util.find_spec("smdistributed") is None:
-        return "smdistributed is not installed (pip install -e .), so the smddp backend is absent"
-    try:
-        spec = importlib.util.find_spec(SMDDP_MODULE)
-    except ImportError as e:
-        return f"{SMDDP_MODULE} cannot be resolved: {e}"
-    if spec is None:
-        return f"smdistributed is installed but {SMDDP_MODULE} does not exist yet"
-    return None
 
 
 def _torchrun():
@@ -52,18 +36,7 @@ def _load_example(monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.timeout(RUN_TIMEOUT_S + 60)
-@pytest.mark.parametrize(
-    "backend",
-    [
-        "gloo",
-        pytest.param(
-            "smddp",
-            marks=pytest.mark.skipif(
-                _smddp_skip_reason() is not None, reason=str(_smddp_skip_reason())
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("backend", ["gloo", "smddp"])
 def test_train_digits(backend, tmp_path, monkeypatch):
     model_dir = tmp_path / "model"
     env = dict(os.environ)

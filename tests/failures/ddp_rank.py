@@ -16,7 +16,11 @@ SPEC fields:
   check's all_gather differs in size) or "hook" (the victim alone compresses its gradients
   to float16 with ``fp16_compress_hook``, so its bucket all_reduces in ``backward()`` differ
   in dtype from the others').
+- ``program``: "ddp" (the default), or "funcol": instead of DDP, functional collectives
+  (``torch.distributed._functional_collectives.all_reduce``, whose result torch waits for
+  in C++ through ``wait_tensor``), checked, in a loop.
 - ``steps``: train this many steps and finish cleanly (0: until the group fails).
+- ``backend``: "smddp" (the default), or "gloo" to compare.
 - ``run_s``: give up after this long (the result then says no error came).
 
 Prints ``pid RANK PID`` at the start, ``ready RANK ATTEMPT TIME`` after the first step,
@@ -42,6 +46,12 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import smddp  # noqa: F401  (registers the backend)
+
+
+def say(line: str) -> None:
+    """One line to stdout in one write: the ranks share torchrun's pipe, and print() writes
+    the text and its newline separately, so lines of different ranks would interleave."""
+    os.write(1, (line + "\n").encode())
 
 
 def _model(rank: int, spec: dict[str, Any]) -> nn.Module:
@@ -91,18 +101,34 @@ def train(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
     step = 0
     while time.monotonic() < deadline and (not spec.get("steps") or step < spec["steps"]):
         if _fails_now(rank, step, spec):
-            print(f"failing {rank} {time.time():.3f}", flush=True)
+            say(f"failing {rank} {time.time():.3f}")
             raise RuntimeError(f"rank {rank} fails on purpose at step {step}")
         x = torch.randn(16, 8, generator=data)
         opt.zero_grad()
         F.mse_loss(ddp(x), x.sum(dim=1, keepdim=True).sin()).backward()
         opt.step()
         if step == 0:
-            print(f"ready {rank} {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')} {time.time():.3f}", flush=True)
+            say(f"ready {rank} {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')} {time.time():.3f}")
         else:
-            print(f"step {step}", flush=True)
+            say(f"step {step}")
         step += 1
     return {"steps": step, "params": [p.detach().sum().item() for p in ddp.parameters()]}
+
+
+def funcol_loop(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """Functional all_reduces, each result checked, until the group fails."""
+    import torch.distributed._functional_collectives as funcol
+
+    deadline = time.monotonic() + spec.get("run_s", 60)
+    step = 0
+    while time.monotonic() < deadline:
+        got = funcol.all_reduce(torch.full((4096,), float(rank + step)), "sum", dist.group.WORLD)
+        want = float(sum(range(dist.get_world_size())) + dist.get_world_size() * step)
+        if not torch.equal(got + 0, torch.full((4096,), want)):  # + 0: torch waits for the op here
+            raise AssertionError(f"step {step}: wrong result")
+        say(f"ready {rank} 0 {time.time():.3f}" if step == 0 else f"step {step}")
+        step += 1
+    return {"steps": step}
 
 
 def main() -> None:
@@ -111,11 +137,11 @@ def main() -> None:
     out = Path(spec["out"])
     record: dict[str, Any] = {"rank": rank, "pid": os.getpid(),
                               "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}
-    print(f"pid {rank} {os.getpid()}", flush=True)
+    say(f"pid {rank} {os.getpid()}")
     torch.set_num_threads(1)
-    dist.init_process_group("smddp", timeout=timedelta(seconds=spec.get("pg_timeout_s", 60)))
+    dist.init_process_group(spec.get("backend", "smddp"), timeout=timedelta(seconds=spec.get("pg_timeout_s", 60)))
     try:
-        record.update(train(rank, spec))
+        record.update((funcol_loop if spec.get("program") == "funcol" else train)(rank, spec))
     except dist.DistBackendError as exc:
         record.update(type=type(exc).__name__, module=type(exc).__module__, message=str(exc),
                       failed_at=time.time())

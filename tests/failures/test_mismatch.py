@@ -13,8 +13,6 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("torch")
-
 WORLD = 3
 N = 4096
 DIRECT_N = 1 << 18  # 1 MiB of float32: all_reduce runs "direct" (ranks reduce from each other's arenas)

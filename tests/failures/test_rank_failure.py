@@ -22,8 +22,6 @@ import pytest
 from smddp.v1 import smddp_pb2 as pb
 from smddp.v1 import smddp_pb2_grpc as pb_grpc
 
-pytest.importorskip("torch")
-
 WORLD = 3
 VICTIM = 2
 BOUND_S = 2.0

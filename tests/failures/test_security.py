@@ -45,6 +45,7 @@ from smddp.wire import (
     unpack,
 )
 
+REPO = Path(__file__).resolve().parents[2]
 NOBODY = 65534
 GROUP = "nogroup"  # gid 65534: the group of the other user in these tests
 SO_SNDBUFFORCE = 32  # root may send data-socket messages larger than the default buffer
@@ -64,22 +65,45 @@ def as_nobody(code: str, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def _blocked_for_others(path: Path) -> Path | None:
+    """The first folder on the way to ``path`` that users other than its owner cannot enter."""
+    for folder in [*reversed(path.parents), path]:
+        if folder.is_dir() and not os.stat(folder).st_mode & stat.S_IXOTH:
+            return folder
+    return None
+
+
 @pytest.fixture(scope="module")
 def other_user() -> None:
-    """Skips unless this process is root and uid 65534 can run smddp's client."""
+    """uid 65534 ready to run smddp's client: skipped unless root; as root, failed if not ready.
+
+    CI runs as root with ``.venv`` made by scripts/setup.sh from /usr/bin/python3, so uid
+    65534 can run the same interpreter and packages; a machine where it cannot is a broken
+    setup, named here, not a reason to leave these tests out.
+    """
     if os.geteuid() != 0:
         pytest.skip("needs root to run a client as another uid (setpriv --reuid)")
     if shutil.which("setpriv") is None:
-        pytest.skip("needs setpriv (util-linux)")
+        pytest.fail("needs setpriv (Debian package util-linux)", pytrace=False)
     try:
         gid = grp.getgrnam(GROUP).gr_gid
     except KeyError:
-        pytest.skip(f"needs the group {GROUP}")
-    if gid != NOBODY:
-        pytest.skip(f"group {GROUP} is not gid {NOBODY}")
+        pytest.fail(f"needs the group {GROUP} (gid {NOBODY})", pytrace=False)
+    assert gid == NOBODY, f"group {GROUP} is gid {gid}, not {NOBODY}"
     probe = as_nobody("import smddp.client")
     if probe.returncode != 0:
-        pytest.skip(f"uid {NOBODY} cannot import smddp.client from {sys.executable}: {probe.stderr[-500:]}")
+        blocked = [
+            f"{p} (mode {stat.S_IMODE(os.stat(p).st_mode):o})"
+            for p in {_blocked_for_others(Path(x)) for x in (sys.prefix, os.path.realpath(sys.executable), REPO)}
+            if p is not None
+        ]
+        hint = f"; others cannot enter {', '.join(sorted(blocked))}" if blocked else ""
+        pytest.fail(
+            f"uid {NOBODY} cannot import smddp.client with {sys.executable}{hint} (the venv must come "
+            f"from a Python that every user may run, as scripts/setup.sh makes it, in a folder others "
+            f"may enter):\n{probe.stderr[-1500:]}",
+            pytrace=False,
+        )
 
 
 @pytest.fixture

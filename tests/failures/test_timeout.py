@@ -19,8 +19,6 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("torch")
-
 WORLD = 3
 LATE = 2
 TIMEOUT_S = 2.0

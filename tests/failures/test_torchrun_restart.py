@@ -22,8 +22,6 @@ from pathlib import Path
 import pytest
 from ddp_launch import VICTIM, WORLD, kill_all, launch_torchrun, wait_exit
 
-pytest.importorskip("torch")
-
 RUNS = 3
 STEPS = 8
 STARTED = re.compile(r"started an embedded daemon for this job on (\S+) \(pid (\d+)\)")
@@ -41,6 +39,7 @@ def _gone(pid: int) -> bool:
         return True
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_restart_recovers(tmp_path: Path) -> None:
     # No daemon answers at SMDDP_SOCKET: each attempt's local leader starts an embedded one.

@@ -494,3 +494,66 @@ def fake_gpu_rank(rank: int, world: int, init_file: str, sizes: list[int]) -> di
     out["failures"] += check.failures
     dist.destroy_process_group()
     return out
+
+
+def free_rank(rank: int, world: int, init_file: str) -> dict[str, Any]:
+    """Close before free on the fake GPU: a tensor's allocation is freed (as empty_cache()
+    does), and by the time the rank's next op has completed the daemon has unmapped it;
+    the next op's own memory is still mapped and its result right."""
+    init(rank, world, init_file, FAKE)
+    out: dict[str, Any] = {}
+    check = Checker(rank)
+    x = to_torch(host_values(rank, 513, torch.float32), torch.device("cpu"))
+    dist.all_reduce(x)
+    y = to_torch(host_values(rank, 257, torch.float32, salt=1), torch.device("cpu"))
+    dist.all_reduce(y)
+    # x stays referenced: its fake memory keeps its address, so no new allocation lands
+    # there and only the report of the free can make the daemon unmap it.
+    path = _fake.free(x)
+    out["closed_before"] = os.path.exists(path + ".closed")
+    z = to_torch(host_values(rank, 129, torch.float32, salt=2), torch.device("cpu"))
+    dist.all_reduce(z)
+    out["closed_after"] = os.path.exists(path + ".closed")
+    check.same(
+        "all_reduce after a free",
+        z,
+        host_reduce([host_values(r, 129, torch.float32, salt=2) for r in range(world)], pb.SUM),
+    )
+    out["failures"] = check.failures
+    dist.destroy_process_group()
+    del x
+    return out
+
+
+def limits_rank(rank: int, world: int, init_file: str, device: int) -> dict[str, Any]:
+    """What only a GPU shows of issue 17: capture refused with the message, and an int8
+    all_reduce of 2^31 + 17 elements (64-bit indices, a scalar tail) exact at both ends."""
+    dev = init(rank, world, init_file, device)
+    out: dict[str, Any] = {}
+    x = torch.ones(1024, device=dev)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            dist.all_reduce(x)
+        out["capture"] = "no error"
+    except Exception as exc:
+        # Ending the capture may raise over ours: keep the whole chain.
+        chain = []
+        e: BaseException | None = exc
+        while e is not None:
+            chain.append(f"{type(e).__name__}: {e}")
+            e = e.__context__
+        out["capture"] = " <- ".join(chain)
+    torch.cuda.synchronize()
+    n = (1 << 31) + 17
+    big = torch.full((n,), rank + 1, dtype=torch.int8, device=dev)
+    start = time.monotonic()
+    dist.all_reduce(big)
+    torch.cuda.synchronize()
+    out["big_s"] = time.monotonic() - start
+    total = sum(range(1, world + 1))
+    out["big_ok"] = bool((big == total).all()) and int(big[-1]) == total and int(big[0]) == total
+    del big
+    torch.cuda.empty_cache()
+    dist.destroy_process_group()
+    return out

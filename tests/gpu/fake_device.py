@@ -137,6 +137,7 @@ class FakeDevice:
         self.streams = {0: FakeStream(0)}
         self.capture = False
         self.driver = FakeDriver(self)
+        self.frees = 0  # allocations returned to the "driver" (the allocator's segment.all.freed)
 
     # -- what tests call ------------------------------------------------------------------------
 
@@ -153,7 +154,20 @@ class FakeDevice:
         t.copy_(src)
         return t
 
+    def free(self, t: torch.Tensor) -> str:
+        """Returns ``t``'s allocation to the "driver" (as ``empty_cache()`` does a segment):
+        the driver no longer knows it, the free count moves. Returns the allocation's file,
+        which the daemon's fake runtime marks ``.closed`` when it unmaps it."""
+        p = t.data_ptr()
+        (a,) = [a for a in self.allocations if a.base <= p < a.base + a.size]
+        self.allocations.remove(a)
+        self.frees += 1
+        return a.path
+
     # -- backend.cuda's device calls ------------------------------------------------------------
+
+    def free_count(self, device: int) -> int:
+        return self.frees
 
     def is_device(self, t: torch.Tensor) -> bool:
         if t.device.type != "cpu" or t.numel() == 0 and t.data_ptr() == 0:

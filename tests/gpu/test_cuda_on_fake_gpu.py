@@ -92,3 +92,26 @@ def test_every_collective_through_a_real_daemon_on_the_fake_gpu(
         ), r["capture"]
         assert "the stream cannot wait on the daemon's done event" in r["fence"], r["fence"]
         assert "illegal memory access" in r["fence"]
+
+
+@pytest.mark.timeout(300)
+def test_a_freed_allocation_is_unmapped_by_the_rank_s_next_op(
+    start_daemon, spawn_ranks, tmp_path
+) -> None:
+    """Close before free through every layer: the fake allocator's free count moves, the
+    exporter finds the allocation gone, the next op tells the daemon, whose fake runtime
+    has unmapped it by the time that op completes."""
+    from cuda_ranks import free_rank
+
+    daemon = start_daemon(env=dict(os.environ, SMDDP_TEST_GPU_RUNTIME=FAKE_RUNTIME))
+    env = dict(
+        os.environ,
+        SMDDP_SOCKET=daemon.socket,
+        SMDDP_EMBEDDED="0",
+        SMDDP_TEST_CUDA_DEVICE=FAKE_DEVICE,
+    )
+    results = spawn_ranks(free_rank, 2, 2, str(tmp_path / "init"), env=env, timeout_s=240).join()
+    for rank, r in enumerate(results):
+        assert not r["failures"], r["failures"]
+        assert not r["closed_before"], f"rank {rank}: unmapped before the daemon was told"
+        assert r["closed_after"], f"rank {rank}: the freed allocation is still mapped"

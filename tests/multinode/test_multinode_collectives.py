@@ -20,8 +20,6 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("torch")
-
 ALL_DTYPES = ["float32", "bfloat16", "int64", "bool"]
 CHUNKED_ENV = {"SMDDP_ARENA_BYTES": str(1 << 20)}  # chunks of at most 512 KiB
 SECTIONS = {

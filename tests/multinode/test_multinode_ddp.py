@@ -9,8 +9,7 @@ same bits.
 from __future__ import annotations
 
 import pytest
-
-torch = pytest.importorskip("torch")
+import torch
 
 STEPS = 8
 

@@ -10,8 +10,6 @@ import time
 
 import pytest
 
-pytest.importorskip("torch")
-
 # Interleaved, so the layout cannot be mistaken for "first half, second half".
 NODE_OF_RANK = [0, 1, 1, 0]
 RANKS = {"node0": [0, 3], "node1": [1, 2]}

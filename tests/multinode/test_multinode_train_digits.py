@@ -18,9 +18,6 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("torch")
-pytest.importorskip("sklearn")
-
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "examples" / "train_digits.py"
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))

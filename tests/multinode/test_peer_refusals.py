@@ -92,10 +92,15 @@ def _peer_service_refusals(address: str) -> None:
         assert refused(stub.PeerStatus, pb.PeerStatusRequest(peer=stranger))[0] == grpc.StatusCode.INVALID_ARGUMENT
         unknown = pb.PeerRequest(job_id="nojob", comm_id=COMM, node=1, proof=good.proof)
         assert refused(stub.Join, pb.JoinRequest(peer=unknown))[0] == grpc.StatusCode.NOT_FOUND
-        # Node a's rank waits in its all_reduce; the Peer service tells who it waits for.
+        # The Peer service tells what node a waits for: none of its own ranks. Its only rank,
+        # 0, is registered; its all_reduce, once submitted, leaves the node's pending ops at
+        # once (every local rank arrived) and waits for node b's data, which PeerStatus does
+        # not list (pending ops are the node's own ranks' arrivals).
         status = stub.PeerStatus(pb.PeerStatusRequest(peer=good), timeout=10)
-        assert status.node_id == "a" and not status.comm.failed
-        assert [(p.arrived_ranks, p.missing_ranks) for p in status.comm.pending] in ([], [([0], [1])])
+        assert (status.node_id, status.comm.job_id, status.comm.comm_id, status.comm.world_size) == ("a", JOB, COMM, 2)
+        assert (status.comm.failed, status.comm.ops_completed) == ("", 0)
+        assert [r.rank for r in status.comm.ranks] == [0]
+        assert list(status.comm.pending) == []
     # Garbage on the gRPC port: the connection is dropped, the service goes on.
     host, _, port = address.rpartition(":")
     with socket.create_connection((host, int(port)), timeout=10) as junk:

@@ -15,6 +15,7 @@ import secrets
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -79,19 +80,38 @@ def test_rendezvous_refusals_name_the_cause(loopback_nodes):
     token = secrets.token_bytes(16)
     job = {"job_id": "rdzv-bad", "job_token": token, "world_size": 3, "root": root, "timeout_s": 3.0}
 
-    # Rank 0 waits at the root; a rank with another token and one with another world size are
-    # refused at once; ranks 1 and 2 never come, and rank 0 is told so, by name.
+    # Rank 0 waits at the root; a rank with another token is refused at once and rank 0 keeps
+    # waiting; ranks 1 and 2 never come, and rank 0 is told so, by name.
     results: dict[int, Any] = {}
     waiting = threading.Thread(target=_meet, args=(results, nodes[0].daemon.socket, 0), kwargs=job)
     waiting.start()
     with pytest.raises(ConnectError, match="rank 1 has the wrong job token"):
         rendezvous(**{**job, "job_token": secrets.token_bytes(16)}, rank=1, socket_path=nodes[1].daemon.socket)
-    with pytest.raises(ConnectError, match=r"rank 2 says the world size is 4, earlier ranks said 3"):
-        rendezvous(**{**job, "world_size": 4}, rank=2, socket_path=nodes[1].daemon.socket)
     waiting.join(30)
     error = results[0]
     assert isinstance(error, ConnectError), error
     assert re.search(r"rendezvous of job rdzv-bad: ranks 1-2 did not arrive within 3 s \(1 of 3 ranks came\)", str(error)), error
+
+    # A rank with another world size: the meeting cannot complete, so the rank already waiting
+    # (with a 60 s timeout) is told at once, with the same message, and so is a rank that comes
+    # later; the job's next attempt, after the failed meeting's timeout, would meet afresh.
+    sizes = {**job, "job_id": "rdzv-sizes", "timeout_s": 60.0}
+    results = {}
+    waiting = threading.Thread(target=_meet, args=(results, nodes[0].daemon.socket, 0), kwargs=sizes)
+    waiting.start()
+    # Let rank 0 reach the root first; should rank 2 get there before it, both are still told
+    # at once (the message then names rank 0), which the pattern allows.
+    time.sleep(0.5)
+    mismatch = r"rendezvous of job rdzv-sizes: rank [02] says the world size is [34], earlier ranks said [34]"
+    started = time.monotonic()
+    with pytest.raises(ConnectError, match=mismatch):
+        rendezvous(**{**sizes, "world_size": 4}, rank=2, socket_path=nodes[1].daemon.socket)
+    waiting.join(10)
+    assert not waiting.is_alive(), "rank 0 still waits after the world sizes disagreed"
+    assert time.monotonic() - started < 10
+    assert isinstance(results[0], ConnectError) and re.search(mismatch, str(results[0])), results[0]
+    with pytest.raises(ConnectError, match=mismatch):
+        rendezvous(**sizes, rank=1, socket_path=nodes[1].daemon.socket)
 
     # A root where no daemon answers: the forwarding daemon says which address it tried.
     with pytest.raises(ConnectError, match=r"the root's daemon at 127\.0\.0\.1:9: "):

@@ -328,7 +328,7 @@ def load_program(source: str) -> Program:
 def kernel_bodies(source: str) -> dict[str, list[str]]:
     """Each kernel's per-element statements, by kernel name, with accesses rewritten to
     plain names: input ``in3`` (the element or vector lane of rank 3), output ``outN``,
-    result ``r``. Loop and vector load/store lines are dropped."""
+    result ``r``. Loop, block, pass-barrier and vector load/store lines are dropped."""
     bodies: dict[str, list[str]] = {}
     for m in re.finditer(
         r'extern "C" __global__ void (\w+)\(([^)]*)\) \{\n(.*?)\n\}', source, re.S
@@ -337,7 +337,16 @@ def kernel_bodies(source: str) -> dict[str, list[str]]:
         for line in m.group(3).splitlines():
             line = line.strip()
             if line.startswith(
-                ("for ", "const unsigned long long stride", "#pragma", "}", "T r;", "Vec r;")
+                (
+                    "for ",
+                    "const unsigned long long stride",
+                    "#pragma",
+                    "{",
+                    "}",
+                    "T r;",
+                    "Vec r;",
+                    "asm volatile",
+                )
             ):
                 continue
             if re.fullmatch(r"const Vec v\d+ = \(\(const Vec\*\)in\d+\)\[i\];", line):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import itertools
 import sys
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +43,15 @@ class FakeEvent:
         return self.name
 
 
+@dataclass(eq=False)
+class FakeFlag:
+    device: int
+    value: int = 0
+
+    def __repr__(self) -> str:
+        return f"flag@gpu{self.device}"
+
+
 @dataclass(frozen=True)
 class FakeStream:
     device: int
@@ -59,6 +69,7 @@ class Allocation:
     device: int
     base: int
     handle: bytes
+    buffer_id: int = 0  # the client driver's id of the allocation (0: a client that sends none)
 
 
 @dataclass
@@ -84,7 +95,7 @@ class FakeRuntime:
         k = len(self.allocations)
         handle = f"mem{k}".encode().ljust(64, b"\0")
         alloc = Allocation(
-            np.zeros(nbytes, dtype=np.uint8), device, CLIENT_BASE + (k << 32), handle
+            np.zeros(nbytes, dtype=np.uint8), device, CLIENT_BASE + (k << 32), handle, k + 1
         )
         self.allocations[handle] = alloc
         return alloc
@@ -157,6 +168,22 @@ class FakeRuntime:
 
     def synchronize(self, stream: Any, device: int) -> None:
         self.log.append(("synchronize", stream))
+
+    def new_flag(self, device: int) -> Any:
+        flag = FakeFlag(device)
+        self.log.append(("new_flag", flag))
+        return flag
+
+    def set_flag(self, flag: Any, value: int) -> None:
+        flag.value = value
+        self.log.append(("set_flag", flag, value))
+
+    def wait_flag(self, stream: Any, flag: Any, value: int, device: int) -> None:
+        assert stream.device == device == flag.device
+        self.log.append(("wait_flag", stream, flag, value))
+
+    def destroy_flag(self, flag: Any) -> None:
+        self.log.append(("destroy_flag", flag))
 
     def enable_peer(self, device: int, peer: int) -> None:
         if (device, peer) in self.no_peer:
@@ -278,6 +305,7 @@ class Buffer:
             alloc_bytes=self.alloc.data.size,
             offset=self.offset,
             nbytes=self.nbytes,
+            buffer_id=self.alloc.buffer_id,
         )
 
 
@@ -360,6 +388,11 @@ class IpcFakeRuntime(FakeRuntime):
         alloc = self.mapped[address]
         super().close_memory(address, device)
         self.allocations.pop(alloc.handle, None)
+        if alloc.handle.startswith(MEM_PREFIX):
+            # Tells the rank's test (tests/gpu) the daemon has unmapped its allocation.
+            path = alloc.handle[len(MEM_PREFIX) :].rstrip(b"\0").decode()
+            with open(path + ".closed", "a"):
+                pass
 
     def open_event(self, handle: bytes, device: int) -> Any:
         if not handle.startswith(EVENT_PREFIX):
@@ -394,3 +427,86 @@ class IpcFakeRuntime(FakeRuntime):
 def ipc_runtime() -> IpcFakeRuntime:
     """The factory SMDDP_TEST_GPU_RUNTIME names: GPU 0 (fake_device.UUID0)."""
     return IpcFakeRuntime(devices={uuid(0): 0})
+
+
+class QueuedFakeRuntime(FakeRuntime):
+    """FakeRuntime whose streams run in order and block, as on a GPU: a wait holds its stream
+    (and all queued after it) until the event has fired or the flag has reached the value;
+    ``synchronize`` blocks until the stream is idle (up to ``sync_timeout_s``, then fails, so
+    a stuck stream fails a test instead of hanging it). Ranks' events fire when recorded,
+    except those named in ``never`` (a killed rank's ready event)."""
+
+    def __init__(self, *args: Any, never: set[str] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.never = never or set()
+        self.sync_timeout_s = 10.0
+        self._queues: dict[Any, list[tuple]] = {}
+        self._fired: set[int] = set()
+        self._cv = threading.Condition(threading.RLock())
+
+    def _fired_now(self, event: Any) -> bool:
+        if repr(event).startswith("local"):
+            return id(event) in self._fired
+        return repr(event) not in self.never
+
+    def _enqueue(self, stream: Any, item: tuple) -> None:
+        with self._cv:
+            self._queues.setdefault(stream, []).append(item)
+            self._advance()
+
+    def _advance(self) -> None:
+        progressed = True
+        while progressed:
+            progressed = False
+            for queue in self._queues.values():
+                while queue:
+                    kind, *rest = queue[0]
+                    if kind == "wait" and not self._fired_now(rest[0]):
+                        break
+                    if kind == "flag" and rest[0].value < rest[1]:
+                        break
+                    queue.pop(0)
+                    progressed = True
+                    if kind == "record":
+                        self._fired.add(id(rest[0]))
+                    elif kind == "run":
+                        rest[0]()
+        self._cv.notify_all()
+
+    def wait_event(self, stream: Any, event: Any, device: int) -> None:
+        super().wait_event(stream, event, device)
+        self._enqueue(stream, ("wait", event))
+
+    def record_event(self, event: Any, stream: Any, device: int) -> None:
+        with self._cv:
+            self._fired.discard(id(event))  # a new record: fires when the stream gets there
+            super().record_event(event, stream, device)
+            self._enqueue(stream, ("record", event))
+
+    def wait_flag(self, stream: Any, flag: Any, value: int, device: int) -> None:
+        super().wait_flag(stream, flag, value, device)
+        self._enqueue(stream, ("flag", flag, value))
+
+    def set_flag(self, flag: Any, value: int) -> None:
+        with self._cv:
+            super().set_flag(flag, value)
+            self._advance()
+
+    def reduce(self, stream: Any, device: int, *args: Any) -> None:
+        base = super().reduce
+        self._enqueue(stream, ("run", lambda: base(stream, device, *args)))
+
+    def copy(self, stream: Any, device: int, dst: int, src: int, nbytes: int) -> None:
+        base = super().copy
+        self._enqueue(stream, ("run", lambda: base(stream, device, dst, src, nbytes)))
+
+    def event_done(self, event: Any, device: int) -> bool:
+        with self._cv:
+            self._advance()  # the "GPU" gets on with what became runnable meanwhile
+            return self._fired_now(event)
+
+    def synchronize(self, stream: Any, device: int) -> None:
+        super().synchronize(stream, device)
+        with self._cv:
+            if not self._cv.wait_for(lambda: not self._queues.get(stream), self.sync_timeout_s):
+                raise CudaCallError(f"cudaStreamSynchronize: {stream!r} never finished")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 
 from smddp.server import config
 from smddp.server.config import DaemonConfig
+from smddp.wire import default_socket_path
 
 
 def _toml(tmp_path: Path, text: str) -> str:
@@ -21,10 +23,44 @@ def _toml(tmp_path: Path, text: str) -> str:
 
 @pytest.mark.timeout(30)
 def test_defaults_without_flags_env_or_file() -> None:
-    cfg = config.load([], {})
-    assert cfg.chunk_bytes == DaemonConfig.chunk_bytes
-    assert cfg.log_level == "INFO"
-    assert cfg.max_jobs == 64
+    # Every default, stated: a changed or added setting must change this list (and the README,
+    # whose statements of these defaults tests/server/test_readme_claims.py checks).
+    assert dataclasses.asdict(config.load([], {})) == {
+        "socket": default_socket_path(),
+        "socket_group": "",
+        "grpc_bind": "",
+        "http_bind": "127.0.0.1:9464",
+        "peer_bind": "off",  # --data-port & co. given alone imply 0.0.0.0:7470
+        "data_port": 7472,
+        "peer_transport": "tcp",
+        "ucx_port": 7473,
+        "advertise": "",
+        "node_id": socket.gethostname(),
+        "log_level": "INFO",
+        "log_format": "text",
+        "owner_pid": 0,
+        "chunk_bytes": 4 << 20,
+        "gpu_chunk_bytes": 256 << 20,
+        "default_timeout_s": 1800.0,
+        "max_jobs": 64,
+        "max_ranks_per_job": 4096,
+        "max_arena_bytes": 16 << 30,
+        "attach_timeout_s": 30.0,
+        "max_unattached": 1024,
+        "max_jobs_per_uid": 32,
+        "max_ranks_per_uid": 1024,
+        "max_connections_per_uid": 1024,
+        "max_handshakes_per_uid": 16,
+        "max_handshakes": 128,
+        "max_buffered_bytes_per_uid": 512 << 20,
+        "max_buffered_bytes": 2 << 30,
+        "max_pending_rendezvous": 200,
+        "max_rendezvous_wait_s": 900.0,
+        "max_op_streams": 256,
+        "tls_cert": "",
+        "tls_key": "",
+        "tls_ca": "",
+    }
 
 
 @pytest.mark.timeout(30)
@@ -118,7 +154,7 @@ def test_bad_type_in_file_is_a_clear_error(
         ({"SMDDP_MAX_JOBS": "many"}, [], "max_jobs"),
         ({"SMDDP_DEFAULT_TIMEOUT_S": "1h"}, [], "default_timeout_s"),
         ({"SMDDP_LOG_LEVEL": "chatty"}, [], "log_level"),
-        ({}, ["--max-arena-bytes", "16G"], "--max-arena-bytes"),
+        ({}, ["--max-arena-bytes", "16Q"], "--max-arena-bytes"),  # 16G is a size now; Q is no unit
         ({}, ["--log-format", "yaml"], "log_format"),
     ],
 )

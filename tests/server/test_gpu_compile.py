@@ -96,6 +96,54 @@ def test_nvcc_compiles_every_module_for_sm80_and_sm90(nvcc_results) -> None:
                 assert symbol.encode() in data, f"{symbol} missing from {fatbin}"
 
 
+@pytest.mark.timeout(600)
+def test_the_widest_kernels_keep_to_registers(tmp_path: Path) -> None:
+    """ptxas reports no spill to local memory for the widest fan-ins (float16 at 64 x 64
+    spilled 376 bytes per thread in 255 registers before the kernels read their inputs in
+    passes of PASS_FAN_IN; float64 holds the most compute state per vector)."""
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc (the CUDA toolkit) is not installed here")
+    parts = [LEAD]
+    mods = [
+        (pb.FLOAT16, pb.SUM, 64, 64),
+        (pb.FLOAT16, pb.SUM, WIDEST, WIDEST),
+        (pb.FLOAT64, pb.MAX, WIDEST, 1),
+        (pb.INT8, pb.SUM, WIDEST, 1),
+    ]
+    for dtype, op, fan_in, fan_out in mods:
+        src = gpu_kernels.reduce_module(dtype, op, fan_in, fan_out)
+        parts.append(f"namespace m_{dtype}_{fan_in}_{fan_out} {{\n{src[len(LEAD) :]}}}\n")
+    cu = tmp_path / "wide.cu"
+    cu.write_text("".join(parts))
+    done = subprocess.run(
+        [
+            "nvcc",
+            "--std=c++14",
+            "-cubin",
+            "-arch=sm_90",
+            "-Xptxas",
+            "-v",
+            "-o",
+            str(tmp_path / "wide.cubin"),
+            str(cu),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = done.stderr + done.stdout
+    # Per kernel: "Compiling entry function 'NAME' ..." then "N bytes spill stores, ...".
+    spills = dict(
+        re.findall(
+            r"Compiling entry function '(\w+)'.*?\n.*?(\d+) bytes spill stores", report, re.S
+        )
+    )
+    names = [gpu_kernels.kernel_name(d, op, i, o, v) for d, op, i, o in mods for v in (False, True)]
+    assert set(spills) == set(names), report[-3000:]
+    assert all(spills[n] == "0" for n in names), {n: spills[n] for n in names}
+
+
 @pytest.mark.timeout(300)
 def test_the_half_conversions_are_the_ptx_cvt_instructions(tmp_path: Path) -> None:
     """The float16 module's PTX converts with cvt (round to nearest even on the way down):

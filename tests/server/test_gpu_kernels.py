@@ -35,7 +35,17 @@ from smddp.wire import NUMPY_DTYPES, REDUCE_NAMES, dtype_name, reduce_op_check
 
 DTYPES = list(gpu_kernels.SPECS)
 COMBOS = [(d, op) for d in DTYPES for op in REDUCE_NAMES if reduce_op_check(d, op) is None]
-FANS = [(1, 1), (2, 2), (3, 1), (4, 3), (5, 5), (8, 1), (8, 8)]
+# (35, 2): past the pass size, three passes (the last one partial) carry the accumulator.
+FANS = [
+    (1, 1),
+    (2, 2),
+    (3, 1),
+    (4, 3),
+    (5, 5),
+    (8, 1),
+    (8, 8),
+    (2 * gpu_kernels.PASS_FAN_IN + 3, 2),
+]
 N = 4096
 
 # numpy storage views of each dtype's element bits.
@@ -166,6 +176,26 @@ def test_interpreted_kernels_match_host_path(dtype: int, op: int) -> None:
             assert_same_bits(
                 got, want, f"{dtype_name(dtype)} {REDUCE_NAMES[op]} {fan_in}x{fan_out} out{o}"
             )
+
+
+def test_large_fan_ins_read_their_inputs_in_bounded_passes() -> None:
+    """Past PASS_FAN_IN a kernel loads one pass's inputs, combines them, and only then (after
+    a compiler barrier) loads the next pass's, carrying the accumulator in ``r``."""
+    fan_in = 2 * gpu_kernels.PASS_FAN_IN + 3
+    src = gpu_kernels.reduce_module(pb.FLOAT16, pb.SUM, fan_in, 1)
+    vector = src[src.index("_v16(") :]
+    assert vector.count(gpu_kernels.PASS_BARRIER) == 2
+    passes = vector.split(gpu_kernels.PASS_BARRIER)
+    for p, text in enumerate(passes):
+        loads = [int(m) for m in re.findall(r"const Vec v(\d+) = ", text)]
+        lo = p * gpu_kernels.PASS_FAN_IN
+        assert loads == list(range(lo, min(fan_in, lo + gpu_kernels.PASS_FAN_IN)))
+        if p:
+            assert "C acc = load(r.e[k]);" in text
+    # Up to the pass size a kernel is one pass, as before.
+    assert gpu_kernels.PASS_BARRIER not in gpu_kernels.reduce_module(
+        pb.FLOAT16, pb.SUM, gpu_kernels.PASS_FAN_IN, 1
+    )
 
 
 def test_the_comparison_detects_a_different_order() -> None:

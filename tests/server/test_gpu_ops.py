@@ -18,7 +18,16 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from gpu_fakes import Buffer, FakeComm, FakeRuntime, FakeSession, request, uuid
+from gpu_fakes import (
+    Allocation,
+    Buffer,
+    FakeComm,
+    FakeRuntime,
+    FakeSession,
+    QueuedFakeRuntime,
+    request,
+    uuid,
+)
 
 from smddp.reduce import reduce_into
 from smddp.server import gpu
@@ -50,6 +59,13 @@ def host_reduce(inputs: list[np.ndarray], op: int) -> np.ndarray:
 
 def bits(x: np.ndarray) -> bytes:
     return x.tobytes()
+
+
+def wait_until(condition, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.001)
 
 
 class World:
@@ -197,8 +213,10 @@ def test_send_recv_copies_on_the_receivers_stream() -> None:
     recv = request(pb.RECV, pb.FLOAT32, 100, 1, [], [dst], root=0)
     w.ops.execute_p2p(w.comm, (w.sessions[0], send), (w.sessions[1], recv))
     assert bits(dst.array()) == bits(vals)
-    names = [c[0] for c in w.rt.log if c[0] in ("wait", "copy", "record")]
-    assert names == ["wait", "wait", "copy", "record", "record"]
+    (work,) = work_streams(w.rt)
+    (gate,) = gate_streams(w.rt)
+    assert stream_log(w.rt, gate)[:2] == ["wait ready0", "wait ready1"]
+    assert stream_log(w.rt, work) == ["wait flag 1", "copy", "record done0", "record done1"]
 
 
 def test_empty_op_still_orders_done_after_ready() -> None:
@@ -210,16 +228,10 @@ def test_empty_op_still_orders_done_after_ready() -> None:
             for r, b in enumerate(bufs)
         ]
     )
-    names = [
-        (c[0], repr(c[1]) if c[0] == "record" else repr(c[2]) if c[0] == "wait" else "")
-        for c in w.rt.log
-    ]
-    assert [x for x in names if x[0] in ("wait", "record")] == [
-        ("wait", "ready0"),
-        ("wait", "ready1"),
-        ("record", "done0"),
-        ("record", "done1"),
-    ]
+    (work,) = work_streams(w.rt)
+    (gate,) = gate_streams(w.rt)
+    assert stream_log(w.rt, gate)[:2] == ["wait ready0", "wait ready1"]
+    assert stream_log(w.rt, work) == ["wait flag 1", "record done0", "record done1"]
     assert not w.rt.calls("open_memory")  # nothing to map for empty ranges
 
 
@@ -236,7 +248,19 @@ def stream_log(rt: FakeRuntime, stream: object) -> list[str]:
             out.append(f"record {c[1]!r}")
         elif c[0] in ("reduce", "copy") and c[1] == stream:
             out.append(c[0])
+        elif c[0] == "wait_flag" and c[1] == stream:
+            out.append(f"wait flag {c[3]}")
     return out
+
+
+def work_streams(rt: FakeRuntime) -> list[object]:
+    """The communicators' work streams (they wait on the daemon's flag), in order of use."""
+    return list(dict.fromkeys(c[1] for c in rt.calls("wait_flag")))
+
+
+def gate_streams(rt: FakeRuntime) -> list[object]:
+    """The gate streams: the only ones that wait on the ranks' ready events."""
+    return list(dict.fromkeys(c[1] for c in rt.calls("wait") if repr(c[2]).startswith("ready")))
 
 
 def test_one_gpu_waits_for_every_rank_then_works_then_records() -> None:
@@ -251,11 +275,17 @@ def test_one_gpu_waits_for_every_rank_then_works_then_records() -> None:
             for r, b in enumerate(bufs)
         ]
     )
-    (stream,) = [c[1] for c in w.rt.calls("new_stream")]
+    (stream,) = work_streams(w.rt)
+    (gate,) = gate_streams(w.rt)
+    mark = stream_log(w.rt, gate)[-1]
+    assert stream_log(w.rt, gate) == ["wait ready0", "wait ready1", "wait ready2", mark]
+    assert mark.startswith("record local")
     calls = stream_log(w.rt, stream)
-    assert calls[:3] == ["wait ready0", "wait ready1", "wait ready2"]
-    assert calls[3:-3] and set(calls[3:-3]) == {"reduce"}
+    assert calls[0] == "wait flag 1"  # raised once the gate passed every ready event
+    assert calls[1:-3] and set(calls[1:-3]) == {"reduce"}
     assert calls[-3:] == ["record done0", "record done1", "record done2"]
+    assert not [c for c in calls if c.startswith("wait ready")]  # never on a rank's event
+    wait_until(lambda: ("set_flag", w.rt.calls("new_flag")[0][1], 1) in w.rt.log)
     # One pass over the data: a single vectorised launch reading 3 inputs, writing 3 outputs.
     (launch,) = w.rt.calls("reduce")
     assert launch[4:6] == (3, 3) and launch[6].vectorized and launch[6].count == n
@@ -272,12 +302,12 @@ def test_later_ops_queue_behind_earlier_ones_on_the_same_stream() -> None:
                 for r, b in enumerate(bufs)
             ]
         )
-    assert len(w.rt.calls("new_stream")) == 1  # one stream per communicator and GPU
-    (stream,) = [c[1] for c in w.rt.calls("new_stream")]
+    # One work stream and one gate stream per communicator and GPU.
+    assert len(w.rt.calls("new_stream")) == 2
+    (stream,) = work_streams(w.rt)
     calls = stream_log(w.rt, stream)
     first_done = calls.index("record done1")
-    second_wait = len(calls) - 1 - calls[::-1].index("wait ready0")
-    assert first_done < second_wait  # op 2's work is queued after op 1's done records
+    assert calls.index("wait flag 2") > first_done  # op 2's work is queued after op 1's
 
 
 def test_two_gpus_split_the_work_and_join_before_done() -> None:
@@ -295,8 +325,10 @@ def test_two_gpus_split_the_work_and_join_before_done() -> None:
     )
     want = host_reduce(vals, pb.SUM)
     assert all(bits(b.array()) == bits(want) for b in bufs)
-    streams = {c[1].device: c[1] for c in w.rt.calls("new_stream")}
+    streams = {s.device: s for s in work_streams(w.rt)}
     assert set(streams) == {0, 1}
+    for gate in gate_streams(w.rt):  # each GPU's gate waits for all four ranks
+        assert stream_log(w.rt, gate)[:4] == [f"wait ready{r}" for r in range(4)]
     assert {("enable_peer", 0, 1), ("enable_peer", 1, 0)} <= set(w.rt.calls("enable_peer"))
     # Each GPU reduces one segment, reading all four ranks.
     segments = [(c[1].device, c[6].start, c[6].count) for c in w.rt.calls("reduce")]
@@ -304,7 +336,7 @@ def test_two_gpus_split_the_work_and_join_before_done() -> None:
     assert sum(count for _, _, count in segments) == n
     for device, stream in streams.items():
         calls = stream_log(w.rt, stream)
-        assert calls[:4] == [f"wait ready{r}" for r in range(4)]
+        assert calls[0] == "wait flag 1"
         other_join = [c for c in calls if c.startswith("wait local")]
         assert len(other_join) == 1  # waits for the other GPU's work before its done events
         assert calls.index(other_join[0]) > max(i for i, c in enumerate(calls) if c == "reduce")
@@ -393,6 +425,74 @@ def test_a_new_allocation_at_an_old_address_replaces_the_mapping_after_queued_wo
     assert [c[1] for c in w.rt.calls("close_memory")] == [old_address]
 
 
+def _all_reduce_pair(w: World, bufs: list[Buffer], seq: int, freed=()) -> None:
+    reqs = [
+        request(pb.ALL_REDUCE, pb.FLOAT32, 64, r, [b], [b], reduce_op=pb.SUM, seq=seq)
+        for r, b in enumerate(bufs)
+    ]
+    reqs[0].cuda.freed.extend(freed)
+    w.run(reqs)
+
+
+def test_a_freed_allocation_is_closed_when_the_ranks_next_op_runs() -> None:
+    """Rank 0 frees its allocation (empty_cache()) and says so with its next op, which uses
+    other memory: the daemon closes the old mapping then, once its queued work has passed
+    it, not only when a new allocation appears at that address or the rank leaves."""
+    w = World([0, 0])
+    bufs = [w.buffer(r, 64, pb.FLOAT32) for r in range(2)]
+    _all_reduce_pair(w, bufs, 1)
+    old = bufs[0].alloc
+    old_address = [c[3] for c in w.rt.calls("open_memory") if c[1] == old.handle]
+    other = w.buffer(0, 64, pb.FLOAT32)
+    freed = pb.CudaBuffer(alloc_base=old.base, buffer_id=old.buffer_id)
+    # Work queued before the free has not finished: the mapping stays open for it.
+    w.rt.pending_marks = True
+    _all_reduce_pair(w, [other, bufs[1]], 2, [freed])
+    assert not w.rt.calls("close_memory")
+    w.rt.pending_marks = False
+    vals = [fill(other, 3), fill(bufs[1], 4)]
+    _all_reduce_pair(w, [other, bufs[1]], 3)  # the next op finds the marks passed
+    assert [c[1] for c in w.rt.calls("close_memory")] == old_address
+    assert bits(other.array()) == bits(host_reduce(vals, pb.SUM))
+    # With idle streams the mapping closes during the op that reports the free.
+    third = w.buffer(0, 64, pb.FLOAT32)
+    _all_reduce_pair(w, [third, bufs[1]], 4)
+    _all_reduce_pair(
+        w,
+        [w.buffer(0, 64, pb.FLOAT32), bufs[1]],
+        5,
+        [pb.CudaBuffer(alloc_base=third.alloc.base, buffer_id=third.alloc.buffer_id)],
+    )
+    third_address = [c[3] for c in w.rt.calls("open_memory") if c[1] == third.alloc.handle]
+    assert [c[1] for c in w.rt.calls("close_memory")] == old_address + third_address
+
+
+def test_a_new_allocation_at_a_freed_base_gets_a_fresh_mapping() -> None:
+    """The free and the new allocation at the same base arrive with one op: the old mapping
+    closes, the new one (another buffer id, even under the same handle bytes) is opened."""
+    w = World([0, 0])
+    bufs = [w.buffer(r, 64, pb.FLOAT32) for r in range(2)]
+    _all_reduce_pair(w, bufs, 1)
+    old = bufs[0].alloc
+    (old_address,) = [c[3] for c in w.rt.calls("open_memory") if c[1] == old.handle]
+    # The driver gives the address to a new allocation; its handle repeats the old bytes
+    # (the daemon must not trust handles alone) but its buffer id is new.
+    fresh = Allocation(np.zeros(256, dtype=np.uint8), 0, old.base, old.handle, 1000)
+    w.rt.allocations[old.handle] = fresh
+    replaced = Buffer(fresh, 0, 64, pb.FLOAT32)
+    vals = [fill(replaced, 5), fill(bufs[1], 6)]
+    freed = pb.CudaBuffer(alloc_base=old.base, buffer_id=old.buffer_id)
+    _all_reduce_pair(w, [replaced, bufs[1]], 2, [freed])
+    opens = [c for c in w.rt.calls("open_memory") if c[1] == old.handle]
+    assert len(opens) == 2 and opens[1][3] != old_address
+    assert [c[1] for c in w.rt.calls("close_memory")] == [old_address]
+    assert bits(replaced.array()) == bits(host_reduce(vals, pb.SUM))
+    # A free reported late (its buffer id already superseded) closes nothing else.
+    _all_reduce_pair(w, [replaced, bufs[1]], 3, [freed])
+    assert [c[1] for c in w.rt.calls("close_memory")] == [old_address]
+    assert len(w.rt.calls("open_memory")) == 3
+
+
 def test_a_departed_ranks_handles_close_once_its_work_is_done() -> None:
     w = World([0, 0])
     bufs = [w.buffer(r, 64, pb.FLOAT32) for r in range(2)]
@@ -425,10 +525,13 @@ def test_a_closed_communicator_drains_and_destroys_its_streams() -> None:
     )
     w.ops.release_comm(w.comm)
     deadline = time.monotonic() + 10
-    while not w.rt.calls("destroy_stream") and time.monotonic() < deadline:
+    while len(w.rt.calls("destroy_stream")) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
-    (stream,) = [c[1] for c in w.rt.calls("new_stream")]
+    (stream,) = work_streams(w.rt)
+    (gate,) = gate_streams(w.rt)
     assert ("synchronize", stream) in w.rt.log and ("destroy_stream", stream) in w.rt.log
+    # The gate stream may wait forever on a dead rank: destroyed, never synchronised.
+    assert ("destroy_stream", gate) in w.rt.log and ("synchronize", gate) not in w.rt.log
 
 
 # -- errors -------------------------------------------------------------------------------------
@@ -491,11 +594,10 @@ def test_a_launch_failing_midway_still_records_every_done_event() -> None:
                 for r, b in enumerate(bufs)
             ]
         )
-    (stream,) = [c[1] for c in w.rt.calls("new_stream")]
+    (stream,) = work_streams(w.rt)
     calls = stream_log(w.rt, stream)
     assert calls == [
-        "wait ready0",
-        "wait ready1",
+        "wait flag 1",
         "reduce",
         "reduce",
         "record done0",
@@ -598,7 +700,7 @@ def test_without_cupy_the_daemon_says_what_to_install(monkeypatch: pytest.Monkey
     monkeypatch.setitem(sys.modules, "cupy", None)  # where CuPy is installed: as if it were not
     with pytest.raises(
         FailedPrecondition,
-        match=r"smddpd on node n7 cannot carry GPU tensors: CuPy is not installed .*smddp\[cuda\]",
+        match=r"smddpd on node n7 cannot carry GPU tensors: CuPy is not installed .*pip install '\.\[cuda\]'",
     ):
         gpu.ops("n7")
     assert gpu.active() is None
@@ -616,7 +718,7 @@ def test_releasing_a_rank_waits_only_for_its_own_communicators_work() -> None:
             for r, b in enumerate(bufs)
         ]
         ops.execute(comm, [0, 1], members, reqs)
-    stream_a, stream_b = (c[1] for c in rt.calls("new_stream"))
+    stream_a, stream_b = work_streams(rt)
     before = len(rt.log)
     rt.pending_marks = True  # job b's stream might be stuck forever; job a's must not wait on it
     ops.release_rank(sessions[0][1])
@@ -706,3 +808,79 @@ def _base(rt: FakeRuntime, address: int) -> int:
     """The daemon-side mapping an address lies in."""
     (base,) = [b for b, a in rt.mapped.items() if b <= address < b + a.data.size]
     return base
+
+
+# -- waits that can be aborted ------------------------------------------------------------------
+
+
+def test_work_waits_for_the_gate_then_runs() -> None:
+    """On streams that really block: the work is held at the flag until every rank's ready
+    event has fired, then runs and records done (the gate thread raised the flag)."""
+    rt = QueuedFakeRuntime(never={"ready1"})
+    w = World([0, 0], rt)
+    bufs = [w.buffer(r, 64, pb.FLOAT32) for r in range(2)]
+    vals = [fill(b, r) for r, b in enumerate(bufs)]
+    w.run(
+        [
+            request(pb.ALL_REDUCE, pb.FLOAT32, 64, r, [b], [b], reduce_op=pb.SUM)
+            for r, b in enumerate(bufs)
+        ]
+    )
+    time.sleep(0.05)
+    assert not rt.calls("reduce")  # rank 1's inputs are not ready yet
+    rt.never.clear()  # rank 1's stream gets there
+    wait_until(lambda: rt.calls("reduce"))
+    assert all(bits(b.array()) == bits(host_reduce(vals, pb.SUM)) for b in bufs)
+
+
+def test_a_killed_ranks_event_never_wedges_the_drain_or_the_survivors_memory() -> None:
+    """Rank 1 is killed after recording its ready event, which so never fires. Tearing the
+    communicator down opens the gate: the work streams finish, the drain's synchronize
+    returns, every done event is recorded, and every mapping (the survivors' too) closes."""
+    rt = QueuedFakeRuntime(never={"ready1"})
+    w = World([0, 0, 0], rt)
+    bufs = [w.buffer(r, 256, pb.FLOAT32) for r in range(3)]
+    for r, b in enumerate(bufs):
+        fill(b, r)
+    w.run(
+        [
+            request(pb.ALL_REDUCE, pb.FLOAT32, 256, r, [b], [b], reduce_op=pb.SUM)
+            for r, b in enumerate(bufs)
+        ]
+    )
+    for session in w.sessions:  # every rank leaves: rank 1 died, the others failed
+        w.ops.release_rank(session)
+    time.sleep(0.05)
+    assert not rt.calls("close_memory")  # queued work may still use them
+    (work,) = work_streams(rt)
+    w.ops.release_comm(w.comm)
+    wait_until(lambda: ("destroy_stream", work) in rt.log)
+    assert ("synchronize", work) in rt.log
+    wait_until(lambda: len(rt.calls("close_memory")) == 3)
+    assert sorted(c[1] for c in rt.calls("close_memory")) == sorted(
+        c[3] for c in rt.calls("open_memory")
+    )
+    dones = [c[1] for c in rt.calls("record") if repr(c[1]).startswith("done")]
+    assert sorted(map(repr, dones)) == ["done0", "done1", "done2"]
+    # Without the gate the drain would have blocked: the gate stream is still stuck.
+    (gate,) = gate_streams(rt)
+    assert rt._queues[gate] and ("synchronize", gate) not in rt.log
+
+
+def test_gate_marks_are_reused_and_destroyed_with_the_communicator() -> None:
+    """An op's gate mark is a spare event of an earlier op whose gate opened (no event is
+    created and destroyed per op); the communicator's teardown destroys the spares."""
+    w = World([0, 0])
+    bufs = [w.buffer(r, 64, pb.FLOAT32) for r in range(2)]
+    _all_reduce_pair(w, bufs, 1)
+    wait_until(lambda: not w.ops._gated)
+    created = [c[1] for c in w.rt.calls("new_event")]
+    for seq in range(2, 8):
+        _all_reduce_pair(w, bufs, seq)
+        wait_until(lambda: not w.ops._gated)
+    assert [c[1] for c in w.rt.calls("new_event")] == created
+    # Each op re-recorded the one mark on the gate stream.
+    assert sum(c[1] in created for c in w.rt.calls("record")) == 7
+    assert not w.rt.calls("destroy_event")
+    w.ops.release_comm(w.comm)
+    wait_until(lambda: {c[1] for c in w.rt.calls("destroy_event")} >= set(created))

@@ -10,7 +10,9 @@ query and an already enabled peer are read, and the kernel's arguments.
 
 from __future__ import annotations
 
+import ctypes
 import sys
+import time
 import types
 
 import numpy as np
@@ -90,6 +92,14 @@ def fake_cupy(calls: list, devices: int = 2, peer_status: int = 0, query_status:
 
         return fn
 
+    pinned: list = []
+
+    def host_alloc(size: int, flags: int) -> int:
+        buf = ctypes.create_string_buffer(b"\xff" * size)
+        pinned.append(buf)
+        calls.append(("hostAlloc", size, flags, current["device"]))
+        return ctypes.addressof(buf)
+
     def enable_peer(peer: int):
         calls.append(("deviceEnablePeerAccess", peer, current["device"]))
         if peer_status:
@@ -114,6 +124,8 @@ def fake_cupy(calls: list, devices: int = 2, peer_status: int = 0, query_status:
         deviceCanAccessPeer=lambda d, p: 1,
         deviceEnablePeerAccess=enable_peer,
         memcpyAsync=call("memcpyAsync"),
+        hostAlloc=host_alloc,
+        freeHost=call("freeHost"),
     )
     driver_mod = types.SimpleNamespace(CUDADriverError=type("CUDADriverError", (RuntimeError,), {}))
     cuda = types.SimpleNamespace(
@@ -256,3 +268,44 @@ def test_a_compile_error_names_the_kernel_and_nvrtcs_log(runtime) -> None:
     ):
         rt.prepare(0, (pb.FLOAT16, pb.SUM, 2, 2))
     assert calls[-1] == ("nvrtcDestroyProgram",)
+
+
+def test_a_flag_is_mapped_host_memory_the_stream_waits_on(runtime) -> None:
+    """The abortable wait: a zeroed word of pinned, mapped, portable host memory; the host
+    writes it; the stream waits with cuStreamWaitValue32 GEQ on its (unified) address."""
+    rt, calls = runtime()
+    waits: list = []
+
+    def wait_value32(stream, address, value, flags):
+        waits.append((stream, address, value, flags, ctypes.c_uint32.from_address(address).value))
+        return 0
+
+    rt._wait_value = wait_value32
+    flag = rt.new_flag(1)
+    assert calls[-1][0] == "hostAlloc" and calls[-1][1:] == (4, 3, 1)
+    rt.wait_flag(0x5000, flag, 7, 1)
+    rt.set_flag(flag, (1 << 32) + 9)  # tickets wrap around at 32 bits
+    assert ctypes.c_uint32.from_address(flag).value == 9
+    assert waits == [(0x5000, flag, 7, 0, 0)]
+    rt._wait_value = lambda *args: 1
+    with pytest.raises(CudaCallError, match="cuStreamWaitValue32: CUDA error 1"):
+        rt.wait_flag(0x5000, flag, 8, 1)
+    rt.destroy_flag(flag)
+    assert calls[-1][:2] == ("freeHost", flag)
+
+
+def test_the_daemons_runtime_warms_the_common_kernels_on_every_gpu(monkeypatch, tmp_path) -> None:
+    calls: list = []
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path))
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy(calls))
+    monkeypatch.setattr(cuda_driver, "driver", lambda: FakeDriver())
+    from smddp.server.gpu_runtime import COMMON_KERNELS, CupyRuntime
+
+    rt = CupyRuntime(warm=True)
+    deadline = time.monotonic() + 30
+    while len(rt._modules) < 2 * len(COMMON_KERNELS):
+        assert time.monotonic() < deadline, rt._modules.keys()
+        time.sleep(0.01)
+    assert {d for _, d in rt._modules} == {0, 1}
+    # One compile per module and architecture, one load per GPU.
+    assert len([c for c in calls if c[0] == "nvrtcCompileProgram"]) == len(COMMON_KERNELS)

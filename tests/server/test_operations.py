@@ -521,22 +521,7 @@ def test_smddpctl_health_status_and_metrics(launch) -> None:
     assert comm["pending"] == []
     assert int(comm["ops_completed"]) == 1
 
-    metrics = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "smddp.server.ctl",
-            "--json",
-            "metrics",
-            "--http",
-            f"127.0.0.1:{d.http_port}",
-        ],
-        env=_clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-    )
+    metrics = _ctl(d, "--json", "metrics", "--raw")  # the samples, read over the socket
     assert metrics.returncode == 0, metrics.stderr
     samples = json.loads(metrics.stdout)
     assert {

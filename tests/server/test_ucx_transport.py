@@ -21,10 +21,11 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
-from smddp.server import ucx_transport as ut
+# ucxx comes with the test extras (scripts/setup.sh): where it is missing or broken, this module
+# fails to import with ucxx's own error instead of skipping (ucx_transport would only say why).
+import ucxx._lib.libucxx  # noqa: F401
 
-if ut.unavailable_reason() is not None:
-    pytest.skip(ut.unavailable_reason(), allow_module_level=True)
+from smddp.server import ucx_transport as ut
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -477,7 +478,6 @@ def _foreign_threads() -> dict[int, str]:
     return found
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
 def test_stop_is_idempotent_closes_connections_and_ends_the_progress_thread(
     make_node: Callable[..., tuple[ut.UcxNode, queue.Queue]],
 ) -> None:

@@ -385,32 +385,36 @@ class OpRequest(_message.Message):
     def __init__(self, request_id: _Optional[int] = ..., session_id: _Optional[str] = ..., session_secret: _Optional[bytes] = ..., seq: _Optional[int] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., kind: _Optional[_Union[OpKind, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., count: _Optional[int] = ..., root: _Optional[int] = ..., reduce_op: _Optional[_Union[ReduceOp, str]] = ..., tag: _Optional[int] = ..., input: _Optional[_Union[Region, _Mapping]] = ..., output: _Optional[_Union[Region, _Mapping]] = ..., send_blocks: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., recv_blocks: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., direct: _Optional[bool] = ..., cuda: _Optional[_Union[CudaOp, _Mapping]] = ...) -> None: ...
 
 class CudaBuffer(_message.Message):
-    __slots__ = ("ipc_handle", "alloc_base", "alloc_bytes", "offset", "nbytes")
+    __slots__ = ("ipc_handle", "alloc_base", "alloc_bytes", "offset", "nbytes", "buffer_id")
     IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
     ALLOC_BASE_FIELD_NUMBER: _ClassVar[int]
     ALLOC_BYTES_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_ID_FIELD_NUMBER: _ClassVar[int]
     ipc_handle: bytes
     alloc_base: int
     alloc_bytes: int
     offset: int
     nbytes: int
-    def __init__(self, ipc_handle: _Optional[bytes] = ..., alloc_base: _Optional[int] = ..., alloc_bytes: _Optional[int] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
+    buffer_id: int
+    def __init__(self, ipc_handle: _Optional[bytes] = ..., alloc_base: _Optional[int] = ..., alloc_bytes: _Optional[int] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., buffer_id: _Optional[int] = ...) -> None: ...
 
 class CudaOp(_message.Message):
-    __slots__ = ("device_uuid", "ready_event", "done_event", "inputs", "outputs")
+    __slots__ = ("device_uuid", "ready_event", "done_event", "inputs", "outputs", "freed")
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     READY_EVENT_FIELD_NUMBER: _ClassVar[int]
     DONE_EVENT_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    FREED_FIELD_NUMBER: _ClassVar[int]
     device_uuid: bytes
     ready_event: bytes
     done_event: bytes
     inputs: _containers.RepeatedCompositeFieldContainer[CudaBuffer]
     outputs: _containers.RepeatedCompositeFieldContainer[CudaBuffer]
-    def __init__(self, device_uuid: _Optional[bytes] = ..., ready_event: _Optional[bytes] = ..., done_event: _Optional[bytes] = ..., inputs: _Optional[_Iterable[_Union[CudaBuffer, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[CudaBuffer, _Mapping]]] = ...) -> None: ...
+    freed: _containers.RepeatedCompositeFieldContainer[CudaBuffer]
+    def __init__(self, device_uuid: _Optional[bytes] = ..., ready_event: _Optional[bytes] = ..., done_event: _Optional[bytes] = ..., inputs: _Optional[_Iterable[_Union[CudaBuffer, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[CudaBuffer, _Mapping]]] = ..., freed: _Optional[_Iterable[_Union[CudaBuffer, _Mapping]]] = ...) -> None: ...
 
 class OpReply(_message.Message):
     __slots__ = ("request_id", "ok", "error_kind", "error")
@@ -501,3 +505,13 @@ class StatusReply(_message.Message):
     uptime_seconds: float
     comms: _containers.RepeatedCompositeFieldContainer[CommStatus]
     def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., comms: _Optional[_Iterable[_Union[CommStatus, _Mapping]]] = ...) -> None: ...
+
+class MetricsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class MetricsReply(_message.Message):
+    __slots__ = ("exposition",)
+    EXPOSITION_FIELD_NUMBER: _ClassVar[int]
+    exposition: str
+    def __init__(self, exposition: _Optional[str] = ...) -> None: ...

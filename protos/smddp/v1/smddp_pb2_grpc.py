@@ -70,6 +70,11 @@ class NodeStub:
                 request_serializer=smddp_dot_v1_dot_smddp__pb2.RendezvousRequest.SerializeToString,
                 response_deserializer=smddp_dot_v1_dot_smddp__pb2.RendezvousReply.FromString,
                 _registered_method=True)
+        self.Metrics = channel.unary_unary(
+                '/smddp.v1.Node/Metrics',
+                request_serializer=smddp_dot_v1_dot_smddp__pb2.MetricsRequest.SerializeToString,
+                response_deserializer=smddp_dot_v1_dot_smddp__pb2.MetricsReply.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -130,6 +135,14 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Metrics(self, request, context):
+        """The daemon's Prometheus metrics, as /metrics on --http-bind serves them, so that smddpctl
+        reads the metrics of the daemon it talks to, whatever --http-bind says (off included).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -167,6 +180,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.Rendezvous,
                     request_deserializer=smddp_dot_v1_dot_smddp__pb2.RendezvousRequest.FromString,
                     response_serializer=smddp_dot_v1_dot_smddp__pb2.RendezvousReply.SerializeToString,
+            ),
+            'Metrics': grpc.unary_unary_rpc_method_handler(
+                    servicer.Metrics,
+                    request_deserializer=smddp_dot_v1_dot_smddp__pb2.MetricsRequest.FromString,
+                    response_serializer=smddp_dot_v1_dot_smddp__pb2.MetricsReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -359,6 +377,33 @@ class Node:
             '/smddp.v1.Node/Rendezvous',
             smddp_dot_v1_dot_smddp__pb2.RendezvousRequest.SerializeToString,
             smddp_dot_v1_dot_smddp__pb2.RendezvousReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Metrics(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/smddp.v1.Node/Metrics',
+            smddp_dot_v1_dot_smddp__pb2.MetricsRequest.SerializeToString,
+            smddp_dot_v1_dot_smddp__pb2.MetricsReply.FromString,
             options,
             channel_credentials,
             insecure,

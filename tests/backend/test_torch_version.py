@@ -1,0 +1,59 @@
+"""The torch range the backend declares (``torch>=2.13,<3``) is checked when it is imported.
+
+Under a torch outside it, ``import smddp.backend`` (and SageMaker's import) raise an ImportError
+that names the range, the torch found and what to do, instead of failing later inside torch;
+``import smddp`` (which registers the backend whenever torch is there) says the same as a
+warning, so that torch stays usable for a numpy job or another backend. The pyproject's torch extra states the same range.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tomllib
+
+from smddp.backend.version import SUPPORTED, UnsupportedTorchError, check_torch
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_versions_inside_and_outside_the_range() -> None:
+    for ok in ("2.13.0", "2.13.0+cpu", "2.14.1+cu128", "2.16.0.dev20261201", "2.99.0"):
+        check_torch(ok)
+    for old in ("2.12.1", "2.5.0+cu121", "1.13.1", "3.0.0"):
+        with pytest.raises(UnsupportedTorchError, match=rf"needs torch>=2\.13,<3; this process has torch {re.escape(old)}\."):
+            check_torch(old)
+
+
+def test_the_torch_extra_declares_the_same_range() -> None:
+    meta = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert meta["project"]["optional-dependencies"]["torch"] == [SUPPORTED]
+
+
+def _python(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+
+
+@pytest.mark.timeout(240)
+def test_an_old_torch_gets_one_clear_message() -> None:
+    pretend = "import torch; torch.__version__ = '2.12.0+cpu'; "
+    proc = _python(pretend + "import smddp.backend")
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("smddp.backend.version.UnsupportedTorchError: smddp's torch backend needs torch>=2.13,<3; "
+                           "this process has torch 2.12.0+cpu. Install a torch in that range"), proc.stderr
+
+    # The SageMaker import path raises the same error.
+    proc = _python(pretend + "import smdistributed.dataparallel.torch.torch_smddp")
+    assert proc.returncode == 1 and "needs torch>=2.13,<3" in proc.stderr, proc.stderr
+
+    # ``import smddp`` alone (as a numpy job or the daemon's tools do) registers the backend
+    # when torch is there: under an unsupported torch that is a warning, and torch stays usable.
+    proc = _python(pretend + "import smddp; print('registered:', 'smddp' in torch.distributed.Backend.backend_list)")
+    assert proc.returncode == 0, proc.stderr
+    assert "registered: False" in proc.stdout, proc.stdout
+    assert "RuntimeWarning: smddp's torch backend needs torch>=2.13,<3; this process has torch 2.12.0+cpu" in proc.stderr

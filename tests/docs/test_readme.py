@@ -1,0 +1,159 @@
+"""The README's commands run as written.
+
+Shell blocks that a reader is meant to run carry a marker on the line before them:
+``<!-- test: run -->`` (any user) or ``<!-- test: run as root -->``. Each is run here with bash
+(``-euo pipefail``), with a timeout: the quick start in the checkout itself (it runs
+scripts/setup.sh, which installs this checkout), the others in a temporary copy of the
+checkout that shares its ``.venv``, since they write files (the example's checkpoint). The block
+for root runs in a private mount and network namespace with a tmpfs on /run, so that its
+``/run/smddp`` socket and default ports are its own. Every shell block, marked or not, must
+name the venv's programs (``.venv/bin/...``) or another explicit path, never a bare
+``python``/``torchrun``/``pip``/``smddpd``/``smddpctl``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+README = REPO / "README.md"
+MARKER = re.compile(r"^(?P<indent>\s*)<!-- test: (?P<how>run|run as root) -->\s*$")
+FENCE = re.compile(r"^(?P<indent>\s*)```(?P<lang>\S*)\s*$")
+# python3 is the system's (it makes the venvs); python, pip and the rest exist only in a venv.
+BARE = {"python", "torchrun", "pip", "smddpd", "smddpctl"}
+RUN_TIMEOUT_S = 900
+
+
+def shell_blocks() -> list[tuple[str | None, int, str]]:
+    """Every ```sh block of the README: (marker or None, line number, dedented text)."""
+    lines = README.read_text().splitlines()
+    blocks = []
+    i = 0
+    while i < len(lines):
+        fence = FENCE.match(lines[i])
+        if fence and fence.group("lang") == "sh":
+            marker = MARKER.match(lines[i - 1]) if i else None
+            start = i + 1
+            j = start
+            while not FENCE.match(lines[j]):
+                j += 1
+            text = textwrap.dedent("\n".join(lines[start:j])) + "\n"
+            blocks.append((marker.group("how") if marker else None, start, text))
+            i = j
+        i += 1
+    return blocks
+
+
+def _marked(word: str) -> str:
+    (text,) = [t for how, _, t in shell_blocks() if how and word in t]
+    return text
+
+
+def _commands(line: str) -> list[str]:
+    """The first word of each command on a shell line, after env assignments and sudo."""
+    line = line.split(" #", 1)[0]
+    words = []
+    for part in re.split(r"&&|\|\||;|\||&|\$\(", line):
+        tokens = [t for t in part.strip().split() if not re.match(r"^[A-Z_]+=", t)]
+        while tokens and tokens[0] in ("sudo", "do", "then", "exec", "time"):
+            tokens = tokens[1:]
+        if tokens:
+            words.append(tokens[0])
+    return words
+
+
+def test_the_marked_blocks_are_there() -> None:
+    marked = [t for how, _, t in shell_blocks() if how]
+    assert any("scripts/setup.sh" in t and "train_digits.py" in t for t in marked), "quick start"
+    assert any("/run/smddp/smddpd.sock" in t for t in marked), "system daemon"
+    assert any("numpy_allreduce.py" in t for t in marked), "numpy example"
+
+
+def test_no_block_runs_a_bare_program() -> None:
+    bare = [
+        f"README.md:{start + n}: {line.strip()}"
+        for _, start, text in shell_blocks()
+        for n, line in enumerate(text.splitlines())
+        if line.strip() and not line.lstrip().startswith("#") and BARE & set(_commands(line))
+    ]
+    assert bare == [], "commands that need an active venv:\n" + "\n".join(bare)
+
+
+def _run(script: str, cwd: Path, env: dict[str, str], prefix: list[str] | None = None) -> str:
+    # The block goes beside TMPDIR (the test's own folder), never into the checkout.
+    path = Path(env["TMPDIR"]) / "readme-block.sh"
+    path.write_text(script)
+    proc = subprocess.run(
+        [*(prefix or []), "bash", "-euo", "pipefail", str(path)],
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"exit {proc.returncode}:\n{script}\n{out[-6000:]}"
+    return out
+
+
+@pytest.fixture
+def copy(tmp_path: Path) -> Path:
+    """A copy of the checkout (without .git or the venv), whose .venv is the checkout's."""
+    dest = tmp_path / "smddp"
+    ignore = shutil.ignore_patterns(
+        ".git", ".venv", "model", "build", "dist", "__pycache__", ".pytest_cache", ".ruff_cache", "*.egg-info"
+    )
+    shutil.copytree(REPO, dest, ignore=ignore, symlinks=True)
+    (dest / ".venv").symlink_to(REPO / ".venv")
+    return dest
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SMDDP_")}
+    env["TMPDIR"] = str(tmp_path)
+    return env
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(RUN_TIMEOUT_S + 60)
+def test_quick_start(tmp_path: Path) -> None:
+    # In the checkout itself: scripts/setup.sh installs the checkout it is in (here, again).
+    had_model = (REPO / "model").exists()
+    try:
+        out = _run(_marked("scripts/setup.sh"), REPO, _env(tmp_path))
+    finally:
+        if not had_model:
+            shutil.rmtree(REPO / "model", ignore_errors=True)
+    assert "started an embedded daemon for this job" in out, out[-3000:]
+    accuracy = [float(a) for a in re.findall(r"final accuracy: (\d\.\d+)", out)]  # rank 0 tests
+    assert len(accuracy) == 1 and accuracy[0] > 0.9, out[-3000:]
+    assert "rank 0 saved checkpoint to" in out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(RUN_TIMEOUT_S + 60)
+def test_numpy_example(copy: Path, tmp_path: Path) -> None:
+    out = _run(_marked("numpy_allreduce.py"), copy, _env(tmp_path))
+    for rank in (0, 1):
+        assert f"rank {rank}: all_reduce(SUM) of 1048576 x float32 ok" in out, out
+        assert f"rank {rank}: all_gather and barrier ok" in out, out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(RUN_TIMEOUT_S + 60)
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare")
+def test_system_daemon(copy: Path, tmp_path: Path) -> None:
+    # Its own /run (the socket) and network (default ports), so that nothing else on this
+    # machine is touched or in the way.
+    isolate = ["unshare", "--mount", "--net", "--propagation", "private", "sh", "-c",
+               'ip link set lo up && mount -t tmpfs tmpfs /run && exec "$@"', "isolate"]
+    out = _run(_marked("/run/smddp/smddpd.sock"), copy, _env(tmp_path), prefix=isolate)
+    assert "smddpd serving on /run/smddp/smddpd.sock" in out, out[-3000:]
+    assert "smddp: using the smddpd that answers at /run/smddp/smddpd.sock" in out, out[-3000:]
+    assert "started an embedded daemon" not in out, out[-3000:]
+    assert len(re.findall(r"final accuracy: 0\.9\d+", out)) == 1, out[-3000:]
+    # smddpctl metrics: the job's ops, as the system daemon counted them.
+    assert re.search(r"^all_reduce\s+float32\s+\d+\s", out, re.M), out[-3000:]
