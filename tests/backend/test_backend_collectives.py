@@ -126,6 +126,10 @@ def test_sagemaker_import_path_registers_backend() -> None:
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(free_port()),
         SMDDP_SOCKET=os.path.join(tempfile.mkdtemp(prefix="smddp-test-"), "absent.sock"),
+        # Without torch's entry-point autoload, which would register smddp when torch is
+        # imported (tests/frameworks/test_launchers.py tests that path): this test is about
+        # the SageMaker import alone.
+        TORCH_DEVICE_BACKEND_AUTOLOAD="0",
     )
     proc = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=30

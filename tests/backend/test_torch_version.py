@@ -51,9 +51,13 @@ def test_an_old_torch_gets_one_clear_message() -> None:
     proc = _python(pretend + "import smdistributed.dataparallel.torch.torch_smddp")
     assert proc.returncode == 1 and "needs torch>=2.13,<3" in proc.stderr, proc.stderr
 
-    # ``import smddp`` alone (as a numpy job or the daemon's tools do) registers the backend
-    # when torch is there: under an unsupported torch that is a warning, and torch stays usable.
-    proc = _python(pretend + "import smddp; print('registered:', 'smddp' in torch.distributed.Backend.backend_list)")
-    assert proc.returncode == 0, proc.stderr
-    assert "registered: False" in proc.stdout, proc.stdout
-    assert "RuntimeWarning: smddp's torch backend needs torch>=2.13,<3; this process has torch 2.12.0+cpu" in proc.stderr
+    # ``import smddp`` alone (as a numpy job or the daemon's tools do) keeps torch usable under
+    # an unsupported torch: the backend's creator imports smddp.backend, so the same clear error
+    # comes when a process group is first made.
+    proc = _python(pretend + "import smddp; print('torch usable:', torch.ones(2).sum().item()); "
+                   "smddp._create(None, None)")
+    assert "torch usable: 2.0" in proc.stdout, proc.stderr
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("smddp.backend.version.UnsupportedTorchError: smddp's torch backend needs "
+                           "torch>=2.13,<3; this process has torch 2.12.0+cpu."), proc.stderr
