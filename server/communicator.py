@@ -17,11 +17,18 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from smddp.server import collectives, gpu, multinode
+from smddp.server import gpu, hierarchical, host_collectives
 from smddp.server.control_region import ControlRegion
-from smddp.server.errors import FailedPrecondition, InvalidRequest, OpMismatch, SmddpError
+from smddp.server.domain import Layout, NodeSpec, request_signature
+from smddp.server.errors import (
+    FailedPrecondition,
+    InvalidRequest,
+    OpMismatch,
+    PeerError,
+    SmddpError,
+)
 from smddp.server.logthrottle import refusals
-from smddp.server.peer_transport import FRAME_DATA, CommPeers, Frame, PeerError
+from smddp.server.peer_wire import FRAME_DATA, Frame
 from smddp.server.session import Session
 from smddp.v1 import smddp_pb2 as pb
 from smddp.wire import (
@@ -41,6 +48,7 @@ log = logging.getLogger(__name__)
 if TYPE_CHECKING:
     from smddp.server.limits import BufferAccount
     from smddp.server.metrics import Metrics
+    from smddp.server.peer_transport import CommPeers
 
 @dataclass
 class Pending:
@@ -58,14 +66,6 @@ class Pending:
 
     def missing(self) -> list[int]:
         return [r for r in self.participants if r not in self.arrivals]
-
-
-def _signature(req: pb.OpRequest) -> tuple[int, ...]:
-    # all_to_all ranks legitimately send different totals; their blocks are checked pairwise.
-    count = 0 if req.kind == pb.ALL_TO_ALL else req.count
-    root = req.root if req.kind in ROOTED_KINDS else -1
-    op = req.reduce_op if req.kind in REDUCING_KINDS else 0
-    return (req.kind, req.dtype if req.kind != pb.BARRIER else 0, count, root, op, req.parts, req.direct)
 
 
 class Communicator:
@@ -86,6 +86,7 @@ class Communicator:
         metrics: Metrics | None = None,
         nodes: list[list[int]] | None = None,
         my_node: int = 0,
+        specs: tuple[NodeSpec, ...] = (),
     ) -> None:
         self.job_id = job_id
         self.comm_id = comm_id
@@ -98,6 +99,7 @@ class Communicator:
         self.nodes = nodes or [list(range(world_size))]
         self.my_node = my_node
         self.local_ranks = tuple(self.nodes[my_node])
+        self.layout = Layout(job_id, comm_id, tuple(tuple(r) for r in self.nodes), my_node, specs)
         self._remote = set(range(world_size)) - set(self.local_ranks)
         self.peers: CommPeers | None = None
         self._work: queue.Queue[Pending | None] | None = None
@@ -375,10 +377,10 @@ class Communicator:
                 if any(r.HasField("cuda") for r in reqs):
                     gpu.ops(sessions[0].node_id).execute(self, pending.participants, sessions, reqs)
                 elif self.peers is None:
-                    collectives.execute(reqs, arenas)  # type: ignore[arg-type]
+                    host_collectives.execute(reqs, arenas)  # type: ignore[arg-type]
                 else:
                     by_rank = dict(zip(pending.participants, reqs))
-                    multinode.execute(self, by_rank, dict(zip(pending.participants, arenas)))  # type: ignore[arg-type]
+                    hierarchical.execute(self.layout, self.peers, by_rank, dict(zip(pending.participants, arenas)))  # type: ignore[arg-type]
         except PeerError as exc:
             msg = f"{self.name()}: {exc}"
             self.fail(exc.kind, msg)
@@ -442,7 +444,7 @@ class Communicator:
             gpu.ops(s_send.node_id).execute_p2p(self, (s_send, send), (s_recv, recv))
             return
         if sent is None:
-            collectives.execute_p2p(send, recv, s_send.arena, s_recv.arena)  # type: ignore[arg-type]
+            host_collectives.execute_p2p(send, recv, s_send.arena, s_recv.arena)  # type: ignore[arg-type]
             return
         out = s_recv.arena.view(recv.output, sent.dtype)  # type: ignore[union-attr]
         if out.size != sent.size:
@@ -453,7 +455,7 @@ class Communicator:
         groups: dict[tuple[int, ...], list[int]] = {}
         by_rank = dict(zip(pending.participants, reqs))
         for rank, req in by_rank.items():
-            groups.setdefault(_signature(req), []).append(rank)
+            groups.setdefault(request_signature(req), []).append(rank)
         if len(groups) == 1:
             return
         # Name the minority first: "rank 3 called X as op #17 while ranks 0-2 called Y".

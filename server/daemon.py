@@ -20,8 +20,10 @@ from smddp.server.config import DaemonConfig
 from smddp.server.data_socket import DataSocketServer
 from smddp.server.http import HttpServer
 from smddp.server.metrics import Metrics
-from smddp.server.peer_control import PeerControl, PeerService, server_credentials
-from smddp.server.peer_transport import PeerNetwork, parse_address
+from smddp.server.peer_control import PeerControl
+from smddp.server.peer_service import PeerService, server_credentials
+from smddp.server.peer_transport import CommPeers, PeerNetwork
+from smddp.server.peer_wire import parse_address
 from smddp.server.registry import Registry
 from smddp.server.service import NodeService
 from smddp.server.topology import advertise_address
@@ -189,6 +191,11 @@ class Daemon:
             ", ".join(self.listeners),
         )
 
+    def _find_peers(self, job_id: str, comm_id: str, proof: bytes) -> CommPeers | None:
+        """The peers of the communicator a data connection's HELLO names, if it is here."""
+        comm = self.registry.find_comm(job_id, comm_id, proof)
+        return comm.peers if comm is not None else None
+
     def _start_peers(self) -> None:
         """The Peer service (gRPC) on --peer-bind, and the data listener on its host."""
         cfg = self.config
@@ -196,7 +203,7 @@ class Daemon:
         tls_files = (cfg.tls_cert, cfg.tls_key, cfg.tls_ca) if cfg.tls_cert else None
         transport = pb.UCX if cfg.peer_transport == "ucx" else pb.TCP
         self._peers = PeerNetwork(
-            host, cfg.data_port, transport, self.registry.find_comm, PeerControl(tls_files), cfg.ucx_port,
+            host, cfg.data_port, transport, self._find_peers, PeerControl(tls_files), cfg.ucx_port,
             tls=tls.contexts(*tls_files) if tls_files else None,
         )
         server = grpc.server(

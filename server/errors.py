@@ -64,3 +64,32 @@ class RemoteRefusal(SmddpError):
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+class NotFound(SmddpError):
+    """What a peer asked for is not here (yet): a communicator not registered on this node."""
+
+    kind = pb.INVALID
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class Aborted(SmddpError):
+    """The communicator a peer asked about has failed already."""
+
+    kind = pb.ABORTED
+    code = grpc.StatusCode.ABORTED
+
+
+class PeerError(SmddpError):
+    """A peer exchange could not complete; the message names the node.
+
+    ``kind`` is the ErrorKind the communicator fails with: RANK_FAILED for a lost or
+    unreachable node, TIMEOUT for one that sent nothing in time.
+    """
+
+    kind = pb.RANK_FAILED
+    code = grpc.StatusCode.UNAVAILABLE
+
+    def __init__(self, message: str, kind: int = pb.RANK_FAILED) -> None:
+        super().__init__(message)
+        self.kind = kind

@@ -3,20 +3,22 @@
 For every pair of nodes of a communicator the lower node asks the higher one's Peer service
 (gRPC, ``peer_control``) to join, which checks the job token and the layout and answers with
 its data port; the lower node then opens ``CONNECTIONS_PER_PEER`` data connections there, TCP
-(TLS when configured) or UCX (``--peer-transport``), and proves the token again on each.
-Frames then flow both ways: DATA (a header and the chunk's bytes, received straight into a
-buffer), HEARTBEAT (every second; a connection silent for ``HEARTBEAT_TIMEOUT_S`` means the
-peer is gone, which a partition or a crashed host would otherwise hide for minutes) and BYE.
+(TLS when configured, ``tcp_transport``) or UCX (``ucx_transport``, ``--peer-transport``), and
+proves the token again on each. Frames then flow both ways (``peer_wire``): DATA, HEARTBEAT
+(every second; a connection silent for ``HEARTBEAT_TIMEOUT_S`` means the peer is gone, which a
+partition or a crashed host would otherwise hide for minutes) and BYE.
 
 Liveness is judged on the data connections on purpose: if the data path to a node is broken,
 the node counts as lost, whatever its control service says. Aborts travel over the Peer
 service, so that they reach a node whose data connections are not up yet.
+
+``CommPeers`` knows nothing of the communicator it serves: it is given the layout, the token
+and a callback through which it reports a lost node (or a mailbox over budget); the
+communicator calls ``abort``, ``failed`` and ``close`` on it.
 """
 
 from __future__ import annotations
 
-import errno
-import hashlib
 import hmac
 import itertools
 import logging
@@ -26,22 +28,44 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import grpc
 import numpy as np
 
-from smddp.server.logthrottle import refusals
-from smddp.server.tls import TlsSocket
+from smddp.server.domain import Layout
+from smddp.server.errors import PeerError
+from smddp.server.peer_control import PeerControl
+from smddp.server.peer_wire import (
+    FRAME_BYE,
+    FRAME_DATA,
+    FRAME_HEARTBEAT,
+    HEADER,
+    HELLO_OK,
+    HELLO_REFUSED,
+    HELLO_RETRY,
+    Connection,
+    Frame,
+    answer,
+    pack_header,
+    pack_hello,
+    parse_address,
+    read_answer,
+    read_hello,
+    recv_exact,
+    recv_into,
+    token_proof,
+    unpack_header,
+)
+from smddp.server.tcp_transport import TcpNode
 from smddp.v1 import smddp_pb2 as pb
 from smddp.wire import rank_list
 
 if TYPE_CHECKING:
-    from smddp.server.communicator import Communicator
+    from smddp.server.limits import BufferAccount
     from smddp.server.metrics import Metrics
-    from smddp.server.peer_control import PeerControl
-    from smddp.server.ucx_transport import UcxNode
+
+__all__ = ["CommPeers", "FRAME_DATA", "Frame", "PeerError", "PeerNetwork", "parse_address", "token_proof"]
 
 log = logging.getLogger(__name__)
 
@@ -52,24 +76,14 @@ CONNECT_RETRY_S = 0.1
 ABORT_WAIT_S = 2.0  # how long a failing node waits for its Abort calls to be answered
 STATUS_WAIT_S = 2.0  # how long a timed-out receive waits for the silent node's status
 
-FRAME_DATA = 1
-FRAME_HEARTBEAT = 3
-FRAME_BYE = 4  # the sender's ranks have all left; its EOF that follows is not a failure
-
-# magic, type, kind, dtype, reserved (0; it carried an ABORT frame's error kind before aborts
-# moved to the Peer service), seq, part, parts, round, src rank, dst rank, count, root, reduce
-# op, payload bytes, source node
-HEADER = struct.Struct("!4sBBBBQIIIiiQiIQI")
-MAGIC = b"SMDP"
-HELLO = struct.Struct("!4sHHI")
-HELLO_MAGIC = b"SMDH"
-HELLO_OK, HELLO_RETRY, HELLO_REFUSED = 0, 1, 2
-MAX_PAYLOAD = 1 << 34
-
-
 # Added to a TLS failure that is not a certificate refusal (e.g. TLS on one side only).
 TLS_SETUP_HINT = " (do both daemons run with --tls-cert, --tls-key and --tls-ca of the same CA?)"
-RETRYABLE_JOIN = frozenset({grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+RETRYABLE_JOIN = frozenset(
+    {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+)
+
+# How CommPeers reports that the communicator must fail: an ErrorKind and the message.
+OnFailure = Callable[[int, str], None]
 
 
 def _tls_refusal(details: str, tls: bool, node_id: str) -> str | None:
@@ -86,78 +100,15 @@ def _tls_refusal(details: str, tls: bool, node_id: str) -> str | None:
     if "socket closed" in low:
         # A daemon closes a connection unanswered when the TLS handshake fails on its side.
         if tls:
-            return f"it closed the connection in the TLS handshake: does it trust our certificate's CA (--tls-ca)? ({details})"
-        return "it closed our connection unanswered: it takes peer connections over TLS only (--tls-cert), and this daemon has no TLS"
+            return (
+                "it closed the connection in the TLS handshake: does it trust our certificate's "
+                f"CA (--tls-ca)? ({details})"
+            )
+        return (
+            "it closed our connection unanswered: it takes peer connections over TLS only "
+            "(--tls-cert), and this daemon has no TLS"
+        )
     return None
-
-
-class Connection(Protocol):
-    """What a data connection offers: a TCP socket, a ``TlsSocket`` or a ``UcxConnection``."""
-
-    def settimeout(self, seconds: float | None) -> None: ...
-    def sendall(self, data: bytes | bytearray | memoryview) -> None: ...
-    def recv_into(self, view: memoryview) -> int: ...
-    def shutdown(self, how: int) -> None: ...
-    def close(self) -> None: ...
-
-
-class PeerError(Exception):
-    """A peer exchange could not complete; the message names the node."""
-
-    def __init__(self, message: str, kind: int = pb.RANK_FAILED) -> None:
-        super().__init__(message)
-        self.kind = kind  # the ErrorKind the communicator fails with
-
-
-@dataclass
-class Frame:
-    """One received frame: its header fields and payload."""
-
-    ftype: int
-    kind: int
-    dtype: int
-    seq: int
-    part: int
-    parts: int
-    round: int
-    src_rank: int
-    dst_rank: int
-    count: int
-    root: int
-    reduce_op: int
-    src_node: int
-    payload: np.ndarray
-
-    def signature(self) -> tuple[int, ...]:
-        count = 0 if self.kind == pb.ALL_TO_ALL else self.count
-        return (self.kind, self.dtype, count, self.root, self.reduce_op, self.parts)
-
-
-def token_proof(token: bytes, job_id: str, comm_id: str) -> bytes:
-    """What a connecting daemon shows to prove it knows the job's token."""
-    return hmac.new(token, f"smddp-peer-v1/{job_id}/{comm_id}".encode(), hashlib.sha256).digest()
-
-
-def _recv_into(sock: Connection, view: memoryview) -> None:
-    """Fills ``view`` from ``sock``; raises ConnectionError if the peer closes first."""
-    got, n = 0, len(view)
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            raise ConnectionError("connection closed by the peer")
-        got += k
-
-
-def _recv_exact(sock: Connection, n: int) -> bytes:
-    buf = bytearray(n)
-    _recv_into(sock, memoryview(buf))
-    return bytes(buf)
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    """``HOST:PORT`` to a tuple (``[v6]:PORT`` too)."""
-    host, _, port = address.rpartition(":")
-    return host.strip("[]"), int(port)
 
 
 class CommPeers:
@@ -165,34 +116,48 @@ class CommPeers:
 
     def __init__(
         self,
-        comm: Communicator,
-        my_node: int,
-        node_ids: Sequence[str],
-        addresses: Sequence[str],
-        metrics: Metrics | None,
+        layout: Layout,
+        token: bytes,
+        timeout_s: float,
         network: PeerNetwork,
+        on_failure: OnFailure,
+        buffers: BufferAccount | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
-        self.comm = comm
+        """Starts connecting to the nodes of higher index, and the heartbeat.
+
+        Args:
+            layout: the communicator's nodes; ``layout.specs`` names each node's daemon.
+            token: the job's token, whose proof every connection and Peer call carries.
+            timeout_s: how long connecting, and each receive, may take.
+            on_failure: called with an ErrorKind and a message when a node is lost or a send
+                arrives that the mailbox may not hold; the communicator fails with them.
+            buffers: the job's budget for sends that arrive before their receive is posted.
+        """
+        self.layout = layout
         self.network = network
-        self.my_node = my_node
-        self.node_ids = list(node_ids)
-        self.addresses = list(addresses)
+        self.my_node = layout.my_node
+        self.node_ids = layout.node_ids()
+        self.addresses = [s.peer_address for s in layout.specs]
+        self.timeout_s = timeout_s
+        self.proof = token_proof(token, layout.job_id, layout.comm_id)
+        self._on_failure = on_failure
+        self._buffers = buffers
         self._metrics = metrics
-        self._proof = token_proof(comm.token, comm.job_id, comm.comm_id)
         self._socks: dict[int, list[Connection]] = {}
         self._send_locks: dict[Connection, threading.Lock] = {}
         self._rr = itertools.count()
-        self._mail: dict[tuple, Frame] = {}
+        self._mail: dict[tuple[object, ...], Frame] = {}
         self._mail_p2p_bytes = 0  # of p2p frames in _mail: counted against the job's budget
-        self._waiters: dict[tuple, Callable[[Frame], None]] = {}
+        self._waiters: dict[tuple[object, ...], Callable[[Frame], None]] = {}
         self._cond = threading.Condition()
         self._closed = False
         self._failure: str | None = None
         self._gone: set[int] = set()  # nodes that said BYE on every connection
         self._byes: dict[int, int] = {}  # BYEs received per node
         self._aborts: list[threading.Thread] = []  # Abort calls in flight
-        for node in range(len(node_ids)):
-            if node > my_node:
+        for node in range(len(self.node_ids)):
+            if node > self.my_node:
                 threading.Thread(target=self._connect, args=(node,), name="smddp-peer-connect", daemon=True).start()
         threading.Thread(target=self._heartbeat, name="smddp-peer-heartbeat", daemon=True).start()
 
@@ -203,20 +168,31 @@ class CommPeers:
 
     def peer_request(self) -> pb.PeerRequest:
         """What every call to another node's Peer service starts with."""
-        return pb.PeerRequest(job_id=self.comm.job_id, comm_id=self.comm.comm_id, node=self.my_node, proof=self._proof)
+        return pb.PeerRequest(
+            job_id=self.layout.job_id, comm_id=self.layout.comm_id, node=self.my_node, proof=self.proof
+        )
+
+    def accepts(self, proof: bytes, node: int) -> str | None:
+        """Why a connection or Peer call from ``node`` with ``proof`` is refused, or None."""
+        if not hmac.compare_digest(proof, self.proof):
+            return f"wrong job token for job {self.layout.job_id}"
+        if not 0 <= node < len(self.node_ids) or node == self.my_node:
+            return f"node index {node} is not a peer of this node"
+        return None
 
     def _join(self, node: int, deadline: float) -> int | None:
         """Asks ``node``'s Peer service to join; its data port, or None once the node is lost."""
-        stub = self.network.control.stub(self.addresses[node], self.node_ids[node])
-        request = pb.JoinRequest(peer=self.peer_request(), node_ids=self.node_ids, transport=self.network.transport)
+        control, peer = self.network.control, self.peer_request()
         while not self._closed:
             try:
                 timeout = max(0.1, min(HEARTBEAT_TIMEOUT_S, deadline - time.monotonic()))
-                return stub.Join(request, timeout=timeout).data_port
+                return control.join(
+                    self.addresses[node], self.node_ids[node], peer, self.node_ids, self.network.transport, timeout
+                )
             except grpc.RpcError as exc:
                 code, details = exc.code(), exc.details() or str(exc.code())
                 details = details.split("last error: ", 1)[-1]  # not gRPC's "failed to connect to all addresses"
-            log.debug("%s: joining node %s: %s: %s", self.comm.name(), self.node_ids[node], code, details)
+            log.debug("%s: joining node %s: %s: %s", self.layout.name(), self.node_ids[node], code, details)
             refusal = _tls_refusal(details, self.network.tls, self.node_ids[node])
             if refusal is not None:
                 self._lost(node, f"refused our connection: {refusal}")
@@ -225,28 +201,25 @@ class CommPeers:
                 self._lost(node, f"refused to join: {details}")
                 return None
             if time.monotonic() > deadline:
-                self._timed_out(node, f"did not let this node join within {self.comm.timeout_s:.0f} s ({details})")
+                self._timed_out(node, f"did not let this node join within {self.timeout_s:.0f} s ({details})")
                 return None
             time.sleep(CONNECT_RETRY_S)
         return None
 
     def _connect(self, node: int) -> None:
-        deadline = time.monotonic() + self.comm.timeout_s
+        deadline = time.monotonic() + self.timeout_s
         port = self._join(node, deadline)
         if port is None:
             return
         host = parse_address(self.addresses[node])[0]
-        job, comm = self.comm.job_id.encode(), self.comm.comm_id.encode()
-        hello = HELLO.pack(HELLO_MAGIC, len(job), len(comm), self.my_node) + job + comm + self._proof
+        hello = pack_hello(self.layout.job_id, self.layout.comm_id, self.my_node, self.proof)
         for _ in range(CONNECTIONS_PER_PEER):
             while not self._closed:
                 sock: Connection | None = None
                 try:
                     sock = self.network.dial(host, port, self.node_ids[node])
                     sock.sendall(hello)
-                    status = _recv_exact(sock, 1)[0]
-                    (n,) = struct.unpack("!H", _recv_exact(sock, 2))
-                    message = _recv_exact(sock, n).decode(errors="replace")
+                    status, message = read_answer(sock)
                 except ssl.SSLError as exc:
                     # Certificates do not change by retrying; TLS on one side only does not either.
                     hint = "" if isinstance(exc, ssl.SSLCertVerificationError) else TLS_SETUP_HINT
@@ -262,7 +235,7 @@ class CommPeers:
                     self._lost(node, f"refused our connection: {message}")
                     return
                 if time.monotonic() > deadline:
-                    self._timed_out(node, f"did not accept a connection within {self.comm.timeout_s:.0f} s ({message})")
+                    self._timed_out(node, f"did not accept a connection within {self.timeout_s:.0f} s ({message})")
                     return
                 time.sleep(CONNECT_RETRY_S)
 
@@ -288,9 +261,10 @@ class CommPeers:
         if self._closed or node in self._gone:
             return
         message = (
-            f"{self.comm.name()}: lost node {self.node_ids[node]} (daemon at {self.addresses[node]}): {detail}"
+            f"{self.layout.name()}: lost node {self.node_ids[node]} "
+            f"(daemon at {self.addresses[node]}): {detail}"
         )
-        self.comm.fail(pb.RANK_FAILED, message, propagate=True)
+        self._on_failure(pb.RANK_FAILED, message)
 
     # -- sending ------------------------------------------------------------------------------
 
@@ -302,7 +276,7 @@ class CommPeers:
                 if remaining <= 0:
                     raise PeerError(
                         f"no connection to node {self.node_ids[node]} ({self.addresses[node]}) "
-                        f"within {self.comm.timeout_s:.0f} s"
+                        f"within {self.timeout_s:.0f} s"
                     )
                 self._cond.wait(min(remaining, 0.5))
             socks = self._socks[node]
@@ -325,11 +299,12 @@ class CommPeers:
         """
         nbytes = sum(p.nbytes if isinstance(p, np.ndarray) else len(p) for p in payloads)
         r = req or pb.OpRequest()
-        header = HEADER.pack(
-            MAGIC, ftype, r.kind, r.dtype, 0, r.seq, r.part, r.parts, round_,
-            src_rank, dst_rank, r.count, r.root, r.reduce_op, nbytes, self.my_node,
+        header = pack_header(
+            ftype, self.my_node, nbytes, kind=r.kind, dtype=r.dtype, seq=r.seq, part=r.part, parts=r.parts,
+            round_=round_, src_rank=src_rank, dst_rank=dst_rank, count=r.count, root=r.root,
+            reduce_op=r.reduce_op,
         )
-        sock = self._socket_for(node, time.monotonic() + self.comm.timeout_s)
+        sock = self._socket_for(node, time.monotonic() + self.timeout_s)
         with self._send_locks[sock]:
             try:
                 sock.sendall(header)
@@ -349,13 +324,13 @@ class CommPeers:
         the news arrives before the BYE, which would otherwise read as a clean leave. A node
         that cannot be told learns it anyway: its data connections break or fall silent.
         """
-        request = pb.AbortRequest(peer=self.peer_request(), kind=kind, message=message[:65536])
+        control, peer = self.network.control, self.peer_request()
 
         def tell(node: int) -> None:
             try:
-                self.network.control.stub(self.addresses[node], self.node_ids[node]).Abort(request, timeout=ABORT_WAIT_S)
+                control.abort(self.addresses[node], self.node_ids[node], peer, kind, message, ABORT_WAIT_S)
             except grpc.RpcError as exc:
-                log.info("%s: could not tell node %s of the failure: %s", self.comm.name(), self.node_ids[node], exc.details())
+                log.info("%s: could not tell node %s of the failure: %s", self.layout.name(), self.node_ids[node], exc.details())
 
         for node in self.peer_nodes():
             thread = threading.Thread(target=tell, args=(node,), name="smddp-peer-abort", daemon=True)
@@ -366,14 +341,15 @@ class CommPeers:
         """What ``node`` says it waits for, from its Peer service, as a sentence."""
         name = f"node {self.node_ids[node]}"
         try:
-            stub = self.network.control.stub(self.addresses[node], self.node_ids[node])
-            status = stub.PeerStatus(pb.PeerStatusRequest(peer=self.peer_request()), timeout=STATUS_WAIT_S).comm
+            status = self.network.control.status(
+                self.addresses[node], self.node_ids[node], self.peer_request(), STATUS_WAIT_S
+            )
         except grpc.RpcError as exc:
             return f"{name} does not answer either ({exc.details() or exc.code()})"
         if status.failed:
             return f"{name} says the communicator failed there: {status.failed}"
         if not status.pending:
-            ranks = self.comm.nodes[node]
+            ranks = list(self.layout.nodes[node])
             return (
                 f"{name} says {rank_list(ranks)} {'has' if len(ranks) == 1 else 'have'} not called it "
                 f"({status.ops_completed} ops completed there)"
@@ -385,7 +361,7 @@ class CommPeers:
         return f"{name} says " + "; ".join(waits)
 
     def _heartbeat(self) -> None:
-        header = HEADER.pack(MAGIC, FRAME_HEARTBEAT, 0, 0, 0, 0, 0, 0, 0, -1, -1, 0, 0, 0, 0, self.my_node)
+        header = pack_header(FRAME_HEARTBEAT, self.my_node)
         while not self._closed:
             time.sleep(HEARTBEAT_PERIOD_S)
             with self._cond:
@@ -406,13 +382,12 @@ class CommPeers:
         said_bye = False  # this connection's end, announced: its EOF is no failure
         try:
             while True:
-                fields = HEADER.unpack(_recv_exact(sock, HEADER.size))
-                (magic, ftype, kind, dtype, _reserved, seq, part, parts, round_, src_rank, dst_rank,
-                 count, root, reduce_op, nbytes, src_node) = fields
-                if magic != MAGIC or src_node != node or nbytes > MAX_PAYLOAD:
+                frame, nbytes = unpack_header(recv_exact(sock, HEADER.size))
+                if frame.src_node != node:
                     raise ConnectionError("malformed frame header")
-                payload = np.empty(nbytes, dtype=np.uint8)
-                _recv_into(sock, memoryview(payload))
+                frame.payload = np.empty(nbytes, dtype=np.uint8)
+                recv_into(sock, memoryview(frame.payload))
+                ftype = frame.ftype
                 if ftype == FRAME_HEARTBEAT:
                     continue
                 if ftype == FRAME_BYE:
@@ -429,8 +404,6 @@ class CommPeers:
                     raise ConnectionError(f"unknown frame type {ftype}")
                 if self._metrics is not None and nbytes:
                     self._metrics.peer_bytes_received.labels(self.node_ids[node]).inc(nbytes)
-                frame = Frame(ftype, kind, dtype, seq, part, parts, round_, src_rank, dst_rank,
-                              count, root, reduce_op, src_node, payload)
                 self._deliver(frame)
         except TimeoutError:
             if not said_bye:
@@ -443,7 +416,7 @@ class CommPeers:
 
     def _deliver(self, frame: Frame) -> None:
         if frame.kind in (pb.SEND, pb.RECV):
-            key: tuple = ("p", frame.src_rank, frame.dst_rank, frame.seq, frame.part)
+            key: tuple[object, ...] = ("p", frame.src_rank, frame.dst_rank, frame.seq, frame.part)
         else:
             key = ("c", frame.seq, frame.part, frame.round, frame.src_node)
         over = ""
@@ -452,7 +425,7 @@ class CommPeers:
             if waiter is None:
                 # A send that came before its recv was posted waits here, within the job's
                 # budget; beyond it the communicator fails (the sender already went on).
-                buffers, nbytes = self.comm.buffers, frame.payload.nbytes
+                buffers, nbytes = self._buffers, frame.payload.nbytes
                 if key[0] == "p" and buffers is not None:
                     if buffers.try_take(nbytes):
                         self._mail_p2p_bytes += nbytes
@@ -462,9 +435,9 @@ class CommPeers:
                     self._mail[key] = frame
                     self._cond.notify_all()
         if over:
-            self.comm.fail(
+            self._on_failure(
                 pb.INVALID,
-                f"{self.comm.name()}: rank {frame.src_rank} on node {self.node_ids[frame.src_node]} sent "
+                f"{self.layout.name()}: rank {frame.src_rank} on node {self.node_ids[frame.src_node]} sent "
                 f"{frame.payload.nbytes} bytes to rank {frame.dst_rank} before it posted the receive, and "
                 f"this daemon may hold no more: {over}",
             )
@@ -478,7 +451,7 @@ class CommPeers:
             PeerError: timeout or communicator failure.
         """
         key = ("c", seq, part, round_, node)
-        deadline = time.monotonic() + self.comm.timeout_s
+        deadline = time.monotonic() + self.timeout_s
         with self._cond:
             while key not in self._mail:
                 self._check_open()
@@ -492,7 +465,7 @@ class CommPeers:
                 return self._mail.pop(key)
         # Outside the lock: ask the silent node what holds it up, to name the rank.
         raise PeerError(
-            f"op #{seq}: node {self.node_ids[node]} sent nothing within {self.comm.timeout_s:.0f} s: "
+            f"op #{seq}: node {self.node_ids[node]} sent nothing within {self.timeout_s:.0f} s: "
             f"{self.describe_node(node)}",
             kind=pb.TIMEOUT,
         )
@@ -510,9 +483,9 @@ class CommPeers:
 
     def _release_p2p(self, nbytes: int) -> None:
         """Gives back the budget of a p2p frame that left the mailbox (lock held)."""
-        if self.comm.buffers is not None and self._mail_p2p_bytes:
+        if self._buffers is not None and self._mail_p2p_bytes:
             self._mail_p2p_bytes -= nbytes
-            self.comm.buffers.give(nbytes)
+            self._buffers.give(nbytes)
 
     def _check_open(self) -> None:
         if self._failure is not None:
@@ -533,8 +506,8 @@ class CommPeers:
         """Forgets the sends no recv will take (lock held): the communicator failed or closed."""
         for key in [k for k in self._mail if k[0] == "p"]:
             del self._mail[key]
-        if self.comm.buffers is not None and self._mail_p2p_bytes:
-            self.comm.buffers.give(self._mail_p2p_bytes)
+        if self._buffers is not None and self._mail_p2p_bytes:
+            self._buffers.give(self._mail_p2p_bytes)
         self._mail_p2p_bytes = 0
 
     def close(self) -> None:
@@ -543,7 +516,7 @@ class CommPeers:
         The receive threads keep reading until the peer closes its side too, so that nothing
         the peer still sends is answered with a reset that could destroy data in flight.
         """
-        bye = HEADER.pack(MAGIC, FRAME_BYE, 0, 0, 0, 0, 0, 0, 0, -1, -1, 0, 0, 0, 0, self.my_node)
+        bye = pack_header(FRAME_BYE, self.my_node)
         deadline = time.monotonic() + ABORT_WAIT_S
         for thread in self._aborts:
             thread.join(max(0.0, deadline - time.monotonic()))
@@ -563,12 +536,13 @@ class CommPeers:
 
 
 class PeerNetwork:
-    """This daemon's side of the network between node daemons: the clients of other daemons'
-    Peer services, and where their data connections are accepted (TCP, or UCX).
+    """This daemon's side of the network between node daemons: the calls to other daemons'
+    Peer services, and the transport their data connections arrive on (``TcpNode``, or
+    ``UcxNode`` beside it).
 
     Accepted data connections start with a HELLO naming the job, communicator and node, with
-    the token's proof; ``handshake`` hands them to their communicator or refuses them,
-    logging why.
+    the token's proof; ``handshake`` hands them to their communicator's ``CommPeers`` or refuses
+    them, logging why.
     """
 
     def __init__(
@@ -576,52 +550,40 @@ class PeerNetwork:
         host: str,
         data_port: int,
         transport: int,
-        find_comm: Callable[[str, str, bytes], Communicator | None],
+        find_peers: Callable[[str, str, bytes], CommPeers | None],
         control: PeerControl,
         ucx_port: int = 0,
         tls: tuple[ssl.SSLContext, ssl.SSLContext] | None = None,
     ) -> None:
         self.transport = transport
         self.control = control
-        self._find = find_comm
-        self._server_tls, self._client_tls = tls if tls is not None else (None, None)
         self.tls = tls is not None
-        self._stopping = False
-        self._ucx: UcxNode | None = None
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._sock = socket.socket(family, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            self._sock.bind((host or "0.0.0.0", data_port))
-        except OSError as exc:
-            self._sock.close()
-            raise OSError(exc.errno, f"cannot listen for data connections on {host}:{data_port} (--data-port): {exc.strerror}") from None
-        self._sock.listen(256)
-        self.tcp_port: int = self._sock.getsockname()[1]
+        self._find = find_peers
+        self._tcp = TcpNode(host, data_port, self.handshake, tls)
+        self._ucx: Transport | None = None
         if transport == pb.UCX:
             from smddp.server.ucx_transport import UcxNode, unavailable_reason
 
             reason = unavailable_reason()
             if reason is not None:
-                self._sock.close()
+                self._tcp.stop()
                 raise RuntimeError(f"--peer-transport ucx: {reason}")
             self._ucx = UcxNode(ucx_port, self.handshake)
+        self._transport: Transport = self._ucx or self._tcp
+        self.tcp_port: int = self._tcp.port
 
     @property
     def data_port(self) -> int:
         """The port other daemons open data connections to, on this daemon's transport."""
-        return self._ucx.port if self._ucx is not None else self.tcp_port
+        return self._transport.port
 
     def start(self) -> None:
-        threading.Thread(target=self._accept_loop, name="smddp-peer-accept", daemon=True).start()
+        """Starts accepting TCP data connections (a UCX node accepts from its start)."""
+        self._tcp.start()
 
     def stop(self) -> None:
-        self._stopping = True
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._sock.close()
+        """Stops listening on every transport and closes the Peer channels."""
+        self._tcp.stop()
         if self._ucx is not None:
             self._ucx.stop()
         self.control.close()
@@ -632,89 +594,35 @@ class PeerNetwork:
         Raises:
             OSError: no connection (retry); ssl.SSLError: the TLS handshake failed.
         """
-        if self._ucx is not None:
-            return self._ucx.connect(host, port, HEARTBEAT_TIMEOUT_S)
-        sock = socket.create_connection((host, port), timeout=HEARTBEAT_TIMEOUT_S)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if self._client_tls is None:
-            return sock
-        tls = TlsSocket(sock, self._client_tls, server_side=False, server_hostname=node_id)
-        try:
-            tls.handshake()
-        except BaseException:
-            sock.close()
-            raise
-        return tls
-
-    def _accept_loop(self) -> None:
-        backoff = 0.01
-        while not self._stopping:
-            try:
-                sock, addr = self._sock.accept()
-            except OSError as exc:
-                if self._stopping or exc.errno in (errno.EBADF, errno.EINVAL):
-                    return  # closed by stop()
-                # EMFILE and the like pass: wait and try again rather than stop for good.
-                refusals.log(log, logging.WARNING, "peer accept failing", "cannot accept a peer data connection: %s; retrying", exc)
-                time.sleep(backoff)
-                backoff = min(backoff * 2, 1.0)
-                continue
-            backoff = 0.01
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=self._accept_tcp, args=(sock, f"{addr[0]}:{addr[1]}"), name="smddp-peer-hello", daemon=True).start()
-
-    def _accept_tcp(self, sock: socket.socket, who: str) -> None:
-        try:
-            sock.settimeout(HEARTBEAT_TIMEOUT_S)
-            if self._server_tls is not None:
-                if sock.recv(len(HELLO_MAGIC), socket.MSG_PEEK | socket.MSG_WAITALL) == HELLO_MAGIC:
-                    _answer(sock, HELLO_REFUSED, "this daemon takes peer connections over TLS only (--tls-cert)")
-                    sock.close()
-                    return
-                tls = TlsSocket(sock, self._server_tls, server_side=True)
-                tls.handshake()
-                self.handshake(tls, who)
-                return
-        except (OSError, ConnectionError) as exc:
-            log.warning("refused a peer connection from %s: %s", who, exc)
-            sock.close()
-            return
-        self.handshake(sock, who)
+        return self._transport.connect(host, port, HEARTBEAT_TIMEOUT_S, node_id)
 
     def handshake(self, sock: Connection, who: str) -> None:
         """Reads an accepted data connection's HELLO; adopts the connection or refuses it."""
         try:
             sock.settimeout(HEARTBEAT_TIMEOUT_S)
-            magic, job_len, comm_len, node = HELLO.unpack(_recv_exact(sock, HELLO.size))
-            if magic != HELLO_MAGIC:
-                tls_hint = " (it speaks TLS: this daemon has no --tls-cert)" if magic[:2] == b"\x16\x03" else ""
-                raise ConnectionError(f"not an smddp peer{tls_hint}")
-            job_id = _recv_exact(sock, job_len).decode()
-            comm_id = _recv_exact(sock, comm_len).decode()
-            proof = _recv_exact(sock, 32)
-            comm = self._find(job_id, comm_id, proof)
-            peers = comm.peers if comm is not None else None
-            if comm is None or peers is None:
-                _answer(sock, HELLO_RETRY, f"job {job_id} comm {comm_id} is not registered here yet")
+            hello = read_hello(sock)
+            peers = self._find(hello.job_id, hello.comm_id, hello.proof)
+            if peers is None:
+                answer(sock, HELLO_RETRY, f"job {hello.job_id} comm {hello.comm_id} is not registered here yet")
                 sock.close()
                 return
-            if not hmac.compare_digest(proof, token_proof(comm.token, job_id, comm_id)):
-                log.warning("refused a peer connection from %s: wrong job token for job %s", who, job_id)
-                _answer(sock, HELLO_REFUSED, f"wrong job token for job {job_id}")
+            refusal = peers.accepts(hello.proof, hello.node)
+            if refusal is not None:
+                log.warning("refused a peer connection from %s: %s", who, refusal)
+                answer(sock, HELLO_REFUSED, refusal)
                 sock.close()
                 return
-            if not 0 <= node < len(peers.node_ids) or node == peers.my_node:
-                log.warning("refused a peer connection from %s: node index %d is not a peer", who, node)
-                _answer(sock, HELLO_REFUSED, f"node index {node} is not a peer of this node")
-                sock.close()
-                return
-            _answer(sock, HELLO_OK, "")
-            peers.adopt(node, sock)
+            answer(sock, HELLO_OK, "")
+            peers.adopt(hello.node, sock)
         except (OSError, ConnectionError, UnicodeDecodeError, struct.error) as exc:
             log.warning("refused a peer connection from %s: %s", who, exc)
             sock.close()
 
 
-def _answer(sock: Connection, status: int, message: str) -> None:
-    data = message.encode()
-    sock.sendall(bytes([status]) + struct.pack("!H", len(data)) + data)
+class Transport(Protocol):
+    """What ``TcpNode`` and ``UcxNode`` both offer."""
+
+    port: int
+
+    def connect(self, host: str, port: int, timeout: float, server_name: str = "") -> Connection: ...
+    def stop(self) -> None: ...

@@ -16,6 +16,7 @@ import grpc
 from smddp.server.arena import Arena
 from smddp.server.communicator import Communicator
 from smddp.server.config import DaemonConfig
+from smddp.server.domain import NodeSpec
 from smddp.server.errors import (
     FailedPrecondition,
     InvalidRequest,
@@ -28,7 +29,8 @@ from smddp.server.errors import (
 from smddp.server.fields import COMM_ID, JOB_ID, check_node_id, check_peer_address, quote
 from smddp.server.limits import BufferAccount, ByteBudget, Counts, Slots
 from smddp.server.metrics import Metrics
-from smddp.server.peer_transport import CommPeers, PeerNetwork, parse_address, token_proof
+from smddp.server.peer_transport import CommPeers, PeerNetwork
+from smddp.server.peer_wire import parse_address, token_proof
 from smddp.server.rendezvous import RendezvousTable, rendezvous_proof
 from smddp.server.session import Session
 from smddp.v1 import smddp_pb2 as pb
@@ -151,16 +153,18 @@ class Registry:
                 # The client keeps half its arena for direct ops; the other half, its ring,
                 # must hold two chunks (plus alignment) for them to pipeline.
                 chunk = max(4096, min(cfg.chunk_bytes, req.arena_bytes // 4) // 64 * 64)
+                specs = tuple(NodeSpec(n.node_id, n.peer_address) for n in req.nodes)
                 comm = Communicator(
                     req.job_id, req.comm_id, req.world_size, req.job_token, timeout_s, chunk, self.metrics,
-                    nodes=nodes, my_node=my_node,
+                    nodes=nodes, my_node=my_node, specs=specs,
                 )
                 comm.buffers = job.buffers
                 if len(comm.nodes) > 1:
+                    assert self.network is not None  # _layout refuses nodes without peers
                     comm.attach_peers(
                         CommPeers(
-                            comm, my_node, [n.node_id for n in req.nodes], [n.peer_address for n in req.nodes],
-                            self.metrics, self.network,
+                            comm.layout, comm.token, comm.timeout_s, self.network, comm.fail,
+                            buffers=job.buffers, metrics=self.metrics,
                         )
                     )
                 job.comms[req.comm_id] = comm
@@ -276,13 +280,14 @@ class Registry:
             parse_address(req.root)
         except ValueError:
             raise InvalidRequest(f"{where}: root {quote(req.root)} is not HOST:PORT") from None
-        stub = self.network.control.stub(req.root, req.root_node_id or parse_address(req.root)[0])
         meet = pb.MeetRequest(
             job_id=req.job_id, proof=proof, rank=req.rank, world_size=req.world_size, node_id=node_id,
             peer_address=address, timeout_ms=int(timeout_s * 1000),
         )
         with self.rendezvous_slots.held(where):
-            call = stub.Meet.future(meet, timeout=timeout_s + 10)
+            call = self.network.control.meet_future(
+                req.root, req.root_node_id or parse_address(req.root)[0], meet, timeout_s + 10
+            )
             with self._lock:
                 if self._stopping:
                     call.cancel()

@@ -12,7 +12,8 @@ import grpc
 from prometheus_client import generate_latest
 
 from smddp.server import __version__
-from smddp.server.errors import LimitExceeded, SmddpError
+from smddp.server.errors import SmddpError
+from smddp.server.grpc_edge import EdgeService, edge
 from smddp.server.limits import Slots
 from smddp.server.logthrottle import refusals
 from smddp.server.registry import Registry
@@ -34,7 +35,7 @@ class StreamChannel:
         self.queue.put(reply)
 
 
-class NodeService(pb_grpc.NodeServicer):
+class NodeService(pb_grpc.NodeServicer, EdgeService):
     """Registration, the op stream, deregistration and status for local ranks."""
 
     def __init__(self, registry: Registry) -> None:
@@ -43,18 +44,15 @@ class NodeService(pb_grpc.NodeServicer):
         # the threads that Register, Status and health need.
         self._streams = Slots("gRPC Ops streams", registry.config.max_op_streams, "--max-op-streams")
 
-    def _refuse(self, context: grpc.ServicerContext, what: str, exc: SmddpError) -> None:
-        """Aborts the call with ``exc``'s status, logging it (rate-limited per cause)."""
+    def _refused(self, what: str, exc: SmddpError) -> None:
+        """Counts a refused call by its error kind and logs it (rate-limited per cause)."""
         if self._registry.metrics is not None:
             self._registry.metrics.error(exc.kind)
         refusals.log(log, logging.INFO, f"{what} refused ({exc.code.name})", "refused a %s: %s", what, exc)
-        context.abort(exc.code, str(exc))
 
+    @edge()
     def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.RegisterReply:
-        try:
-            session = self._registry.register(request)
-        except SmddpError as exc:
-            self._refuse(context, "Register", exc)
+        session = self._registry.register(request)
         return pb.RegisterReply(
             session_id=session.session_id,
             session_secret=session.secret,
@@ -63,20 +61,15 @@ class NodeService(pb_grpc.NodeServicer):
             daemon_version=__version__,
         )
 
+    @edge("Ops stream")
     def Ops(self, request_iterator: Iterator[pb.OpRequest], context: grpc.ServicerContext) -> Iterator[pb.OpReply]:
         try:
             first = next(request_iterator)
         except StopIteration:
             return
-        try:
-            session = self._registry.authenticate(first.session_id, first.session_secret)
-        except SmddpError as exc:
-            self._refuse(context, "Ops stream", exc)
-        try:
-            with self._streams.held(f"{session.comm.name()} {session.label()}"):
-                yield from self._serve_stream(session, first, request_iterator)
-        except LimitExceeded as exc:
-            self._refuse(context, "Ops stream", exc)
+        session = self._registry.authenticate(first.session_id, first.session_secret)
+        with self._streams.held(f"{session.comm.name()} {session.label()}"):
+            yield from self._serve_stream(session, first, request_iterator)
 
     def _serve_stream(
         self, session: Session, first: pb.OpRequest, request_iterator: Iterator[pb.OpRequest]
@@ -106,22 +99,23 @@ class NodeService(pb_grpc.NodeServicer):
                 return
             yield reply
 
+    @edge()
     def Deregister(self, request: pb.DeregisterRequest, context: grpc.ServicerContext) -> pb.DeregisterReply:
-        try:
-            session: Session = self._registry.authenticate(request.session_id, request.session_secret)
-        except SmddpError as exc:
-            self._refuse(context, "Deregister", exc)
+        session = self._registry.authenticate(request.session_id, request.session_secret)
         self._registry.deregister(session)
         return pb.DeregisterReply()
 
+    @edge()
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
         return self._registry.status(__version__)
 
+    @edge()
     def Metrics(self, request: pb.MetricsRequest, context: grpc.ServicerContext) -> pb.MetricsReply:
         metrics = self._registry.metrics
         text = generate_latest(metrics.registry).decode() if metrics is not None else ""
         return pb.MetricsReply(exposition=text)
 
+    @edge()
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoReply:
         network = self._registry.network
         return pb.InfoReply(
@@ -132,13 +126,12 @@ class NodeService(pb_grpc.NodeServicer):
             data_port=network.data_port if network is not None else 0,
         )
 
+    @edge()
     def Rendezvous(self, request: pb.RendezvousRequest, context: grpc.ServicerContext) -> pb.RendezvousReply:
-        try:
-            nodes = self._registry.meet(request, context.is_active)
-        except SmddpError as exc:
-            self._refuse(context, "Rendezvous", exc)
+        nodes = self._registry.meet(request, context.is_active)
         return pb.RendezvousReply(nodes=nodes)
 
+    @edge()
     def Topology(self, request: pb.TopologyRequest, context: grpc.ServicerContext) -> pb.TopologyReply:
         network = self._registry.network
         reply = pb.TopologyReply(

@@ -512,8 +512,11 @@ class UcxNode:
             ) from None
         self.port: int = self._listener.port
 
-    def connect(self, host: str, port: int, timeout: float) -> UcxConnection:
+    def connect(self, host: str, port: int, timeout: float, server_name: str = "") -> UcxConnection:
         """Connects to the node listening at ``host:port`` and completes the handshake.
+
+        ``server_name`` is the node id a TLS certificate would have to name; UCX carries no
+        TLS, so it is unused (it keeps ``tcp_transport.TcpNode``'s shape).
 
         Returns:
             The connection, in blocking mode (no timeout).

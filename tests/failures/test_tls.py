@@ -24,7 +24,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from smddp.client.communicator import daemon_info
-from smddp.server.peer_transport import HELLO, HELLO_MAGIC, HELLO_REFUSED
+from smddp.server.peer_wire import HELLO_REFUSED, pack_hello
 from smddp.server.tls import contexts
 
 PG_TIMEOUT_S = 6  # how long the node that was never connected waits for its peer
@@ -127,7 +127,7 @@ def test_job_runs_over_mutual_tls(pki, loopback_daemons, launch_failure_world):
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
     # In the clear, the data port answers only that it speaks TLS.
     with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-        s.sendall(HELLO.pack(HELLO_MAGIC, 1, 1, 0) + b"jc" + bytes(32))
+        s.sendall(pack_hello("j", "c", 0, bytes(32)))
         answer = s.recv(4096)
     assert answer[0] == HELLO_REFUSED and b"over TLS only" in answer, answer
     # With TLS but a certificate of another CA, the handshake fails.
@@ -138,7 +138,7 @@ def test_job_runs_over_mutual_tls(pki, loopback_daemons, launch_failure_world):
         pytest.raises((ssl.SSLError, ConnectionError)),
         rogue_client.wrap_socket(raw, server_hostname="node1") as tls,
     ):
-        tls.sendall(HELLO.pack(HELLO_MAGIC, 1, 1, 0) + b"jc" + bytes(32))
+        tls.sendall(pack_hello("j", "c", 0, bytes(32)))
         assert tls.recv(4096) == b"", "the node answered a peer whose CA it does not know"
         raise ConnectionError("closed")
     assert "refused a peer connection" in nodes[1].daemon.log()

@@ -20,14 +20,12 @@ import numpy as np
 import pytest
 
 from smddp.client.communicator import daemon_info
-from smddp.server.peer_transport import (
+from smddp.server.peer_wire import (
     FRAME_DATA,
-    HEADER,
-    HELLO,
-    HELLO_MAGIC,
     HELLO_OK,
     HELLO_REFUSED,
-    MAGIC,
+    pack_header,
+    pack_hello,
     token_proof,
 )
 from smddp.v1 import smddp_pb2 as pb
@@ -57,8 +55,7 @@ def _rank(socket_path: str, peer_address: str, queue: mp.Queue) -> None:
 
 def _hello(port: int, proof: bytes, node: int = 1) -> tuple[socket.socket, int, str]:
     sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-    job, comm = JOB.encode(), COMM.encode()
-    sock.sendall(HELLO.pack(HELLO_MAGIC, len(job), len(comm), node) + job + comm + proof)
+    sock.sendall(pack_hello(JOB, COMM, node, proof))
     status = sock.recv(1)[0]
     (n,) = struct.unpack("!H", sock.recv(2))
     return sock, status, sock.recv(n).decode()
@@ -161,8 +158,10 @@ def test_peer_without_token_garbage_and_wrong_size_are_refused(start_daemon) -> 
         req = pb.OpRequest(seq=1, part=0, parts=1, kind=pb.ALL_REDUCE, dtype=pb.FLOAT32, count=8, reduce_op=pb.SUM)
         wrong = np.full(3, 100.0, dtype=np.float32)  # node a expects its 4-element segment
         sock.sendall(
-            HEADER.pack(MAGIC, FRAME_DATA, req.kind, req.dtype, 0, req.seq, req.part, req.parts, 0,
-                        -1, -1, req.count, 0, req.reduce_op, wrong.nbytes, 1)
+            pack_header(
+                FRAME_DATA, 1, wrong.nbytes, kind=req.kind, dtype=req.dtype, seq=req.seq, part=req.part,
+                parts=req.parts, count=req.count, reduce_op=req.reduce_op,
+            )
             + wrong.tobytes()
         )
         result = queue.get(timeout=30)

@@ -48,7 +48,7 @@ from smddp.client.errors import ConnectError
 from smddp.server import config, peer_transport
 from smddp.server import rendezvous as server_rendezvous
 from smddp.server.config import DaemonConfig
-from smddp.server.peer_transport import token_proof
+from smddp.server.peer_wire import token_proof
 from smddp.v1 import smddp_pb2 as pb
 from smddp.v1 import smddp_pb2_grpc as pb_grpc
 from smddp.wire import SYSTEM_SOCKET

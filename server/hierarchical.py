@@ -14,42 +14,50 @@ data-parallel job this costs one round trip per phase instead of N-1.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import numpy as np
 
 from smddp.reduce import copy_into, reduce_into
 from smddp.server.arena import Arena
+from smddp.server.domain import Layout, op_signature
 from smddp.server.errors import InvalidRequest, OpMismatch
-from smddp.server.peer_transport import FRAME_DATA, CommPeers, Frame
+from smddp.server.peer_wire import FRAME_DATA, Frame
 from smddp.v1 import smddp_pb2 as pb
 from smddp.wire import NUMPY_DTYPES, describe, describe_request, rank_list
 
-if TYPE_CHECKING:
-    from smddp.server.communicator import Communicator
+
+class Peers(Protocol):
+    """What the algorithms need of the other nodes: ``peer_transport.CommPeers``, or two
+    in-memory peers in a test."""
+
+    def send(
+        self, node: int, ftype: int, req: pb.OpRequest | None, round_: int = 0,
+        payloads: Sequence[np.ndarray | bytes] = (),
+    ) -> None: ...  # fmt: skip
+
+    def recv(self, seq: int, part: int, round_: int, node: int) -> Frame: ...
 
 
-def _signature(req: pb.OpRequest) -> tuple[int, ...]:
-    count = 0 if req.kind == pb.ALL_TO_ALL else req.count
-    return (req.kind, req.dtype, count, req.root, req.reduce_op, req.parts)
+class _NodeChunk:
+    """One chunk of one op on this node: the op, the layout and the exchange helpers that the
+    functions below share."""
 
-
-class _Chunk:
-    """What the functions below share: the op, the layout and the exchange helpers."""
-
-    def __init__(self, comm: Communicator, reqs: dict[int, pb.OpRequest], arenas: dict[int, Arena]) -> None:
-        assert comm.peers is not None
-        self.comm = comm
-        self.peers: CommPeers = comm.peers
-        self.nodes = comm.nodes
-        self.me = comm.my_node
+    def __init__(
+        self, layout: Layout, peers: Peers, reqs: dict[int, pb.OpRequest], arenas: dict[int, Arena]
+    ) -> None:
+        self.layout = layout
+        self.peers = peers
+        self.node_ids = layout.node_ids()
+        self.nodes = layout.nodes
+        self.me = layout.my_node
         self.local = self.nodes[self.me]
         self.reqs = reqs
         self.arenas = arenas
         self.req0 = reqs[self.local[0]]
         self.dtype = NUMPY_DTYPES.get(self.req0.dtype, np.dtype(np.uint8))
-        self.world = comm.world_size
+        self.world = layout.world_size
         self.node_of = {r: i for i, ranks in enumerate(self.nodes) for r in ranks}
 
     def input(self, rank: int) -> np.ndarray:
@@ -59,7 +67,7 @@ class _Chunk:
         return self.arenas[rank].view(self.reqs[rank].output, self.dtype)
 
     def others(self) -> list[int]:
-        return [i for i in range(len(self.nodes)) if i != self.me]
+        return self.layout.others()
 
     def send(self, node: int, round_: int, payloads: Sequence[np.ndarray]) -> None:
         self.peers.send(node, FRAME_DATA, self.req0, round_, payloads)
@@ -70,20 +78,22 @@ class _Chunk:
         data = frame.payload.view(self.dtype)
         if expect is not None and data.size != expect:
             raise InvalidRequest(
-                f"{describe_request(self.req0)}: node {self.peers.node_ids[node]} sent {data.size} "
+                f"{describe_request(self.req0)}: node {self.node_ids[node]} sent {data.size} "
                 f"elements where this node expected {expect} (tensors of mismatched sizes?)"
             )
         return data
 
     def _check(self, frame: Frame) -> None:
-        if frame.signature() == _signature(self.req0):
+        r = self.req0
+        # Frames carry no ``direct``: an op that spans nodes never runs in the control region.
+        if frame.signature() == op_signature(r.kind, r.dtype, r.count, r.root, r.reduce_op, r.parts):
             return
         theirs = describe(frame.kind, frame.dtype, frame.count, frame.root, frame.reduce_op)
         node = frame.src_node
         raise OpMismatch(
-            f"{self.comm.name()}: {rank_list(self.nodes[node])} (node {self.peers.node_ids[node]}) called "
-            f"{theirs} as op #{self.req0.seq} while {rank_list(self.local)} (node "
-            f"{self.peers.node_ids[self.me]}) called {describe_request(self.req0)}"
+            f"{self.layout.name()}: {rank_list(list(self.nodes[node]))} (node {self.node_ids[node]}) "
+            f"called {theirs} as op #{self.req0.seq} while {rank_list(list(self.local))} (node "
+            f"{self.node_ids[self.me]}) called {describe_request(self.req0)}"
         )
 
     def same_sizes(self, arrays: Sequence[np.ndarray], n: int, what: str) -> None:
@@ -95,26 +105,31 @@ class _Chunk:
                 )
 
 
-def execute(comm: Communicator, reqs: dict[int, pb.OpRequest], arenas: dict[int, Arena]) -> None:
+def execute(layout: Layout, peers: Peers, reqs: dict[int, pb.OpRequest], arenas: dict[int, Arena]) -> None:
     """Runs one chunk of a collective across the communicator's nodes.
+
+    Args:
+        layout: the communicator's ranks per node, which node this is, every node's id.
+        peers: the other nodes (``CommPeers``).
+        reqs, arenas: this node's ranks' requests and arenas, by rank.
 
     Raises:
         SmddpError: mismatched ops or sizes; PeerError: a node did not answer.
     """
-    c = _Chunk(comm, reqs, arenas)
+    c = _NodeChunk(layout, peers, reqs, arenas)
     run = _KINDS.get(c.req0.kind)
     if run is None:
         raise InvalidRequest(f"op kind {c.req0.kind} cannot run across nodes")
     run(c)
 
 
-def _partial(c: _Chunk, inputs: Sequence[np.ndarray], n: int) -> np.ndarray:
+def _partial(c: _NodeChunk, inputs: Sequence[np.ndarray], n: int) -> np.ndarray:
     partial = np.empty(n, dtype=c.dtype)
     reduce_into([partial], inputs, c.req0.reduce_op, divisor=1)
     return partial
 
 
-def _all_reduce(c: _Chunk) -> None:
+def _all_reduce(c: _NodeChunk) -> None:
     ins = [c.input(r) for r in c.local]
     outs = [c.output(r) for r in c.local]
     n = ins[0].size
@@ -140,7 +155,7 @@ def _all_reduce(c: _Chunk) -> None:
     copy_into(outs, full)
 
 
-def _broadcast(c: _Chunk) -> None:
+def _broadcast(c: _NodeChunk) -> None:
     root_node = c.node_of[c.req0.root]
     outs = [c.output(r) for r in c.local]
     if root_node == c.me:
@@ -153,7 +168,7 @@ def _broadcast(c: _Chunk) -> None:
     copy_into(outs, data)
 
 
-def _reduce(c: _Chunk) -> None:
+def _reduce(c: _NodeChunk) -> None:
     root = c.req0.root
     root_node = c.node_of[root]
     ins = [c.input(r) for r in c.local]
@@ -167,7 +182,7 @@ def _reduce(c: _Chunk) -> None:
     reduce_into([c.output(root)], parts, c.req0.reduce_op, divisor=c.world)
 
 
-def _gather_like(c: _Chunk, everywhere: bool) -> None:
+def _gather_like(c: _NodeChunk, everywhere: bool) -> None:
     ins = [c.input(r) for r in c.local]
     n = ins[0].size
     c.same_sizes(ins, n, "input")
@@ -190,15 +205,15 @@ def _gather_like(c: _Chunk, everywhere: bool) -> None:
             copy_into([o[rank * n : (rank + 1) * n] for o in outs], data[k * n : (k + 1) * n])
 
 
-def _all_gather(c: _Chunk) -> None:
+def _all_gather(c: _NodeChunk) -> None:
     _gather_like(c, everywhere=True)
 
 
-def _gather(c: _Chunk) -> None:
+def _gather(c: _NodeChunk) -> None:
     _gather_like(c, everywhere=False)
 
 
-def _scatter(c: _Chunk) -> None:
+def _scatter(c: _NodeChunk) -> None:
     root = c.req0.root
     root_node = c.node_of[root]
     outs = [c.output(r) for r in c.local]
@@ -218,7 +233,7 @@ def _scatter(c: _Chunk) -> None:
             copy_into([out], data[k * n : (k + 1) * n])
 
 
-def _reduce_scatter(c: _Chunk) -> None:
+def _reduce_scatter(c: _NodeChunk) -> None:
     outs = [c.output(r) for r in c.local]
     n = outs[0].size
     c.same_sizes(outs, n, "output")
@@ -237,7 +252,7 @@ def _reduce_scatter(c: _Chunk) -> None:
         reduce_into([out], [p[k * n : (k + 1) * n] for p in parts], c.req0.reduce_op, divisor=c.world)
 
 
-def _all_to_all(c: _Chunk) -> None:
+def _all_to_all(c: _NodeChunk) -> None:
     w = c.world
     for rank in c.local:
         req = c.reqs[rank]
@@ -271,14 +286,14 @@ def _all_to_all(c: _Chunk) -> None:
                 off += size
 
 
-def _barrier(c: _Chunk) -> None:
+def _barrier(c: _NodeChunk) -> None:
     for j in c.others():
         c.send(j, 0, [])
     for i in c.others():
         c.recv(i, 0)
 
 
-_KINDS = {
+_KINDS: dict[int, Callable[[_NodeChunk], None]] = {
     pb.ALL_REDUCE: _all_reduce,
     pb.BROADCAST: _broadcast,
     pb.REDUCE: _reduce,

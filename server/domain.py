@@ -1,0 +1,85 @@
+"""The daemon's own types for what the protobuf messages carry in: a communicator's layout
+across nodes, and what ranks must agree on for their requests to be the same op.
+
+The gRPC edge (``service``, ``peer_service``) converts messages into these once; the rooms
+behind it (``communicator``, ``hierarchical``, ``peer_transport``) take these, not messages.
+``pb.OpRequest`` is the one message that stays on the hot path: converting it per chunk costs
+more than the op's bookkeeping (see docs/architecture.md for the figure).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from smddp.v1 import smddp_pb2 as pb
+from smddp.wire import REDUCING_KINDS, ROOTED_KINDS
+
+
+def op_signature(
+    kind: int, dtype: int, count: int, root: int, reduce_op: int, parts: int, direct: bool = False
+) -> tuple[int, ...]:
+    """What every rank's request for one op must agree on, on this node and across nodes.
+
+    Fields an op kind does not use are left out, so that ranks which fill them differently
+    still match.
+    """
+    # all_to_all ranks legitimately send different totals; their blocks are checked pairwise.
+    count = 0 if kind == pb.ALL_TO_ALL else count
+    root = root if kind in ROOTED_KINDS else -1
+    reduce_op = reduce_op if kind in REDUCING_KINDS else 0
+    dtype = dtype if kind != pb.BARRIER else 0
+    return (kind, dtype, count, root, reduce_op, parts, int(direct))
+
+
+def request_signature(req: pb.OpRequest) -> tuple[int, ...]:
+    """``op_signature`` of one rank's request."""
+    return op_signature(req.kind, req.dtype, req.count, req.root, req.reduce_op, req.parts, req.direct)
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """One node of a job: its id and where its daemon's Peer service listens."""
+
+    node_id: str
+    peer_address: str
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a communicator's ranks are: its identity, and its ranks per node.
+
+    ``nodes[i]`` lists the ranks of node ``i`` in rank order; ``my_node`` is this daemon's
+    index; ``specs`` is empty for a single-node communicator.
+    """
+
+    job_id: str
+    comm_id: str
+    nodes: tuple[tuple[int, ...], ...]
+    my_node: int = 0
+    specs: tuple[NodeSpec, ...] = ()
+
+    @property
+    def world_size(self) -> int:
+        """How many ranks the communicator has, on every node together."""
+        return sum(len(ranks) for ranks in self.nodes)
+
+    @property
+    def local(self) -> tuple[int, ...]:
+        """The ranks of this node."""
+        return self.nodes[self.my_node]
+
+    def name(self) -> str:
+        """``job J comm C``, the prefix of every message about this communicator."""
+        return f"job {self.job_id} comm {self.comm_id}"
+
+    def node_ids(self) -> list[str]:
+        """Every node's id, in node order."""
+        return [s.node_id for s in self.specs]
+
+    def others(self) -> list[int]:
+        """The indices of the other nodes."""
+        return [i for i in range(len(self.nodes)) if i != self.my_node]
+
+    def node_of(self, rank: int) -> int:
+        """The index of the node ``rank`` runs on."""
+        return next(i for i, ranks in enumerate(self.nodes) if rank in ranks)
