@@ -12,12 +12,14 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from smddp.server import gpu, hierarchical, host_collectives
+from smddp.server import hierarchical, host_collectives
+from smddp.server.arena import Arena
 from smddp.server.control_region import ControlRegion
 from smddp.server.domain import Layout, NodeSpec, request_signature
 from smddp.server.errors import (
@@ -29,7 +31,6 @@ from smddp.server.errors import (
 )
 from smddp.server.logthrottle import refusals
 from smddp.server.peer_wire import FRAME_DATA, Frame
-from smddp.server.session import Session
 from smddp.v1 import smddp_pb2 as pb
 from smddp.wire import (
     KIND_NAMES,
@@ -50,6 +51,90 @@ if TYPE_CHECKING:
     from smddp.server.metrics import Metrics
     from smddp.server.peer_transport import CommPeers
 
+class ReplyChannel(Protocol):
+    """Where a session's op replies are written: the data socket or a gRPC Ops stream."""
+
+    def send_reply(self, reply: pb.OpReply) -> None:
+        """Delivers one reply; must not raise when the peer is gone."""
+
+
+@dataclass(eq=False)
+class Session:
+    """A registered rank: identity, arena, reply channel and op bookkeeping."""
+
+    session_id: str
+    secret: bytes
+    comm: Communicator
+    rank: int
+    global_rank: int
+    pid: int
+    node_id: str
+    arena_bytes: int
+    arena: Arena | None = None
+    channel: ReplyChannel | None = None
+    uid: int | None = None  # the kernel's word, at attach; counted against it from then on
+    peer_pid: int = 0  # the attached process as the kernel names it (SO_PEERCRED)
+    registered_at: float = field(default_factory=time.monotonic)
+    ops_completed: int = 0
+    closed: bool = False
+    # The next (seq, part) this rank may send for collectives, and per (peer, kind) for p2p.
+    next_collective: tuple[int, int] = (1, 0)
+    next_p2p: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def label(self) -> str:
+        """``rank 2 (pid 4711, node n1)``, the way errors name a rank."""
+        return f"rank {self.rank} (pid {self.pid}, node {self.node_id})"
+
+    def log_fields(self) -> dict[str, object]:
+        """``extra=`` for a log record about this rank: the JSON log's job, comm, rank, node."""
+        return {"job": self.comm.job_id, "comm": self.comm.comm_id, "rank": self.rank, "node": self.node_id}
+
+    def reply(self, reply: pb.OpReply) -> None:
+        """Sends a reply if the rank still has a channel."""
+        channel = self.channel
+        if channel is not None:
+            channel.send_reply(reply)
+
+
+class GpuOps(Protocol):
+    """What a communicator asks of the daemon's GPU side (``gpu.GpuOps``)."""
+
+    def execute(
+        self, comm: Communicator, ranks: Sequence[int], sessions: Sequence[Session], reqs: Sequence[pb.OpRequest]
+    ) -> None: ...
+
+    def execute_p2p(
+        self, comm: Communicator, sender: tuple[Session, pb.OpRequest], receiver: tuple[Session, pb.OpRequest]
+    ) -> None: ...
+
+    def release_rank(self, session: Session) -> None: ...
+
+    def release_comm(self, comm: Communicator) -> None: ...
+
+
+class GpuSupply(Protocol):
+    """The daemon's GPU side, owned by the daemon and handed down (``gpu_supply.DaemonGpu``)."""
+
+    def ops(self, node_id: str = "") -> GpuOps:
+        """The GPU ops, made at the first GPU op; FailedPrecondition where there are none."""
+        ...
+
+    def active(self) -> GpuOps | None:
+        """The GPU ops if a GPU op has run, else None."""
+        ...
+
+
+class NoGpu:
+    """A ``GpuSupply`` for a daemon made without one: GPU requests are refused."""
+
+    def ops(self, node_id: str = "") -> GpuOps:
+        raise FailedPrecondition(f"smddpd on node {node_id or '?'} was started without GPU support")
+
+    def active(self) -> GpuOps | None:
+        return None
+
+
 @dataclass
 class Pending:
     """One chunk that some ranks have submitted and others not yet."""
@@ -66,6 +151,11 @@ class Pending:
 
     def missing(self) -> list[int]:
         return [r for r in self.participants if r not in self.arrivals]
+
+
+def _gpu_bytes(req: pb.OpRequest) -> int:
+    """Bytes a rank's GPU request contributes (its inputs), for the metrics."""
+    return sum(b.nbytes for b in req.cuda.inputs)
 
 
 class Communicator:
@@ -87,6 +177,7 @@ class Communicator:
         nodes: list[list[int]] | None = None,
         my_node: int = 0,
         specs: tuple[NodeSpec, ...] = (),
+        gpu: GpuSupply | None = None,
     ) -> None:
         self.job_id = job_id
         self.comm_id = comm_id
@@ -99,6 +190,7 @@ class Communicator:
         self.nodes = nodes or [list(range(world_size))]
         self.my_node = my_node
         self.local_ranks = tuple(self.nodes[my_node])
+        self._gpu: GpuSupply = gpu or NoGpu()
         self.layout = Layout(job_id, comm_id, tuple(tuple(r) for r in self.nodes), my_node, specs)
         self._remote = set(range(world_size)) - set(self.local_ranks)
         self.peers: CommPeers | None = None
@@ -144,7 +236,7 @@ class Communicator:
             empty = not self.members
             if not empty and fail:
                 self._left.append(why)
-        gpu_ops = gpu.active()
+        gpu_ops = self._gpu.active()
         if gpu_ops is not None:
             gpu_ops.release_rank(session)  # its CUDA IPC mappings and events
         if not empty and fail:
@@ -375,7 +467,7 @@ class Communicator:
                 self._check_match(pending, reqs)
                 arenas = [s.arena for s in sessions]
                 if any(r.HasField("cuda") for r in reqs):
-                    gpu.ops(sessions[0].node_id).execute(self, pending.participants, sessions, reqs)
+                    self._gpu.ops(sessions[0].node_id).execute(self, pending.participants, sessions, reqs)
                 elif self.peers is None:
                     host_collectives.execute(reqs, arenas)  # type: ignore[arg-type]
                 else:
@@ -410,7 +502,7 @@ class Communicator:
         last = max(arrivals, key=lambda a: a[2])
         op_key = pending.key[:-1]
         start, nbytes = self._progress.pop(op_key, (pending.first_arrival, 0))
-        nbytes += sum(r.input.nbytes + sum(b.nbytes for b in r.send_blocks) + gpu.request_bytes(r) for r in reqs)
+        nbytes += sum(r.input.nbytes + sum(b.nbytes for b in r.send_blocks) + _gpu_bytes(r) for r in reqs)
         final = reqs[0].part + 1 == reqs[0].parts
         if final:
             with self._lock:
@@ -422,7 +514,7 @@ class Communicator:
         # Count the op before any rank hears of it, so that a scrape after wait() sees it.
         if final and self._metrics is not None:
             skew = last[2] - pending.first_arrival
-            self._metrics.op_done(self, reqs[0], time.monotonic() - start, last[0].rank, skew, nbytes)
+            self._metrics.op_done(self.job_id, self.world_size, reqs[0], time.monotonic() - start, last[0].rank, skew, nbytes)
         for s, r in zip(sessions, reqs):
             if pending.sent is None or r.kind != pb.SEND:
                 s.reply(pb.OpReply(request_id=r.request_id, ok=True))
@@ -441,7 +533,7 @@ class Communicator:
                 f"(tag {recv.tag})"
             )
         if send.HasField("cuda") or recv.HasField("cuda"):
-            gpu.ops(s_send.node_id).execute_p2p(self, (s_send, send), (s_recv, recv))
+            self._gpu.ops(s_send.node_id).execute_p2p(self, (s_send, send), (s_recv, recv))
             return
         if sent is None:
             host_collectives.execute_p2p(send, recv, s_send.arena, s_recv.arena)  # type: ignore[arg-type]
@@ -589,7 +681,7 @@ class Communicator:
         if region is not None and self._metrics is not None:
             with self._lock:  # a scrape and the last rank's departure may both drain
                 if self.region is not None:
-                    self._metrics.add_region_counts(self, *region.new_counts())
+                    self._metrics.add_region_counts(self.job_id, self.world_size, *region.new_counts())
 
     def close(self) -> None:
         """Stops the worker and closes the peer connections (the last local rank left)."""
@@ -598,7 +690,7 @@ class Communicator:
             region, self.region = self.region, None
         if region is not None:
             region.close()
-        gpu_ops = gpu.active()
+        gpu_ops = self._gpu.active()
         if gpu_ops is not None:
             gpu_ops.release_comm(self)  # its CUDA streams, once their work is done
         if self._work is not None:

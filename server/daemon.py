@@ -15,9 +15,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from smddp.server import gpu, notify, tls
+from smddp.server import notify, tls
 from smddp.server.config import DaemonConfig
 from smddp.server.data_socket import DataSocketServer
+from smddp.server.gpu_supply import DaemonGpu
 from smddp.server.http import HttpServer
 from smddp.server.metrics import Metrics
 from smddp.server.peer_control import PeerControl
@@ -90,10 +91,13 @@ class Daemon:
 
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
-        gpu.configure(config.gpu_chunk_bytes)  # CuPy itself waits for the first GPU op
+        self.gpu = DaemonGpu(config.gpu_chunk_bytes)  # CuPy itself waits for the first GPU op
         self.metrics = Metrics()
-        self.registry = Registry(config, self.metrics)
-        self.metrics.watch(self.registry)
+        self.registry = Registry(config, self.metrics, self.gpu)
+        self.metrics.watch(
+            self.registry.session_count, self.registry.job_count, self.registry.arena_bytes,
+            self.registry.drain_metrics,
+        )  # fmt: skip
         self.health = health.HealthServicer(experimental_non_blocking=True)
         self.stopped = threading.Event()
         self.stopping = False

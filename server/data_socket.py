@@ -19,11 +19,11 @@ import time
 
 from google.protobuf.message import DecodeError
 
+from smddp.server.communicator import Session
 from smddp.server.errors import LimitExceeded, SmddpError
 from smddp.server.limits import Counts
 from smddp.server.logthrottle import refusals
 from smddp.server.registry import Registry
-from smddp.server.session import Session
 from smddp.v1 import smddp_pb2 as pb
 from smddp.wire import (
     MAX_MESSAGE_BYTES,

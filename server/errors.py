@@ -93,3 +93,11 @@ class PeerError(SmddpError):
     def __init__(self, message: str, kind: int = pb.RANK_FAILED) -> None:
         super().__init__(message)
         self.kind = kind
+
+
+class CudaCallError(SmddpError, RuntimeError):
+    """A CUDA call of the daemon's GPU runtime failed; the message names the call and the CUDA
+    error. A RuntimeError too, as the GPU code has always caught it."""
+
+    kind = pb.INVALID
+    code = grpc.StatusCode.INTERNAL

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from smddp.server import gpu_kernels
-from smddp.server.errors import FailedPrecondition, InvalidRequest, SmddpError
+from smddp.server.errors import CudaCallError, FailedPrecondition, InvalidRequest, SmddpError
 from smddp.v1 import smddp_pb2 as pb
 from smddp.wire import (
     KIND_NAMES,
@@ -48,8 +48,7 @@ from smddp.wire import (
 )
 
 if TYPE_CHECKING:
-    from smddp.server.communicator import Communicator
-    from smddp.server.session import Session
+    from smddp.server.communicator import Communicator, Session
 
 log = logging.getLogger(__name__)
 
@@ -60,10 +59,6 @@ LAUNCH_CHUNK_BYTES = 256 << 20
 # Mappings kept open per rank (least recently used closed first) and events per rank.
 MAX_MAPPINGS_PER_RANK = 4096
 MAX_EVENTS_PER_RANK = 1024
-
-
-class CudaCallError(RuntimeError):
-    """A CUDA call of the runtime failed; the message names the call and the CUDA error."""
 
 
 class Runtime(Protocol):

@@ -18,7 +18,7 @@ from typing import Any
 
 from smddp import cuda_driver
 from smddp.server import gpu_kernels
-from smddp.server.gpu import CudaCallError
+from smddp.server.errors import CudaCallError
 from smddp.v1 import smddp_pb2 as pb
 
 log = logging.getLogger(__name__)

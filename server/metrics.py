@@ -6,8 +6,7 @@ whose series are removed when the job ends. No label carries an op sequence numb
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
@@ -16,10 +15,6 @@ from prometheus_client.metrics_core import Metric
 from smddp import region as rg
 from smddp.v1 import smddp_pb2 as pb
 from smddp.wire import KIND_NAMES, NUMPY_DTYPES, dtype_name
-
-if TYPE_CHECKING:
-    from smddp.server.communicator import Communicator
-    from smddp.server.registry import Registry
 
 # The *_created series double the output and say nothing a scrape's timestamps don't.
 disable_created_metrics()
@@ -70,13 +65,20 @@ class Metrics:
         self._children: dict[tuple[int, int], tuple] = {}
         self._skew_children: dict[int, Histogram] = {}
 
-    def watch(self, registry: Registry) -> None:
-        """Makes the gauges read the registry's tables at scrape time, and every scrape first
-        read the ranks' counters in the control regions."""
-        self._drain.registry = registry
-        self.registered_ranks.set_function(registry.session_count)
-        self.jobs.set_function(registry.job_count)
-        self.shm_bytes.set_function(lambda: sum(s.arena.nbytes for s in registry.sessions() if s.arena))
+    def watch(
+        self,
+        session_count: Callable[[], int],
+        job_count: Callable[[], int],
+        arena_bytes: Callable[[], int],
+        drain: Callable[[], None],
+    ) -> None:
+        """Makes the gauges read the registry's tables at scrape time (``session_count``,
+        ``job_count``, ``arena_bytes``), and every scrape first call ``drain``, which reads the
+        ranks' counters in the control regions."""
+        self._drain.drain = drain
+        self.registered_ranks.set_function(session_count)
+        self.jobs.set_function(job_count)
+        self.shm_bytes.set_function(arena_bytes)
 
     def _op_children(self, kind: int, dtype_code: int) -> tuple:
         key = (kind, dtype_code)
@@ -93,20 +95,24 @@ class Metrics:
             self._children[key] = children
         return children
 
-    def op_done(self, comm: Communicator, req: pb.OpRequest, duration: float, last_rank: int, skew: float, nbytes: int) -> None:
-        """Records one completed op (called once per op, at its last chunk)."""
+    def op_done(
+        self, job_id: str, world_size: int, req: pb.OpRequest, duration: float, last_rank: int, skew: float,
+        nbytes: int,
+    ) -> None:  # fmt: skip
+        """Records one completed op of job ``job_id`` (called once per op, at its last chunk)."""
         ops, nbytes_counter, durations, skews = self._op_children(req.kind, req.dtype)
         ops.inc()
         nbytes_counter.inc(nbytes)
         durations.observe(duration)
         skews.observe(skew)
-        if comm.world_size > 1 and req.kind not in (pb.SEND, pb.RECV):
-            self.straggler.labels(comm.job_id, str(last_rank)).inc()
-            self._job_ranks.setdefault(comm.job_id, set()).add(str(last_rank))
+        if world_size > 1 and req.kind not in (pb.SEND, pb.RECV):
+            self.straggler.labels(job_id, str(last_rank)).inc()
+            self._job_ranks.setdefault(job_id, set()).add(str(last_rank))
 
     def add_region_counts(
-        self, comm: Communicator, ops: np.ndarray, nbytes: np.ndarray, skew: np.ndarray, last: np.ndarray
-    ) -> None:
+        self, job_id: str, world_size: int, ops: np.ndarray, nbytes: np.ndarray, skew: np.ndarray,
+        last: np.ndarray,
+    ) -> None:  # fmt: skip
         """Adds what a communicator's ranks counted in its control region since the last read:
         the same metrics, buckets and labels as ``op_done`` (see ``ControlRegion.new_counts``)."""
         for row in np.flatnonzero(ops[:, rg.C_OPS] | nbytes):
@@ -120,10 +126,10 @@ class Metrics:
             if c_skew is None:
                 c_skew = self._skew_children[int(kind)] = self.skew.labels(KIND_NAMES.get(int(kind), "unknown"))
             _add_observations(c_skew, skew[kind, rg.K_BUCKET :], int(skew[kind, rg.K_SUM]) / 1e9)
-        if comm.world_size > 1:
+        if world_size > 1:
             for rank in np.flatnonzero(last):
-                self.straggler.labels(comm.job_id, str(int(rank))).inc(int(last[rank]))
-                self._job_ranks.setdefault(comm.job_id, set()).add(str(int(rank)))
+                self.straggler.labels(job_id, str(int(rank))).inc(int(last[rank]))
+                self._job_ranks.setdefault(job_id, set()).add(str(int(rank)))
 
     def error(self, kind: int) -> None:
         """Counts one error of the wire ErrorKind ``kind``."""
@@ -152,10 +158,9 @@ class _RegionDrain:
     its ranks' region counters into the metrics, so a scrape after an op sees it."""
 
     def __init__(self) -> None:
-        self.registry: Registry | None = None
+        self.drain: Callable[[], None] | None = None
 
     def collect(self) -> Iterator[Metric]:
-        if self.registry is not None:
-            for comm in self.registry.comms():
-                comm.drain_metrics()
+        if self.drain is not None:
+            self.drain()
         return iter(())

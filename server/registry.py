@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from smddp.server.arena import Arena
-from smddp.server.communicator import Communicator
+from smddp.server.communicator import Communicator, GpuSupply, Session
 from smddp.server.config import DaemonConfig
 from smddp.server.domain import NodeSpec
 from smddp.server.errors import (
@@ -32,7 +32,6 @@ from smddp.server.metrics import Metrics
 from smddp.server.peer_transport import CommPeers, PeerNetwork
 from smddp.server.peer_wire import parse_address, token_proof
 from smddp.server.rendezvous import RendezvousTable, rendezvous_proof
-from smddp.server.session import Session
 from smddp.v1 import smddp_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -83,7 +82,8 @@ class Job:
 class Registry:
     """Thread-safe tables of communicators and sessions, and the rules for joining them."""
 
-    def __init__(self, config: DaemonConfig, metrics: Metrics | None = None) -> None:
+    def __init__(self, config: DaemonConfig, metrics: Metrics | None = None, gpu: GpuSupply | None = None) -> None:
+        self._gpu = gpu
         self.config = config
         self.started = time.time()
         self.metrics = metrics
@@ -156,7 +156,7 @@ class Registry:
                 specs = tuple(NodeSpec(n.node_id, n.peer_address) for n in req.nodes)
                 comm = Communicator(
                     req.job_id, req.comm_id, req.world_size, req.job_token, timeout_s, chunk, self.metrics,
-                    nodes=nodes, my_node=my_node, specs=specs,
+                    nodes=nodes, my_node=my_node, specs=specs, gpu=self._gpu,
                 )
                 comm.buffers = job.buffers
                 if len(comm.nodes) > 1:
@@ -509,6 +509,15 @@ class Registry:
         """Number of registered ranks."""
         with self._lock:
             return len(self._sessions)
+
+    def arena_bytes(self) -> int:
+        """Bytes of the arenas the ranks attached, in all."""
+        return sum(s.arena.nbytes for s in self.sessions() if s.arena)
+
+    def drain_metrics(self) -> None:
+        """Has every communicator read its ranks' control-region counters into the metrics."""
+        for comm in self.comms():
+            comm.drain_metrics()
 
     def unattached_count(self) -> int:
         """Number of registered ranks that have not attached yet."""

@@ -12,12 +12,12 @@ import grpc
 from prometheus_client import generate_latest
 
 from smddp.server import __version__
+from smddp.server.communicator import Session
 from smddp.server.errors import SmddpError
 from smddp.server.grpc_edge import EdgeService, edge
 from smddp.server.limits import Slots
 from smddp.server.logthrottle import refusals
 from smddp.server.registry import Registry
-from smddp.server.session import Session
 from smddp.server.topology import local_devices
 from smddp.v1 import smddp_pb2 as pb
 from smddp.v1 import smddp_pb2_grpc as pb_grpc
