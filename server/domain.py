@@ -38,10 +38,38 @@ def request_signature(req: pb.OpRequest) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class NodeSpec:
-    """One node of a job: its id and where its daemon's Peer service listens."""
+    """One node of a job: its id, where its daemon's Peer service listens, its ranks."""
 
     node_id: str
     peer_address: str
+    ranks: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Registration:
+    """A rank's request to join its communicator (``Node.Register``, as the daemon keeps it)."""
+
+    job_id: str
+    comm_id: str
+    rank: int
+    world_size: int
+    job_token: bytes
+    arena_bytes: int
+    timeout_ms: int = 0  # 0: the daemon's default
+    pid: int = 0  # as the client says: a hint only (attach checks the kernel's word)
+    global_rank: int = 0
+    node_id: str = ""
+    nodes: tuple[NodeSpec, ...] = ()  # empty: every rank on this node
+
+    @classmethod
+    def from_proto(cls, req: pb.RegisterRequest) -> Registration:
+        """The registration a RegisterRequest carries."""
+        return cls(
+            job_id=req.job_id, comm_id=req.comm_id, rank=req.rank, world_size=req.world_size,
+            job_token=req.job_token, arena_bytes=req.arena_bytes, timeout_ms=req.timeout_ms,
+            pid=req.pid, global_rank=req.global_rank, node_id=req.node_id,
+            nodes=tuple(NodeSpec(n.node_id, n.peer_address, tuple(n.ranks)) for n in req.nodes),
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)

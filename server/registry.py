@@ -16,7 +16,7 @@ import grpc
 from smddp.server.arena import Arena
 from smddp.server.communicator import Communicator, GpuSupply, Session
 from smddp.server.config import DaemonConfig
-from smddp.server.domain import NodeSpec
+from smddp.server.domain import Registration
 from smddp.server.errors import (
     FailedPrecondition,
     InvalidRequest,
@@ -106,7 +106,7 @@ class Registry:
 
     # -- joining ------------------------------------------------------------------------------
 
-    def register(self, req: pb.RegisterRequest) -> Session:
+    def register(self, req: Registration) -> Session:
         """Adds a rank to its communicator, creating the communicator on first contact.
 
         Raises:
@@ -153,10 +153,9 @@ class Registry:
                 # The client keeps half its arena for direct ops; the other half, its ring,
                 # must hold two chunks (plus alignment) for them to pipeline.
                 chunk = max(4096, min(cfg.chunk_bytes, req.arena_bytes // 4) // 64 * 64)
-                specs = tuple(NodeSpec(n.node_id, n.peer_address) for n in req.nodes)
                 comm = Communicator(
                     req.job_id, req.comm_id, req.world_size, req.job_token, timeout_s, chunk, self.metrics,
-                    nodes=nodes, my_node=my_node, specs=specs, gpu=self._gpu,
+                    nodes=nodes, my_node=my_node, specs=req.nodes, gpu=self._gpu,
                 )
                 comm.buffers = job.buffers
                 if len(comm.nodes) > 1:
@@ -212,7 +211,7 @@ class Registry:
         log.info("%s: registered %s", where, session.label(), extra=session.log_fields())
         return session
 
-    def _layout(self, req: pb.RegisterRequest, where: str) -> tuple[list[list[int]] | None, int]:
+    def _layout(self, req: Registration, where: str) -> tuple[list[list[int]] | None, int]:
         """Checks the node layout of a registration; returns (ranks per node, this node's index)."""
         if not req.nodes:
             return None, 0

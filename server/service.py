@@ -13,6 +13,7 @@ from prometheus_client import generate_latest
 
 from smddp.server import __version__
 from smddp.server.communicator import Session
+from smddp.server.domain import Registration
 from smddp.server.errors import SmddpError
 from smddp.server.grpc_edge import EdgeService, edge
 from smddp.server.limits import Slots
@@ -52,7 +53,7 @@ class NodeService(pb_grpc.NodeServicer, EdgeService):
 
     @edge()
     def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.RegisterReply:
-        session = self._registry.register(request)
+        session = self._registry.register(Registration.from_proto(request))
         return pb.RegisterReply(
             session_id=session.session_id,
             session_secret=session.secret,

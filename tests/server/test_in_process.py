@@ -20,7 +20,7 @@ from smddp.server import hierarchical
 from smddp.server.arena import Arena
 from smddp.server.communicator import Communicator, Session
 from smddp.server.config import DaemonConfig
-from smddp.server.domain import Layout, NodeSpec, op_signature, request_signature
+from smddp.server.domain import Layout, NodeSpec, Registration, op_signature, request_signature
 from smddp.server.errors import (
     FailedPrecondition,
     InvalidRequest,
@@ -175,14 +175,10 @@ def test_a_gpu_request_without_gpu_support_is_refused():
 # -- the registry's limits --------------------------------------------------------------------
 
 
-def _register(registry: Registry, job: str = "j", rank: int = 0, world: int = 2, **fields: object) -> Session:
-    req = pb.RegisterRequest(
-        job_id=job, comm_id="0", rank=rank, world_size=world, job_token=TOKEN,
-        arena_bytes=ARENA_BYTES, pid=os.getpid(), node_id="n0",
-    )  # fmt: skip
-    for name, value in fields.items():
-        setattr(req, name, value)
-    return registry.register(req)
+def _register(registry: Registry, job: str = "j", rank: int = 0, world: int = 2, arena_bytes: int = ARENA_BYTES) -> Session:
+    return registry.register(
+        Registration(job, "0", rank, world, TOKEN, arena_bytes, pid=os.getpid(), node_id="n0")
+    )
 
 
 def test_registry_limits():
