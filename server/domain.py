@@ -33,7 +33,9 @@ def op_signature(
 
 def request_signature(req: pb.OpRequest) -> tuple[int, ...]:
     """``op_signature`` of one rank's request."""
-    return op_signature(req.kind, req.dtype, req.count, req.root, req.reduce_op, req.parts, req.direct)
+    return op_signature(
+        req.kind, req.dtype, req.count, req.root, req.reduce_op, req.parts, req.direct
+    )
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,9 @@ class EdgeService:
         """A call ended with ``code`` (OK too): count it where the service does."""
 
 
-def _refuse(service: EdgeService, what: str, exc: SmddpError, context: grpc.ServicerContext) -> None:
+def _refuse(
+    service: EdgeService, what: str, exc: SmddpError, context: grpc.ServicerContext
+) -> None:
     service._refused(what, exc)
     context.abort(exc.code, str(exc))
 
@@ -54,7 +56,9 @@ def edge(what: str | None = None) -> Callable[[Method], Method]:
         if inspect.isgeneratorfunction(method):
 
             @functools.wraps(method)
-            def stream(self: EdgeService, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            def stream(
+                self: EdgeService, request: Any, context: grpc.ServicerContext
+            ) -> Iterator[Any]:
                 try:
                     yield from method(self, request, context)
                 except SmddpError as exc:

@@ -123,6 +123,14 @@ def execute(layout: Layout, peers: Peers, reqs: dict[int, pb.OpRequest], arenas:
     run(c)
 
 
+def _local(c: _NodeChunk, which: str) -> tuple[list[np.ndarray], int]:
+    """This node's ranks' inputs or outputs (``which``), checked to hold one size; and the size."""
+    arrays = [c.input(r) if which == "input" else c.output(r) for r in c.local]
+    n = arrays[0].size
+    c.same_sizes(arrays, n, which)
+    return arrays, n
+
+
 def _partial(c: _NodeChunk, inputs: Sequence[np.ndarray], n: int) -> np.ndarray:
     partial = np.empty(n, dtype=c.dtype)
     reduce_into([partial], inputs, c.req0.reduce_op, divisor=1)
@@ -130,10 +138,8 @@ def _partial(c: _NodeChunk, inputs: Sequence[np.ndarray], n: int) -> np.ndarray:
 
 
 def _all_reduce(c: _NodeChunk) -> None:
-    ins = [c.input(r) for r in c.local]
+    ins, n = _local(c, "input")
     outs = [c.output(r) for r in c.local]
-    n = ins[0].size
-    c.same_sizes(ins, n, "input")
     c.same_sizes(outs, n, "output")
     partial = _partial(c, ins, n)
     nodes = len(c.nodes)
@@ -171,9 +177,7 @@ def _broadcast(c: _NodeChunk) -> None:
 def _reduce(c: _NodeChunk) -> None:
     root = c.req0.root
     root_node = c.node_of[root]
-    ins = [c.input(r) for r in c.local]
-    n = ins[0].size
-    c.same_sizes(ins, n, "input")
+    ins, n = _local(c, "input")
     partial = _partial(c, ins, n)
     if root_node != c.me:
         c.send(root_node, 0, [partial])
@@ -183,9 +187,7 @@ def _reduce(c: _NodeChunk) -> None:
 
 
 def _gather_like(c: _NodeChunk, everywhere: bool) -> None:
-    ins = [c.input(r) for r in c.local]
-    n = ins[0].size
-    c.same_sizes(ins, n, "input")
+    ins, n = _local(c, "input")
     root_node = c.node_of[c.req0.root]
     targets = c.local if everywhere else ([c.req0.root] if root_node == c.me else [])
     outs = [c.output(r) for r in targets]
@@ -216,9 +218,7 @@ def _gather(c: _NodeChunk) -> None:
 def _scatter(c: _NodeChunk) -> None:
     root = c.req0.root
     root_node = c.node_of[root]
-    outs = [c.output(r) for r in c.local]
-    n = outs[0].size
-    c.same_sizes(outs, n, "output")
+    outs, n = _local(c, "output")
     if root_node == c.me:
         data = c.input(root)
         if data.size != n * c.world:
@@ -234,9 +234,7 @@ def _scatter(c: _NodeChunk) -> None:
 
 
 def _reduce_scatter(c: _NodeChunk) -> None:
-    outs = [c.output(r) for r in c.local]
-    n = outs[0].size
-    c.same_sizes(outs, n, "output")
+    outs, n = _local(c, "output")
     ins = [c.input(r) for r in c.local]
     c.same_sizes(ins, n * c.world, "input")
     partials = []

@@ -45,13 +45,21 @@ class PeerControl:
                 else:
                     # The certificate must name the node the layout puts at this address.
                     channel = grpc.secure_channel(
-                        address, self._credentials, options=[("grpc.ssl_target_name_override", node_id)]
+                        address,
+                        self._credentials,
+                        options=[("grpc.ssl_target_name_override", node_id)],
                     )
                 self._channels[key] = channel
         return pb_grpc.PeerStub(channel)
 
     def join(
-        self, address: str, node_id: str, peer: pb.PeerRequest, node_ids: list[str], transport: int, timeout: float
+        self,
+        address: str,
+        node_id: str,
+        peer: pb.PeerRequest,
+        node_ids: list[str],
+        transport: int,
+        timeout: float,
     ) -> int:
         """Asks node ``node_id`` to let this node join the communicator; its data port.
 
@@ -62,7 +70,15 @@ class PeerControl:
         reply: pb.JoinReply = self.stub(address, node_id).Join(request, timeout=timeout)
         return reply.data_port
 
-    def abort(self, address: str, node_id: str, peer: pb.PeerRequest, kind: int, message: str, timeout: float) -> None:
+    def abort(
+        self,
+        address: str,
+        node_id: str,
+        peer: pb.PeerRequest,
+        kind: int,
+        message: str,
+        timeout: float,
+    ) -> None:
         """Tells node ``node_id`` that the communicator failed, with ``kind`` and ``message``.
 
         Raises:
@@ -71,7 +87,9 @@ class PeerControl:
         request = pb.AbortRequest(peer=peer, kind=kind, message=message[:65536])
         self.stub(address, node_id).Abort(request, timeout=timeout)
 
-    def status(self, address: str, node_id: str, peer: pb.PeerRequest, timeout: float) -> pb.CommStatus:
+    def status(
+        self, address: str, node_id: str, peer: pb.PeerRequest, timeout: float
+    ) -> pb.CommStatus:
         """What the communicator waits for on node ``node_id``.
 
         Raises:
@@ -82,7 +100,9 @@ class PeerControl:
         )
         return reply.comm
 
-    def meet_future(self, address: str, node_id: str, request: pb.MeetRequest, timeout: float) -> grpc.Future:
+    def meet_future(
+        self, address: str, node_id: str, request: pb.MeetRequest, timeout: float
+    ) -> grpc.Future:
         """Starts a Meet call at the rendezvous root ``address``; the call's future."""
         return self.stub(address, node_id).Meet.future(request, timeout=timeout)
 

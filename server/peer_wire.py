@@ -75,7 +75,9 @@ class Frame:
 
     def signature(self) -> tuple[int, ...]:
         """What must agree between nodes for the frame to belong to this node's op."""
-        return op_signature(self.kind, self.dtype, self.count, self.root, self.reduce_op, self.parts)
+        return op_signature(
+            self.kind, self.dtype, self.count, self.root, self.reduce_op, self.parts
+        )
 
 
 def token_proof(token: bytes, job_id: str, comm_id: str) -> bytes:
@@ -150,7 +152,9 @@ def read_hello(sock: Connection) -> Hello:
     """
     magic, job_len, comm_len, node = HELLO.unpack(recv_exact(sock, HELLO.size))
     if magic != HELLO_MAGIC:
-        tls_hint = " (it speaks TLS: this daemon has no --tls-cert)" if magic[:2] == b"\x16\x03" else ""
+        tls_hint = (
+            " (it speaks TLS: this daemon has no --tls-cert)" if magic[:2] == b"\x16\x03" else ""
+        )
         raise ConnectionError(f"not an smddp peer{tls_hint}")
     job_id = recv_exact(sock, job_len).decode()
     comm_id = recv_exact(sock, comm_len).decode()

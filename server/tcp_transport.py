@@ -55,10 +55,8 @@ class TcpNode:
             self._sock.bind((host or "0.0.0.0", port))
         except OSError as exc:
             self._sock.close()
-            raise OSError(
-                exc.errno,
-                f"cannot listen for data connections on {host}:{port} (--data-port): {exc.strerror}",
-            ) from None
+            what = f"cannot listen for data connections on {host}:{port} (--data-port)"
+            raise OSError(exc.errno, f"{what}: {exc.strerror}") from None
         self._sock.listen(256)
         self.port: int = self._sock.getsockname()[1]
 
@@ -125,7 +123,11 @@ class TcpNode:
             if self._server_tls is not None:
                 peek = sock.recv(len(HELLO_MAGIC), socket.MSG_PEEK | socket.MSG_WAITALL)
                 if peek == HELLO_MAGIC:
-                    answer(sock, HELLO_REFUSED, "this daemon takes peer connections over TLS only (--tls-cert)")
+                    answer(
+                        sock,
+                        HELLO_REFUSED,
+                        "this daemon takes peer connections over TLS only (--tls-cert)",
+                    )
                     sock.close()
                     return
                 tls = TlsSocket(sock, self._server_tls, server_side=True)

@@ -98,7 +98,9 @@ def test_matching_ranks_run_the_op_and_get_ok():
     comm = Communicator("j", "c", 2, TOKEN, 10.0, 4096)
     ranks = [_session(comm, r) for r in range(2)]
     for session, _ in ranks:
-        session.arena.view(pb.Region(offset=0, nbytes=16), np.dtype(np.float32))[:] = session.rank + 1
+        session.arena.view(pb.Region(offset=0, nbytes=16), np.dtype(np.float32))[:] = (
+            session.rank + 1
+        )
     for session, _ in ranks:
         comm.submit(session, _op(pb.ALL_REDUCE, reduce_op=pb.SUM))
     for session, channel in ranks:
@@ -134,10 +136,14 @@ def test_fields_an_op_does_not_use_do_not_make_a_mismatch():
     assert request_signature(_op(pb.BROADCAST, reduce_op=pb.SUM)) == request_signature(
         _op(pb.BROADCAST, reduce_op=pb.MAX)
     )
-    assert request_signature(_op(pb.ALL_REDUCE, root=0)) == request_signature(_op(pb.ALL_REDUCE, root=1))
+    assert request_signature(_op(pb.ALL_REDUCE, root=0)) == request_signature(
+        _op(pb.ALL_REDUCE, root=1)
+    )
     assert request_signature(_op(pb.REDUCE, root=0)) != request_signature(_op(pb.REDUCE, root=1))
     # all_to_all ranks send different totals: their blocks are checked pairwise instead.
-    assert op_signature(pb.ALL_TO_ALL, pb.FLOAT32, 8, 0, 0, 1) == op_signature(pb.ALL_TO_ALL, pb.FLOAT32, 16, 0, 0, 1)
+    assert op_signature(pb.ALL_TO_ALL, pb.FLOAT32, 8, 0, 0, 1) == op_signature(
+        pb.ALL_TO_ALL, pb.FLOAT32, 16, 0, 0, 1
+    )
 
 
 def test_an_out_of_order_chunk_fails_the_communicator_naming_the_rank():
@@ -148,7 +154,9 @@ def test_an_out_of_order_chunk_fails_the_communicator_naming_the_rank():
     assert not reply.ok and reply.error_kind == pb.INVALID
     assert reply.error.endswith("arrived as op #1 chunk 1, but op #1 chunk 0 was next")
     kind, message = comm.failed() or (0, "")
-    assert kind == pb.INVALID and message.startswith("job j comm c: rank 0 (pid 100, node n0) sent an invalid op")
+    assert kind == pb.INVALID and message.startswith(
+        "job j comm c: rank 0 (pid 100, node n0) sent an invalid op"
+    )
     assert c1.replies == []  # rank 1 hears it at its next op
 
 
@@ -175,7 +183,13 @@ def test_a_gpu_request_without_gpu_support_is_refused():
 # -- the registry's limits --------------------------------------------------------------------
 
 
-def _register(registry: Registry, job: str = "j", rank: int = 0, world: int = 2, arena_bytes: int = ARENA_BYTES) -> Session:
+def _register(
+    registry: Registry,
+    job: str = "j",
+    rank: int = 0,
+    world: int = 2,
+    arena_bytes: int = ARENA_BYTES,
+) -> Session:
     return registry.register(
         Registration(job, "0", rank, world, TOKEN, arena_bytes, pid=os.getpid(), node_id="n0")
     )
@@ -183,16 +197,22 @@ def _register(registry: Registry, job: str = "j", rank: int = 0, world: int = 2,
 
 def test_registry_limits():
     registry = Registry(DaemonConfig(node_id="n0", max_ranks_per_job=4, max_arena_bytes=1 << 20))
-    with pytest.raises(LimitExceeded, match=r"world_size 5 is outside 1\.\.4 \(--max-ranks-per-job\)"):
+    with pytest.raises(
+        LimitExceeded, match=r"world_size 5 is outside 1\.\.4 \(--max-ranks-per-job\)"
+    ):
         _register(registry, world=5)
-    with pytest.raises(LimitExceeded, match=r"arena_bytes 2097152 is outside .*\(--max-arena-bytes\)"):
+    with pytest.raises(
+        LimitExceeded, match=r"arena_bytes 2097152 is outside .*\(--max-arena-bytes\)"
+    ):
         _register(registry, arena_bytes=2 << 20)
     with pytest.raises(InvalidRequest, match="rank 2 is outside a world of 2"):
         _register(registry, rank=2)
     first = _register(registry)
     with pytest.raises(FailedPrecondition, match=r"rank 0 is already registered \(rank 0 \(pid"):
         _register(registry)
-    with pytest.raises(FailedPrecondition, match="registered with world_size 3 but the communicator has 2"):
+    with pytest.raises(
+        FailedPrecondition, match="registered with world_size 3 but the communicator has 2"
+    ):
         _register(registry, rank=1, world=3)
     assert registry.session_count() == 1 and first.comm.members == {0: first}
 
@@ -237,11 +257,13 @@ class _MemoryPeers:
         payloads: Sequence[np.ndarray | bytes] = (),
     ) -> None:  # fmt: skip
         r = req or pb.OpRequest()
-        data = b"".join(np.ascontiguousarray(p).tobytes() if isinstance(p, np.ndarray) else p for p in payloads)
+        data = b"".join(
+            np.ascontiguousarray(p).tobytes() if isinstance(p, np.ndarray) else p for p in payloads
+        )
         # Through the real header, as the sockets carry it.
         header = pack_header(
-            ftype, self.me, len(data), kind=r.kind, dtype=r.dtype, seq=r.seq, part=r.part, parts=r.parts,
-            round_=round_, count=r.count, root=r.root, reduce_op=r.reduce_op,
+            ftype, self.me, len(data), kind=r.kind, dtype=r.dtype, seq=r.seq, part=r.part,
+            parts=r.parts, round_=round_, count=r.count, root=r.root, reduce_op=r.reduce_op,
         )  # fmt: skip
         frame, nbytes = unpack_header(header)
         assert nbytes == len(data)
@@ -296,17 +318,25 @@ def test_all_reduce_across_two_nodes_gives_every_rank_the_same_sum():
     arenas, errors = _run_nodes(reqs, inputs)
     assert errors == {}
     for r in range(4):
-        assert arenas[r].view(reqs[r].output, np.dtype(np.float32)).tolist() == (np.arange(n) * 10.0).tolist()
+        assert (
+            arenas[r].view(reqs[r].output, np.dtype(np.float32)).tolist()
+            == (np.arange(n) * 10.0).tolist()
+        )
 
 
 def test_all_gather_across_two_nodes_is_rank_major():
     n = 3
-    reqs = {r: _op(pb.ALL_GATHER, count=n, output=pb.Region(offset=64, nbytes=4 * n * 4)) for r in range(4)}
+    reqs = {
+        r: _op(pb.ALL_GATHER, count=n, output=pb.Region(offset=64, nbytes=4 * n * 4))
+        for r in range(4)
+    }
     inputs = {r: np.full(n, r, dtype=np.float32) for r in range(4)}
     arenas, errors = _run_nodes(reqs, inputs)
     assert errors == {}
     for r in range(4):
-        assert arenas[r].view(reqs[r].output, np.dtype(np.float32)).tolist() == [float(k // n) for k in range(4 * n)]
+        assert arenas[r].view(reqs[r].output, np.dtype(np.float32)).tolist() == [
+            float(k // n) for k in range(4 * n)
+        ]
 
 
 def test_a_mismatch_across_nodes_names_both_nodes():
@@ -365,7 +395,9 @@ def test_hello_and_header_round_trip():
     hello = read_hello(_Pipe(pack_hello("j", "c", 1, proof)))
     assert (hello.job_id, hello.comm_id, hello.node, hello.proof) == ("j", "c", 1, proof)
     assert read_answer(_Pipe(pack_answer(HELLO_OK, "fine"))) == (HELLO_OK, "fine")
-    frame, nbytes = unpack_header(pack_header(FRAME_DATA, 3, 40, kind=pb.ALL_REDUCE, seq=7, round_=1))
+    frame, nbytes = unpack_header(
+        pack_header(FRAME_DATA, 3, 40, kind=pb.ALL_REDUCE, seq=7, round_=1)
+    )
     assert (frame.ftype, frame.src_node, nbytes, frame.kind, frame.seq, frame.round) == (
         FRAME_DATA, 3, 40, pb.ALL_REDUCE, 7, 1,
     )  # fmt: skip

@@ -36,7 +36,9 @@ def _imports(name: str, path: Path, known: set[str]) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             if node.level:  # relative: from . import x / from .x import y
                 base = node.module or ""
-                targets = [f"{PACKAGE}.{base}".rstrip(".")] + [f"{PACKAGE}.{a.name}" for a in node.names]
+                targets = [f"{PACKAGE}.{base}".rstrip(".")] + [
+                    f"{PACKAGE}.{a.name}" for a in node.names
+                ]
             else:
                 module = node.module or ""
                 targets = [module] + [f"{module}.{a.name}" for a in node.names]
