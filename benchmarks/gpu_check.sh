@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU check of smddp (issues 4, 15, 17): tests/gpu, the measurements of the GPU path's
-# hazards, then the GPU all_reduce benchmark, ending in ONE summary line. It fails (non-zero)
+# The GPU check of smddp (issues 4, 15, 17): tests/gpu (with the measurements of the GPU
+# path's hazards), then the GPU all_reduce benchmark, ending in ONE summary line. It fails (non-zero)
 # unless CuPy imports with a working NVRTC, a GPU is seen, and the GPU tests ran and passed
 # (they are counted: none skipped, none deselected by accident). Meant for a GPU machine with
 # no network, such as the lent H200 (Python 3.12 at /opt/torch/.venv, torch 2.11.0+cu130,
@@ -21,7 +21,9 @@
 #
 # Exit status: 0 all passed; 2 no usable torch/GPU, or a torch smddp's backend refuses; 3 CuPy,
 # NVRTC or a dependency unusable; 4 the GPU tests failed, skipped or did not run; 5 the
-# benchmark failed; 6 a measurement of the GPU path's hazards failed.
+# benchmark failed. The measurements of the GPU path's hazards (memory after del +
+# empty_cache, a forced allocator retry, a killed rank, capture, a 2^31+17-element int8
+# all_reduce) are GPU tests too: each prints a "measure:" line after the tests.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
@@ -198,10 +200,13 @@ EOF
 fi
 
 # -- the GPU tests (counted) ------------------------------------------------------------------------
-TESTS_TIMEOUT=300
-[ "$QUICK" = 1 ] && TESTS_TIMEOUT=180
+TESTS_TIMEOUT=330
+[ "$QUICK" = 1 ] && TESTS_TIMEOUT=240
+# SIGINT first: pytest then stops, still writing its summary and the junit counts read below.
 say "tests/gpu (log: $OUT/gpu-tests.log) at $(elapsed)"
-SMDDP_REQUIRE_GPU=1 SMDDP_GPU_QUICK=$QUICK timeout "$TESTS_TIMEOUT" "$PY" -m pytest -q -rs -p no:cacheprovider \
+MEASURED="$OUT/measurements.txt"
+rm -f "$MEASURED"
+SMDDP_GPU_MEASURE_FILE="$MEASURED" SMDDP_REQUIRE_GPU=1 SMDDP_GPU_QUICK=$QUICK timeout -s INT -k 20 "$TESTS_TIMEOUT" "$PY" -m pytest -q -rs -p no:cacheprovider \
   --rootdir "$REPO" -c "$REPO/pyproject.toml" --junitxml="$OUT/gpu-tests.xml" -m gpu \
   "$REPO/tests/gpu" 2>&1 | tee "$OUT/gpu-tests.log"
 TESTS_RC=${PIPESTATUS[0]}
@@ -217,6 +222,11 @@ EOF
 )
 read -r N_RUN N_PASSED N_SKIPPED <<<"${COUNTS:-0 0 0}"
 say "tests/gpu: exit status $TESTS_RC, $N_RUN run, $N_PASSED passed, $N_SKIPPED skipped ($(elapsed))"
+if [ -s "$MEASURED" ]; then
+  while IFS= read -r line; do say "measure: $line"; done <"$MEASURED"
+else
+  say "measure: none recorded (the tests that measure did not get that far)"
+fi
 
 # -- the benchmark ----------------------------------------------------------------------------------
 if [ "$QUICK" = 1 ]; then BENCH=(--worlds 2,4 --sizes-mib 1,16,256 --budget-mib 1024); BENCH_TIMEOUT=120
