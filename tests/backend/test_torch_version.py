@@ -77,3 +77,89 @@ def test_a_torch_without_either_name_of_an_op_is_refused_naming_it() -> None:
     assert proc.returncode == 1
     last = proc.stderr.strip().splitlines()[-1]
     assert "lacks all_gather_single or _allgather_base (a development build" in last, proc.stderr
+
+
+PROBE = r'''
+import json, torch, torch.distributed as dist
+from torch._C import _distributed_c10d as c10d
+from smddp.backend.process_group import SmddpProcessGroup
+
+calls = []
+
+class Done(dist.Work):
+    def __init__(self, result):
+        super().__init__()
+        self.result = result
+    def wait(self, timeout=None):
+        return True
+    def get_future(self):
+        f = torch.futures.Future()
+        f.set_result(self.result)
+        return f
+
+def recorder(name):
+    def method(self, *args, **kwargs):
+        calls.append(name)
+        first = args[0]
+        return Done(first if isinstance(first, list) else [first])
+    return method
+
+# Every collective name either torch has used, recorded instead of run.
+NAMES = ["allreduce", "allreduce_coalesced", "broadcast", "all_gather_single", "_allgather_base",
+         "all_gather_single_coalesced", "allgather_into_tensor_coalesced", "reduce_scatter_single",
+         "_reduce_scatter_base", "reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced",
+         "all_to_all_single", "alltoall_base"]
+
+class Probe(dist.ProcessGroup):
+    def __init__(self):
+        super().__init__(0, 1)
+    def getBackendName(self):
+        return "probe"
+    def getGroupName(self):
+        return "probe"
+    def setGroupName(self, name):
+        pass
+
+for n in NAMES:
+    setattr(Probe, n, recorder(n))
+pg = Probe()
+c10d._register_process_group("probe", pg)
+F = torch.ops._c10d_functional
+x = torch.ones(4)
+ops = {
+    "all_reduce": lambda: F.all_reduce(x, "sum", "probe"),
+    "all_reduce_coalesced": lambda: F.all_reduce_coalesced([x], "sum", "probe"),
+    "all_gather_into_tensor": lambda: F.all_gather_into_tensor(x, 1, "probe"),
+    "all_gather_into_tensor_coalesced": lambda: F.all_gather_into_tensor_coalesced([x], 1, "probe"),
+    "reduce_scatter_tensor": lambda: F.reduce_scatter_tensor(x, "sum", 1, "probe"),
+    "reduce_scatter_tensor_coalesced": lambda: F.reduce_scatter_tensor_coalesced([x], "sum", 1, "probe"),
+    "all_to_all_single": lambda: F.all_to_all_single(x, [4], [4], "probe"),
+    "broadcast": lambda: F.broadcast(x, 0, "probe"),
+}
+reached = {}
+for op, call in ops.items():
+    calls.clear()
+    try:
+        for t in (call() if op.endswith("coalesced") else [call()]):
+            F.wait_tensor(t)
+        reached[op] = [c for c in calls]
+    except Exception as exc:
+        reached[op] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+print(json.dumps({"reached": reached,
+                  "defined": [n for n in NAMES if n in vars(SmddpProcessGroup)]}))
+'''
+
+
+@pytest.mark.timeout(240)
+def test_functional_collectives_reach_a_method_the_backend_defines() -> None:
+    """torch's C++ functional collectives (DTensor, FSDP2, torch.compile) call into a Python
+    ProcessGroup under names that changed in 2.13; under this torch each reaches Python, under
+    a name SmddpProcessGroup defines (2.11 reaches the old names, 2.13 the new ones)."""
+    import json
+
+    proc = _python(PROBE)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    for op, names in got["reached"].items():
+        assert isinstance(names, list) and len(names) == 1, f"{op}: {names}"
+        assert names[0] in got["defined"], f"{op} reaches {names[0]}, which smddp does not define"
