@@ -28,7 +28,7 @@ from smddp.client.progress import ProgressThread
 from smddp.client.session import DaemonSession
 from smddp.client.shm import ShmPath
 from smddp.reduce import _BOOL_UFUNCS, _UFUNCS
-from smddp.region import H_ALARM
+from smddp.region import DEFAULT_DATA_BYTES, H_ALARM
 from smddp.v1 import smddp_pb2 as pb
 from smddp.wire import P2P_KINDS, WIRE_DTYPES, reduce_op_check, socket_candidates
 
@@ -386,22 +386,23 @@ class Communicator:
             handle = Handle(self, f"op #{seq}")
             code = WIRE_DTYPES[dtype] if dtype is not None and kind != pb.BARRIER else 0
 
-            def start() -> bool:
-                try:
-                    shm.check()
-                    parity = shm.next_parity()
-                    if fill is not None:
-                        fill(parity)
-                    target = shm.publish(seq, parity, kind, code, count, root, reduce_op)
-                except SmddpError as exc:
-                    handle.error = exc
-                    return False
-                handle.pending = 1
-                handle.shm = (seq, parity, target, finish, kind, code, nbytes)
-                return True
-
             if self._progress.busy():
                 # Behind a large op on the progress thread: keep the ranks' order there.
+
+                def start() -> bool:
+                    try:
+                        shm.check()
+                        parity = shm.next_parity()
+                        if fill is not None:
+                            fill(parity)
+                        target = shm.publish(seq, parity, kind, code, count, root, reduce_op)
+                    except SmddpError as exc:
+                        handle.error = exc
+                        return False
+                    handle.pending = 1
+                    handle.shm = (seq, parity, target, finish, kind, code, nbytes)
+                    return True
+
                 handle.event = threading.Event()
                 handle.pending = 1
 
@@ -413,8 +414,19 @@ class Communicator:
 
                 self._progress.submit(run)
                 return handle
-            if start():
-                self._shm_open = handle
+            # start(), inline: a small op's latency is mostly Python work like this.
+            try:
+                shm.check()
+                parity = shm.next_parity()
+                if fill is not None:
+                    fill(parity)
+                target = shm.publish(seq, parity, kind, code, count, root, reduce_op)
+            except SmddpError as exc:
+                handle.error = exc
+                return handle
+            handle.pending = 1
+            handle.shm = (seq, parity, target, finish, kind, code, nbytes)
+            self._shm_open = handle
             return handle
 
     def _failed_handle(self, exc: SmddpError) -> Handle:
@@ -426,8 +438,6 @@ class Communicator:
         return self._use_shm and nbytes <= self._shm_data_bytes()
 
     def _shm_data_bytes(self) -> int:
-        from smddp.region import DEFAULT_DATA_BYTES
-
         return self._shm.data_bytes if self._shm is not None else DEFAULT_DATA_BYTES
 
     def _shm_reduce(self, out: np.ndarray, ins: list[np.ndarray], reduce_op: int) -> None:
@@ -504,13 +514,15 @@ class Communicator:
         if self._fits(flat.nbytes):
             me = self.rank
 
+            dtype = flat.dtype
+
             def fill(p: int) -> None:
-                np.copyto(self._shm.typed(p, flat.dtype)[me][:n], flat)  # type: ignore[union-attr]
+                np.copyto(self._shm.sized(p, dtype, n)[me], flat)  # type: ignore[union-attr]
 
             def finish(p: int) -> None:
-                self._shm_reduce(flat, [b[:n] for b in self._shm.typed(p, flat.dtype)], reduce_op)  # type: ignore[union-attr]
+                self._shm_reduce(flat, self._shm.sized(p, dtype, n), reduce_op)  # type: ignore[union-attr]
 
-            return self._shm_op(pb.ALL_REDUCE, flat.dtype, n, 0, reduce_op, flat.nbytes, fill, finish)
+            return self._shm_op(pb.ALL_REDUCE, dtype, n, 0, reduce_op, flat.nbytes, fill, finish)
         if self._use_shm or 0 <= self._direct_min <= flat.nbytes:
             return self._direct_all_reduce(flat, reduce_op)
         return self._elementwise(pb.ALL_REDUCE, flat, 0, reduce_op, send=True, receive=True)
