@@ -43,10 +43,14 @@ ENV_DIRECT_MIN_BYTES = "SMDDP_DIRECT_MIN_BYTES"
 DEFAULT_DIRECT_MIN_BYTES = 256 << 10
 # Direct ops move their data in chunks of this many bytes (per rank): small enough that a
 # chunk's buffers stay in the caches (the user's tensors stream from memory once), large
-# enough that a chunk's Python work and synchronisation stay small beside its copies.
-# Must be equal on all ranks.
+# enough that a chunk's Python work and synchronisation stay small beside its copies. Ranks
+# that share cores pay a context switch at every synchronisation, so they take larger
+# chunks (measured: 4 ranks on 2 cores, 16 MiB all_reduce, 2 MiB chunks 10-15% faster than
+# 1 MiB; 2 ranks, 1 MiB chunks faster than 4 MiB). Must be equal on all ranks: the default
+# depends on the node's CPU count, never on a rank's affinity.
 ENV_DIRECT_CHUNK_BYTES = "SMDDP_DIRECT_CHUNK_BYTES"
 DEFAULT_DIRECT_CHUNK_BYTES = 1 << 20
+SHARED_CORES_DIRECT_CHUNK_BYTES = 2 << 20
 # A chunk's buffer is reused DIRECT_BUFFERS chunks later: at least the number of steps a
 # chunk's work spans (all_reduce: copy in, reduce, copy out), so that no rank overwrites a
 # buffer another still reads.
@@ -130,8 +134,9 @@ def _part(template: pb.OpRequest, part: int, parts: int) -> pb.OpRequest:
     return req
 
 
-def _direct_chunk_bytes() -> int:
-    return max(ALIGN, int(os.environ.get(ENV_DIRECT_CHUNK_BYTES, DEFAULT_DIRECT_CHUNK_BYTES)))
+def _direct_chunk_bytes(world_size: int) -> int:
+    default = DEFAULT_DIRECT_CHUNK_BYTES if world_size <= (os.cpu_count() or 1) else SHARED_CORES_DIRECT_CHUNK_BYTES
+    return max(ALIGN, int(os.environ.get(ENV_DIRECT_CHUNK_BYTES, default)))
 
 
 def _ranges(n: int, per: int, parts: int) -> list[tuple[int, int]]:
@@ -151,12 +156,12 @@ class Communicator:
         self.single_node = single_node
         self._cuda: CudaCollectives | None = None
         # The arena's first half is a ring for chunks the daemon moves; the second half holds
-        # two slots for direct ops, at the same offsets in every rank's arena.
+        # the buffers of direct ops, at the same offsets in every rank's arena.
         half = session.arena.nbytes // 2
         self._ring = RingAllocator(half)
         # Direct ops' buffers, in the second half: DIRECT_BUFFERS of them, used in turn.
         self._direct_base = half
-        self._direct_buffer = max(ALIGN, min(_direct_chunk_bytes(), half // DIRECT_BUFFERS) // ALIGN * ALIGN)
+        self._direct_buffer = max(ALIGN, min(_direct_chunk_bytes(session.world_size), half // DIRECT_BUFFERS) // ALIGN * ALIGN)
         self._direct_count = 0
         self._direct_min = (
             int(os.environ.get(ENV_DIRECT_MIN_BYTES, DEFAULT_DIRECT_MIN_BYTES))
