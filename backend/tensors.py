@@ -8,7 +8,6 @@ is not resizable".
 
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -63,13 +62,14 @@ class _TensorMemory:
 
     def __init__(self, t: torch.Tensor) -> None:
         self.tensor = t
-        size = t.element_size()
+        shape = t.shape
         self.__array_interface__ = {
             "version": 3,
-            "shape": tuple(t.shape),
+            "shape": shape,
             "typestr": _TYPESTR[t.dtype],
             "data": (t.data_ptr(), False),
-            "strides": tuple(s * size for s in t.stride()),
+            # None: C-contiguous, most tensors (building strides is a third of this call).
+            "strides": None if t.is_contiguous() else tuple(s * t.element_size() for s in t.stride()),
         }
 
 
@@ -85,6 +85,8 @@ def as_numpy(t: torch.Tensor, what: str) -> np.ndarray:
     else:
         arr = np.asarray(_TensorMemory(t.detach()))
     if t.dtype == torch.bfloat16:
+        import ml_dtypes  # here, not at the top: its import costs ~1 s (see smddp.wire)
+
         return arr.view(ml_dtypes.bfloat16)
     return arr
 
