@@ -41,6 +41,8 @@ from smddp.wire import (
     MSG_ATTACH_REPLY,
     MSG_OP,
     MSG_OP_REPLY,
+    MSG_PEER_ARENAS,
+    MSG_PEER_ARENAS_REPLY,
     pack,
     unpack,
 )
@@ -438,17 +440,26 @@ def test_fuzz_data_socket_ops(target: Target) -> None:
                 answer = _attach_answer(s)
                 assert answer is not None and answer.ok, answer
                 for i in range(data.draw(st.integers(1, 4))):
+                    garbage = b""
                     if data.draw(st.integers(0, 9)) == 0:
-                        s.send(data.draw(st.binary(min_size=1, max_size=2000)))  # not even an op
+                        garbage = data.draw(st.binary(min_size=1, max_size=2000))  # not even an op
+                        s.send(garbage)
                         expect_id = None
                     else:
                         op = data.draw(op_requests(i + 1, i + 1))
                         s.send(pack(MSG_OP, op.SerializeToString()))
                         expect_id = op.request_id
-                    msg = s.recv(MAX_MESSAGE_BYTES)
+                    msg, fds, _, _ = socket.recv_fds(s, MAX_MESSAGE_BYTES, 64)
+                    for fd in fds:
+                        os.close(fd)
                     if not msg:
                         break  # the daemon hung up on garbage: this rank is dropped
                     kind, payload = unpack(msg)
+                    if garbage[:1] == bytes([MSG_PEER_ARENAS]):
+                        # Garbage that opens with the peer-arenas byte is that request, and a
+                        # fair one: the daemon answers it (or refuses it) as such.
+                        assert kind == MSG_PEER_ARENAS_REPLY, kind
+                        continue
                     assert kind == MSG_OP_REPLY, kind
                     reply = pb.OpReply.FromString(payload)
                     if expect_id is not None:
