@@ -133,6 +133,11 @@ def _backward_done(task: int) -> None:
         raise error
 
 
+def _foreign_thread() -> bool:
+    """True in a thread that Python's threading did not start (torch's inter-op pool)."""
+    return isinstance(threading.current_thread(), threading._DummyThread)
+
+
 class SmddpWork(dist.Work):
     """Completes when the op's chunks are retired and copy-backs have run."""
 
@@ -202,6 +207,11 @@ class SmddpWork(dist.Work):
         (outputs written). A failed op never fails it (see the module docstring): its error
         is raised by a backward pass's final callback, by ``wait()``/``value()`` from Python,
         and by ``Work.wait()``; an error already known is raised here."""
+        if not self.is_completed() and _foreign_thread() and torch._C._current_graph_task_id() < 0:
+            # A thread torch started, outside backward: a comm hook's ``then`` callback on the
+            # inter-op pool (PowerSGD waits there for the Future of a further all_reduce). The
+            # pending Future would complete on that pool, which such waits can fill up: wait here.
+            self._complete()
         if self.is_completed():
             if self._error is not None:
                 raise self._error
