@@ -8,7 +8,6 @@ is not resizable".
 
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -85,6 +84,8 @@ def as_numpy(t: torch.Tensor, what: str) -> np.ndarray:
     else:
         arr = np.asarray(_TensorMemory(t.detach()))
     if t.dtype == torch.bfloat16:
+        import ml_dtypes  # here, not at the top: its import costs ~1 s (see smddp.wire)
+
         return arr.view(ml_dtypes.bfloat16)
     return arr
 

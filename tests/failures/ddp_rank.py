@@ -18,7 +18,8 @@ SPEC fields:
   in dtype from the others').
 - ``program``: "ddp" (the default), or "funcol": instead of DDP, functional collectives
   (``torch.distributed._functional_collectives.all_reduce``, whose result torch waits for
-  in C++ through ``wait_tensor``), checked, in a loop.
+  in C++ through ``wait_tensor``), checked, in a loop; or "fsdp1" / "fsdp2": FSDP training
+  (FullyShardedDataParallel, fully_shard), whose collectives run in forward and backward.
 - ``steps``: train this many steps and finish cleanly (0: until the group fails).
 - ``backend``: "smddp" (the default), or "gloo" to compare.
 - ``run_s``: give up after this long (the result then says no error came).
@@ -131,6 +132,39 @@ def funcol_loop(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
     return {"steps": step}
 
 
+def fsdp_loop(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """FSDP training (``program`` "fsdp1": FullyShardedDataParallel; "fsdp2": fully_shard)
+    until the group fails: its all_gathers and reduce_scatters run in forward and backward."""
+    torch.manual_seed(0)
+    model: nn.Module = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1))
+    if spec["program"] == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        model = FSDP(model, device_id=torch.device("cpu"))
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    data = torch.Generator().manual_seed(7 + rank)
+    deadline = time.monotonic() + spec.get("run_s", 60)
+    step = 0
+    while time.monotonic() < deadline:
+        x = torch.randn(16, 8, generator=data)
+        opt.zero_grad()
+        F.mse_loss(model(x), x.sum(dim=1, keepdim=True).sin()).backward()
+        opt.step()
+        say(f"ready {rank} 0 {time.time():.3f}" if step == 0 else f"step {step}")
+        step += 1
+    return {"steps": step}
+
+
+PROGRAMS = {"ddp": train, "funcol": funcol_loop, "fsdp1": fsdp_loop, "fsdp2": fsdp_loop}
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     rank = int(os.environ["RANK"])
@@ -141,7 +175,7 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group(spec.get("backend", "smddp"), timeout=timedelta(seconds=spec.get("pg_timeout_s", 60)))
     try:
-        record.update((funcol_loop if spec.get("program") == "funcol" else train)(rank, spec))
+        record.update(PROGRAMS[spec.get("program", "ddp")](rank, spec))
     except dist.DistBackendError as exc:
         record.update(type=type(exc).__name__, module=type(exc).__module__, message=str(exc),
                       failed_at=time.time())

@@ -77,10 +77,12 @@ HOOKS = ["none", "allreduce_hook", "fp16_compress_hook", "builtin"]
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("hook", [*HOOKS, "funcol"])
+@pytest.mark.parametrize("hook", [*HOOKS, "funcol", "fsdp1", "fsdp2"])
 def test_killed_rank(hook: str, env: dict[str, str], tmp_path: Path) -> None:
-    """DDP with each comm hook, and ("funcol") functional collectives, whose wait is C++'s."""
-    procs = launch_direct(env, tmp_path, **({"program": "funcol"} if hook == "funcol" else {"hook": hook}))
+    """DDP with each comm hook; ("funcol") functional collectives, whose wait is C++'s; FSDP1
+    and FSDP2, whose all_gathers and reduce_scatters run in forward and backward."""
+    program = {"program": hook} if hook in ("funcol", "fsdp1", "fsdp2") else {"hook": hook}
+    procs = launch_direct(env, tmp_path, **program)
     try:
         wait_ready(procs)
         time.sleep(0.5)  # a few steps in, at no particular point of one
