@@ -2,13 +2,28 @@
 
 The backend is a Python subclass of ``torch.distributed.ProcessGroup`` registered with
 ``Backend.register_backend(..., extended_api=True, devices=[...])``, and it implements the
-collectives under the names torch's Python trampoline (``PyProcessGroup``) dispatches to.
-torch 2.13 is the first release whose trampoline reaches ``all_gather_single``,
-``reduce_scatter_single`` and ``all_to_all_single`` (the "_single" renames of
-``_allgather_base``, ``_reduce_scatter_base`` and ``alltoall_base``, pytorch/pytorch#186130 and
-#188548); under an older torch, ``all_gather_into_tensor``, ``reduce_scatter_tensor`` and
-``all_to_all_single`` would fail deep inside torch ("No backend type associated with device
-type cpu"). Keep this range in step with the ``torch`` extra in pyproject.toml.
+collectives under every name torch reaches them by. torch 2.13 renamed several of them
+(pytorch/pytorch#186130 and #188548); torch 2.11 reaches the same ops under the old names,
+measured with torch 2.11.0 (``tests/backend`` and ``tests/frameworks`` ran against it, and a
+probe called each functional collective into a recording Python group):
+
+============================  ===================================  =============================
+op                            torch 2.11 reaches                   torch 2.13 reaches
+============================  ===================================  =============================
+all_gather_into_tensor        ``_allgather_base`` (Python lookup)  ``all_gather_single``
+reduce_scatter_tensor         ``_reduce_scatter_base`` (Python)    ``reduce_scatter_single``
+all_to_all_single             ``alltoall_base`` (Python and C++)   ``all_to_all_single``
+functional all_gather         ``allgather_into_tensor_coalesced``  ``all_gather_single_coalesced``
+functional reduce_scatter     ``reduce_scatter_tensor_coalesced``  ``reduce_scatter_single_coalesced``
+============================  ===================================  =============================
+
+``torch.distributed``'s Python functions call the group's methods by attribute lookup, so they
+find the subclass's methods whatever the C++ trampoline (``PyProcessGroup``) overrides; C++
+callers (functional collectives, DDP's reducer) reach only what the trampoline overrides, and
+2.11's overrides every op above under its old name. SmddpProcessGroup defines both names.
+
+torch 2.12 lies inside the range but has not been run here. Keep this range in step with the
+``torch`` extra in pyproject.toml.
 """
 
 from __future__ import annotations
@@ -18,9 +33,20 @@ import re
 import torch
 import torch.distributed as dist
 
-MIN_TORCH = (2, 13)
+MIN_TORCH = (2, 11)
 BELOW_TORCH = (3, 0)  # a new major version may change the ProcessGroup API again
-SUPPORTED = "torch>=2.13,<3"
+SUPPORTED = "torch>=2.11,<3"
+
+
+# The ProcessGroup methods (C++ side) a torch in the range has for the ops whose names changed:
+# one of each pair, the 2.13 name or the one before it.
+_REACHED_AS = (
+    ("all_gather_single", "_allgather_base"),
+    ("reduce_scatter_single", "_reduce_scatter_base"),
+    ("all_to_all_single", "alltoall_base"),
+    ("all_gather_single_coalesced", "allgather_into_tensor_coalesced"),
+    ("reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced"),
+)
 
 
 class UnsupportedTorchError(ImportError):
@@ -52,8 +78,7 @@ def check_torch(version: str | None = None) -> None:
         )
     if version is None:
         missing = [
-            name for name in ("all_gather_single", "reduce_scatter_single", "all_to_all_single")
-            if not hasattr(dist.ProcessGroup, name)
+            " or ".join(names) for names in _REACHED_AS if not any(hasattr(dist.ProcessGroup, n) for n in names)
         ]
         register = dist.Backend.register_backend.__code__.co_varnames
         if "devices" not in register or "extended_api" not in register:
@@ -61,8 +86,7 @@ def check_torch(version: str | None = None) -> None:
         if missing:
             raise UnsupportedTorchError(
                 f"smddp's torch backend needs {SUPPORTED}; this torch {found} lacks {', '.join(missing)} "
-                f"(a build from before torch 2.13's release?): install a released torch in that range"
+                f"(a development build between releases?): install a released torch in that range"
             )
-
 
 check_torch()  # at import, before the backend's modules touch torch's ProcessGroup API

@@ -1,24 +1,29 @@
 #!/usr/bin/env bash
-# The GPU check of smddp (issues 4, 15, 17): tests/gpu, then the GPU all_reduce benchmark,
-# ending in ONE summary line. It fails (non-zero) unless CuPy imports with a working NVRTC,
-# a GPU is seen, and the GPU tests ran and passed (they are counted: none skipped, none
-# deselected by accident). Meant for a fresh H100/H200 with only this checkout on it.
+# The GPU check of smddp (issues 4, 15, 17): tests/gpu (with the measurements of the GPU
+# path's hazards), then the GPU all_reduce benchmark, ending in ONE summary line. It fails (non-zero)
+# unless CuPy imports with a working NVRTC, a GPU is seen, and the GPU tests ran and passed
+# (they are counted: none skipped, none deselected by accident). Meant for a GPU machine with
+# no network, such as the lent H200 (Python 3.12 at /opt/torch/.venv, torch 2.11.0+cu130,
+# cupy-cuda13x 14.2.0): it never installs from the network and writes nothing outside $OUT.
 #
-#   bash benchmarks/gpu_check.sh            # about 4-5 minutes: worlds 2,3,4; 1 MiB..1 GiB
-#   bash benchmarks/gpu_check.sh --quick    # about 2-3 minutes: worlds 2,4; 1, 16, 256 MiB
+#   bash scripts/gpu_wheels.sh              # first, where PyPI is reachable: fills .whl/
+#   bash benchmarks/gpu_check.sh --quick    # on the GPU machine: worlds 2,4; 1, 16, 256 MiB
+#   bash benchmarks/gpu_check.sh            # worlds 2,3,4; 1 MiB..1 GiB
 #
 # Environment:
 #   PYTHON  the interpreter to use. Default: the first of .venv/bin/python, python3, python
-#           whose torch is a CUDA build that sees a GPU; with none, a new .venv-gpu with
-#           torch==2.13.0 when the network allows (nothing else is ever upgraded).
+#           whose torch is a CUDA build that sees a GPU.
 #   OUT     where logs and results go (default: a new temp folder).
-# Installed where missing, pinned, into that interpreter (user site unless a virtualenv):
-# the CuPy build matching torch's CUDA major (cupy-cuda12x or cupy-cuda13x 14.2.0) with the
-# NVRTC of the same major, the daemon's dependencies, pytest and pytest-timeout. smddp itself
-# is not installed: a folder of symlinks maps this checkout to the smddp.* packages.
+# What smddp needs that this interpreter lacks (or has older than smddp needs) comes from the
+# wheels in .whl/ (scripts/gpu_wheels.sh), installed with pip --no-index into $OUT/deps, which
+# goes first on PYTHONPATH. smddp itself is not installed: a folder of symlinks maps this
+# checkout to the smddp.* packages.
 #
-# Exit status: 0 all passed; 2 no usable torch/GPU; 3 CuPy or NVRTC unusable; 4 the GPU tests
-# failed, skipped or did not run; 5 the benchmark failed.
+# Exit status: 0 all passed; 2 no usable torch/GPU, or a torch smddp's backend refuses; 3 CuPy,
+# NVRTC or a dependency unusable; 4 the GPU tests failed, skipped or did not run; 5 the
+# benchmark failed. The measurements of the GPU path's hazards (memory after del +
+# empty_cache, a forced allocator retry, a killed rank, capture, a 2^31+17-element int8
+# all_reduce) are GPU tests too: each prints a "measure:" line after the tests.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
@@ -39,23 +44,12 @@ elapsed() { echo "$(( $(date +%s) - T0 )) s"; }
 has_cuda_torch() { "$1" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; }
 PY=${PYTHON:-}
 if [ -z "$PY" ]; then
-  for candidate in "$REPO/.venv/bin/python" "$REPO/.venv-gpu/bin/python" "$(command -v python3 || true)" "$(command -v python || true)"; do
+  for candidate in "$REPO/.venv/bin/python" "$(command -v python3 || true)" "$(command -v python || true)"; do
     if [ -n "$candidate" ] && [ -x "$candidate" ] && has_cuda_torch "$candidate"; then PY=$candidate; break; fi
   done
 fi
-if [ -z "$PY" ] && [ -z "${PYTHON:-}" ] && nvidia-smi -L >/dev/null 2>&1; then
-  # A bare GPU machine: a virtualenv that still sees the system's packages, plus torch pinned.
-  BASE_PY=$(command -v python3 || true)
-  if [ -n "$BASE_PY" ]; then
-    say "no torch sees a GPU: installing torch==2.13.0 into $REPO/.venv-gpu"
-    "$BASE_PY" -m venv --system-site-packages "$REPO/.venv-gpu" >>"$OUT/check.log" 2>&1 \
-      && timeout 600 "$REPO/.venv-gpu/bin/python" -m pip install --quiet --disable-pip-version-check \
-        "torch==2.13.0" >>"$OUT/check.log" 2>&1 \
-      && has_cuda_torch "$REPO/.venv-gpu/bin/python" && PY="$REPO/.venv-gpu/bin/python"
-  fi
-fi
 if [ -z "$PY" ] || ! has_cuda_torch "$PY"; then
-  say "no Python here has a torch that sees a GPU (set PYTHON=...); smddp installs torch only on a machine whose nvidia-smi sees a GPU"
+  say "no Python here has a torch that sees a GPU (set PYTHON=...); this script installs no torch (it never uses the network)"
   nvidia-smi -L 2>&1 | tee -a "$OUT/check.log" || true
   say "SUMMARY FAIL: no GPU usable from torch; nothing ran"
   exit 2
@@ -63,40 +57,71 @@ fi
 TORCH_CUDA=$("$PY" -c 'import torch; print(torch.version.cuda)')
 CUDA_MAJOR=${TORCH_CUDA%%.*}
 
-# -- what the daemon and the tests need, installed only where missing ----------------------------
-PIP_FLAGS=(--quiet --disable-pip-version-check)
-"$PY" -c 'import sys; sys.exit(0 if sys.prefix != sys.base_prefix else 1)' || PIP_FLAGS+=(--user)
-install() {  # install PIP-SPEC...
-  say "installing $*"
-  timeout 240 "$PY" -m pip install "${PIP_FLAGS[@]}" "$@" >>"$OUT/check.log" 2>&1 || say "could not install $* (offline?)"
-}
-need() {  # need MODULE PIP-SPEC...
-  local module=$1; shift
-  "$PY" -c "import $module" >/dev/null 2>&1 || install "$@"
-}
-case "$CUDA_MAJOR" in
-  12) CUPY_PKG=cupy-cuda12x; NVRTC_PKG="nvidia-cuda-nvrtc-cu12==12.*" ;;
-  13) CUPY_PKG=cupy-cuda13x; NVRTC_PKG="nvidia-cuda-nvrtc==13.*" ;;
-  *) say "torch's CUDA is $TORCH_CUDA: smddp's daemon supports CUDA 12 and 13 builds"; exit 2 ;;
-esac
-# A CuPy of the other CUDA major would load an NVRTC the daemon cannot find next to torch's
-# (and two CuPy builds in one environment overwrite each other's files): replace it.
-installed() { "$PY" -c "import importlib.metadata as m; m.version('$1')" >/dev/null 2>&1; }
-for other in cupy-cuda12x cupy-cuda13x; do
-  if [ "$other" != "$CUPY_PKG" ] && installed "$other"; then
-    say "removing $other: torch here is CUDA $TORCH_CUDA"
-    "$PY" -m pip uninstall --quiet -y "$other" >>"$OUT/check.log" 2>&1
+# -- what the daemon and the tests need: this interpreter's, else a wheel from .whl/ (offline) -----
+# DIST MINIMUM: what smddp's generated code (grpcio, protobuf) and its use of the others need.
+DEPS="grpcio 1.85.1
+grpcio-health-checking 1.85.1
+grpcio-reflection 1.85.1
+protobuf 7.35
+numpy 1.26
+ml-dtypes 0.5
+prometheus-client 0.20
+pytest 8.0
+pytest-timeout 2.3
+typing-extensions 4.12"
+MISSING=$("$PY" - "$DEPS" <<'EOF'
+import importlib.metadata as md, re, sys
+def release(v):
+    return tuple(int(x) for x in re.findall(r"\d+", v)[:3])
+for line in sys.argv[1].splitlines():
+    dist, minimum = line.split()
+    try:
+        have = md.version(dist)
+    except md.PackageNotFoundError:
+        have = None
+    if have is None or release(have) < release(minimum):
+        print(dist, have or "none", minimum)
+EOF
+)
+DEPS_DIR="$OUT/deps"
+if [ -n "$MISSING" ]; then
+  WHEELS=()
+  UNMET=()
+  while read -r dist have minimum; do
+    # A wheel's file name spells the project with underscores (PEP 427).
+    hit=$(ls "$REPO/.whl/${dist//-/_}"-*.whl 2>/dev/null | head -n 1)
+    if [ -n "$hit" ]; then
+      WHEELS+=("$hit")
+      say "$dist: $have here, smddp needs >= $minimum: installing $(basename "$hit") from .whl/"
+    else
+      UNMET+=("$dist>=$minimum (here: $have)")
+    fi
+  done <<<"$MISSING"
+  if [ "${#UNMET[@]}" != 0 ]; then
+    say "missing, with no wheel in $REPO/.whl: ${UNMET[*]}; run scripts/gpu_wheels.sh where PyPI is reachable and bring .whl along"
+    say "SUMMARY FAIL: smddp's dependencies are not all here; nothing ran"
+    exit 3
   fi
-done
-installed "$CUPY_PKG" || install "$CUPY_PKG==14.2.0" "$NVRTC_PKG"
-need grpc "grpcio==1.85.1"
-need grpc_health "grpcio-health-checking==1.85.1"
-need grpc_reflection "grpcio-reflection==1.85.1"
-need google.protobuf "protobuf>=7.35,<8"
-need ml_dtypes "ml-dtypes==0.5.*"
-need prometheus_client "prometheus-client==0.21.*"
-need pytest "pytest==8.*"
-need pytest_timeout "pytest-timeout==2.*"
+  if ! "$PY" -m pip install --quiet --disable-pip-version-check --no-index --no-deps --no-compile \
+      --no-cache-dir --upgrade --target "$DEPS_DIR" "${WHEELS[@]}" >>"$OUT/check.log" 2>&1; then
+    say "SUMMARY FAIL: the wheels in .whl/ did not install (see $OUT/check.log); nothing ran"
+    exit 3
+  fi
+fi
+
+# CuPy of torch's CUDA major: the daemon compiles with CuPy's NVRTC, which must be of the job's
+# CUDA major (a cu13 torch brings libnvrtc.so.13 and a driver that may be too old for cu12's).
+case "$CUDA_MAJOR" in
+  12) CUPY_PKG=cupy-cuda12x ;;
+  13) CUPY_PKG=cupy-cuda13x ;;
+  *) say "SUMMARY FAIL: torch's CUDA is $TORCH_CUDA; smddp's daemon supports CUDA 12 and 13 builds"; exit 2 ;;
+esac
+installed() { "$PY" -c "import importlib.metadata as m; m.version('$1')" >/dev/null 2>&1; }
+if ! installed "$CUPY_PKG"; then
+  say "torch here is CUDA $TORCH_CUDA and $CUPY_PKG is not installed (pip install '$CUPY_PKG==14.2.0' where PyPI is reachable)"
+  say "SUMMARY FAIL: no CuPy of torch's CUDA major; nothing ran"
+  exit 3
+fi
 
 # NVRTC of torch's CUDA major, where the daemon (this interpreter) finds it: CuPy 14 looks in
 # the nvidia-* wheels itself; LD_LIBRARY_PATH covers a daemon started from another environment.
@@ -123,12 +148,23 @@ ln -s "$REPO/client" "$SITE/smddp/client"
 ln -s "$REPO/backend" "$SITE/smddp/backend"
 ln -s "$REPO/protos/smddp/v1" "$SITE/smddp/v1"
 ln -s "$REPO/compat/smdistributed" "$SITE/smdistributed"
-export PYTHONPATH="$SITE:$REPO${PYTHONPATH:+:$PYTHONPATH}"
+# The carried wheels first: they stand in for what this interpreter lacks or has too old.
+export PYTHONPATH="$SITE:$DEPS_DIR:$REPO${PYTHONPATH:+:$PYTHONPATH}"
 export CUPY_CACHE_DIR="$OUT/cupy-cache"
 # Run from $OUT: in the checkout, its smddp/ folder would shadow the mapped package.
 cd "$OUT"
 
 # -- the environment, and a warm kernel cache (the daemon's compile path, timed) ---------------
+# smddp's backend checks torch's version when it is imported: say up front whether it takes this one.
+if ! TORCH_OK=$("$PY" -c 'import torch
+from smddp.backend.version import SUPPORTED, check_torch
+check_torch()
+print(f"torch {torch.__version__}: smddp backend supports it ({SUPPORTED})")' 2>&1 | tail -n 1); then
+  say "torch here is refused by smddp's backend: $TORCH_OK"
+  say "SUMMARY FAIL: smddp's backend does not support this torch; nothing ran"
+  exit 2
+fi
+say "$TORCH_OK"
 say "environment ($(elapsed)):"
 nvidia-smi --query-gpu=index,name,driver_version,memory.total,compute_mode --format=csv,noheader 2>&1 | tee -a "$OUT/check.log" || true
 if ! "$PY" - <<'EOF' 2>&1 | tee -a "$OUT/check.log"; then
@@ -142,6 +178,13 @@ print(f"nvrtc {cupy.cuda.nvrtc.getVersion()}", end=" ")
 with open("/proc/self/maps") as maps:
     libs = sorted({line.split()[-1] for line in maps if "libnvrtc" in line})
 print("from", ", ".join(libs) or "?")
+import importlib.metadata as md
+for dist in ("grpcio", "grpcio-health-checking", "protobuf", "numpy", "ml-dtypes", "cupy-cuda12x", "cupy-cuda13x"):
+    try:
+        print(f"{dist} {md.version(dist)}", end="; ")
+    except md.PackageNotFoundError:
+        pass
+print()
 import smddp
 from smddp.server import gpu_runtime
 print("smddp from", smddp.__file__)
@@ -157,10 +200,13 @@ EOF
 fi
 
 # -- the GPU tests (counted) ------------------------------------------------------------------------
-TESTS_TIMEOUT=300
-[ "$QUICK" = 1 ] && TESTS_TIMEOUT=180
+TESTS_TIMEOUT=330
+[ "$QUICK" = 1 ] && TESTS_TIMEOUT=240
+# SIGINT first: pytest then stops, still writing its summary and the junit counts read below.
 say "tests/gpu (log: $OUT/gpu-tests.log) at $(elapsed)"
-SMDDP_REQUIRE_GPU=1 SMDDP_GPU_QUICK=$QUICK timeout "$TESTS_TIMEOUT" "$PY" -m pytest -q -rs -p no:cacheprovider \
+MEASURED="$OUT/measurements.txt"
+rm -f "$MEASURED"
+SMDDP_GPU_MEASURE_FILE="$MEASURED" SMDDP_REQUIRE_GPU=1 SMDDP_GPU_QUICK=$QUICK timeout -s INT -k 20 "$TESTS_TIMEOUT" "$PY" -m pytest -q -rs -p no:cacheprovider \
   --rootdir "$REPO" -c "$REPO/pyproject.toml" --junitxml="$OUT/gpu-tests.xml" -m gpu \
   "$REPO/tests/gpu" 2>&1 | tee "$OUT/gpu-tests.log"
 TESTS_RC=${PIPESTATUS[0]}
@@ -176,6 +222,11 @@ EOF
 )
 read -r N_RUN N_PASSED N_SKIPPED <<<"${COUNTS:-0 0 0}"
 say "tests/gpu: exit status $TESTS_RC, $N_RUN run, $N_PASSED passed, $N_SKIPPED skipped ($(elapsed))"
+if [ -s "$MEASURED" ]; then
+  while IFS= read -r line; do say "measure: $line"; done <"$MEASURED"
+else
+  say "measure: none recorded (the tests that measure did not get that far)"
+fi
 
 # -- the benchmark ----------------------------------------------------------------------------------
 if [ "$QUICK" = 1 ]; then BENCH=(--worlds 2,4 --sizes-mib 1,16,256 --budget-mib 1024); BENCH_TIMEOUT=120

@@ -133,7 +133,7 @@ def _ddp_step(groups: dict[str, Any], rank: int, steps: int) -> dict[str, dict[s
     return result
 
 
-def _rank_main(rank: int, world: int, init: str, ddp_steps: int, queue_path: str) -> None:
+def _rank_main(rank: int, world: int, init: str, ddp_steps: int, queue_path: str, cases: tuple = CASES) -> None:
     import torch
     import torch.distributed as dist
 
@@ -143,7 +143,7 @@ def _rank_main(rank: int, world: int, init: str, ddp_steps: int, queue_path: str
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     groups = {"smddp": dist.new_group(backend="smddp"), "gloo": dist.group.WORLD}
     mine: dict[str, Any] = {"cases": {}}
-    for op, nbytes in CASES:
+    for op, nbytes in cases:
         mine["cases"][f"{op}:{nbytes}"] = _time_case(op, nbytes, groups, world, rank)
     if world == 2 and ddp_steps:
         mine["ddp"] = _ddp_step(groups, rank, ddp_steps)
@@ -174,13 +174,13 @@ def _reference(nbytes: int) -> dict[str, float]:
     return out
 
 
-def run(world: int, ddp_steps: int) -> dict[str, Any]:
+def run(world: int, ddp_steps: int, cases: tuple = CASES) -> dict[str, Any]:
     """Runs one world size; returns the worst rank's medians per case and backend."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as d:
         init, path = os.path.join(d, "init"), os.path.join(d, "out.json")
-        mp.spawn(_rank_main, args=(world, init, ddp_steps, path), nprocs=world, join=True)
+        mp.spawn(_rank_main, args=(world, init, ddp_steps, path, cases), nprocs=world, join=True)
         with open(path) as f:
             ranks = json.load(f)
     cases = {}
@@ -201,12 +201,12 @@ def _busbw(op: str, nbytes: int, world: int, s: float) -> float:
     return factor * nbytes / s / 1e9
 
 
-def markdown(results: list[dict[str, Any]], ref: dict[int, dict[str, float]]) -> str:
+def markdown(results: list[dict[str, Any]], ref: dict[int, dict[str, float]], cases: tuple = CASES) -> str:
     """The README's table: per case and world size, smddp, gloo and gloo/smddp."""
     worlds = [r["world"] for r in results]
     head = "| op | " + " | ".join(f"w={w} smddp | w={w} gloo | gloo/smddp" for w in worlds) + " |"
     lines = [head, "| --- |" + " --- | --- | --- |" * len(worlds)]
-    for op, nbytes in CASES:
+    for op, nbytes in cases:
         key = f"{op}:{nbytes}"
         label = "barrier" if op == "barrier" else f"{op} {_size(nbytes)}" + (" out" if op == "all_gather" else "")
         cells = []
@@ -248,12 +248,19 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.collectives.paired", description=__doc__.split("\n\n")[0])
     p.add_argument("--world-sizes", default="2,4")
     p.add_argument("--ddp-steps", type=int, default=10, help="timed DDP steps per backend (w=2; 0: skip)")
+    p.add_argument("--cases", help="only these cases, e.g. all_reduce:4,broadcast:16777216 (default: all)")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--markdown", help="write the table here")
     args = p.parse_args(argv)
-    results = [run(int(w), args.ddp_steps) for w in args.world_sizes.split(",")]
+    cases = CASES
+    if args.cases:
+        wanted = set(args.cases.split(","))
+        cases = tuple(c for c in CASES if f"{c[0]}:{c[1]}" in wanted)
+        if not cases:
+            p.error(f"--cases: none of {args.cases} is a case ({', '.join(f'{o}:{n}' for o, n in CASES)})")
+    results = [run(int(w), args.ddp_steps, cases) for w in args.world_sizes.split(",")]
     ref = {n: _reference(n) for n in (1 << 20, 16 << 20, 64 << 20)}
-    table = markdown(results, ref)
+    table = markdown(results, ref, cases)
     print(table)
     if args.json:
         with open(args.json, "w") as f:

@@ -557,3 +557,68 @@ def limits_rank(rank: int, world: int, init_file: str, device: int) -> dict[str,
     torch.cuda.empty_cache()
     dist.destroy_process_group()
     return out
+
+
+def memory_rank(rank: int, world: int, init_file: str, device: int) -> dict[str, Any]:
+    """Issue 17's memory lifetime on a real GPU, every rank on ``device``; sizes in bytes.
+
+    1. Each rank all_reduces 1 GiB, ``del`` + ``empty_cache()`` (its segment goes back to the
+       driver while the daemon has it mapped), then one small op (which tells the daemon of
+       the free): the device's free memory is read after each step.
+    2. A forced allocator retry, on rank 0: a 1 GiB tensor the daemon has mapped is deleted
+       (cached by torch's allocator, not freed), ballast leaves 0.5 GiB free, and 1.25 GiB is
+       asked for: cudaMalloc fails, the allocator frees its cached segments and retries,
+       which succeeds only if the daemon's mapping no longer pins the freed segment.
+    """
+    dev = init(rank, world, init_file, device)
+    gib = 1 << 30
+    out: dict[str, Any] = {}
+
+    def free_now() -> int:
+        torch.cuda.synchronize()
+        return int(torch.cuda.mem_get_info(dev)[0])
+
+    small = torch.ones(1024, device=dev)
+    dist.all_reduce(small)  # the daemon's context, streams and kernels exist from here on
+    dist.barrier()
+    out["base"] = free_now()
+    dist.barrier()
+    x = torch.ones(gib // 4, device=dev)
+    dist.all_reduce(x)
+    dist.barrier()
+    out["held"] = free_now()
+    dist.barrier()
+    del x
+    torch.cuda.empty_cache()
+    dist.barrier()
+    out["after_free"] = free_now()
+    dist.barrier()
+    dist.all_reduce(small)
+    torch.cuda.synchronize()
+    dist.barrier()
+    time.sleep(0.2)  # the daemon closes the mapping once its stream has passed it
+    out["after_next_op"] = free_now()
+    dist.barrier()
+
+    y = torch.ones(gib // 4, device=dev)
+    dist.all_reduce(y)
+    torch.cuda.synchronize()
+    del y  # cached by the allocator; the daemon still has it mapped
+    dist.barrier()
+    if rank == 0:
+        room = free_now() - gib // 2
+        ballast = torch.empty(room - room % (2 << 20), dtype=torch.uint8, device=dev)
+        out["ballast_free"] = free_now()
+        try:
+            z = torch.empty(gib + gib // 4, dtype=torch.uint8, device=dev)
+            out["retry"] = "allocated"
+            del z
+        except torch.cuda.OutOfMemoryError as exc:
+            out["retry"] = "OutOfMemoryError: " + str(exc).splitlines()[0][:200]
+        del ballast
+        torch.cuda.empty_cache()
+    dist.barrier()
+    dist.all_reduce(small)
+    out["small_ok"] = bool((small == float(world) ** 3).all())  # three all_reduces of ones
+    dist.destroy_process_group()
+    return out

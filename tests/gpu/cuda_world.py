@@ -77,3 +77,13 @@ def rank_env(socket_path: str, **extra: str) -> dict[str, str]:
     """A rank's environment: the test's daemon, no embedded fallback."""
     env = dict(os.environ, SMDDP_SOCKET=socket_path, SMDDP_EMBEDDED="0", **extra)
     return env
+
+
+def measure(line: str) -> None:
+    """Records one measurement line: printed, and appended to the file named by
+    ``SMDDP_GPU_MEASURE_FILE`` (benchmarks/gpu_check.sh prints that file after the tests)."""
+    print(line)
+    path = os.environ.get("SMDDP_GPU_MEASURE_FILE")
+    if path:
+        with open(path, "a") as f:
+            f.write(line.rstrip("\n") + "\n")

@@ -10,7 +10,7 @@ import signal
 import time
 
 import pytest
-from cuda_world import rank_env, requires_gpu
+from cuda_world import measure, rank_env, requires_gpu
 
 pytestmark = requires_gpu
 
@@ -50,6 +50,10 @@ def test_a_rank_killed_mid_op(daemon, spawn_ranks, tmp_path) -> None:
         assert r.proc.returncode == 0, r.failure()
         with open(r.folder / "result", "rb") as f:
             results.append(pickle.load(f))
+    measure(
+        f"killed rank (SIGKILL mid-op, {WORLD} ranks on one GPU): survivors raised "
+        + ", ".join(f"{g['type']} after {g['failed_at'] - killed_at:.2f} s" for g in results)
+    )
     for got in results:
         assert got["type"] == "SmddpRankFailedError", got
         assert f"rank {VICTIM} (pid {pid}" in got["message"], got["message"]
@@ -59,4 +63,10 @@ def test_a_rank_killed_mid_op(daemon, spawn_ranks, tmp_path) -> None:
     failures = spawn_ranks(
         after_death_rank, 2, 2, str(tmp_path / "init2"), 0, env=env, timeout_s=120
     ).join()
+    measure(
+        "killed rank: the daemon "
+        + ("is alive" if daemon.proc.poll() is None else "DIED")
+        + "; a new job's GPU all_reduce on it "
+        + ("is right" if not [f for result in failures for f in result] else "FAILED")
+    )
     assert not [f for result in failures for f in result]
