@@ -17,7 +17,7 @@ from torch._C import _distributed_c10d as c10d
 
 from smddp.backend.cuda import CudaCollectives, on_cuda
 from smddp.backend.tensors import as_numpy, check, reduce_op
-from smddp.backend.work import SmddpWork
+from smddp.backend.work import SmddpWork, stop_completer
 from smddp.client import Communicator, Handle
 from smddp.client.errors import UnsupportedError
 
@@ -122,9 +122,11 @@ class SmddpProcessGroup(dist.ProcessGroup):
     def shutdown(self) -> None:
         """Waits for ops in flight, then leaves the daemon (destroy_process_group)."""
         self.comm.close()
+        stop_completer(self.comm)  # after close: the Futures still due complete with it
 
     def abort(self) -> None:
         self.comm.close()
+        stop_completer(self.comm)
 
     # -- collectives --------------------------------------------------------------------------
 

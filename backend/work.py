@@ -1,34 +1,47 @@
-"""The Work object torch gets back from every smddp collective.
+"""The Work object torch gets back from every smddp collective, and its Future.
 
-Errors leave a Work only as exceptions raised from ``wait()`` or ``get_future()``, never as
-a failed Future. torch's C++ (DDP's reducer, the built-in comm hooks) reads a Future that
-Python completed with ``set_exception`` as a successful one whose value is the exception
-object, finds no tensors in it and crashes the process (SIGSEGV in ``loss.backward()``,
-measured); a Future failed through ``then()`` keeps the message but turns the error into a
-plain RuntimeError. An exception raised from the override itself travels through pybind11
-and the autograd engine unchanged (measured: the default reducer path, the Python hooks
-``allreduce_hook`` and ``fp16_compress_hook``, the built-in FP16_COMPRESS hook), so every
-caller gets the SmddpBackendError subclass with the daemon's message. ``get_future()``
-therefore waits for the op, as it did before, and raises its error. (Should it ever return
-before the op ends, an error found later can still reach the caller with its type: a
-Python final callback queued with ``Variable._execution_engine.queue_callback`` while the
-backward pass runs is called before DDP's ``finalize_backward`` reads the Future, and
-what it raises reaches ``backward()``'s caller unchanged; measured the same way.)
+``get_future()`` returns at once. Its Future is typed ``Future[List[Tensor]]`` (DDP's built-in
+C++ hooks need ``isTensorList()``; a Future made in Python holds a PyObject): a TorchScript
+``fork`` of a function that waits on a plain "signal" Future and returns the Work's tensors.
+The communicator's completer thread (one per communicator, FIFO) waits for the op, runs the
+copy-backs, then sets the signal; the forked function resumes on torch's inter-op thread pool
+and completes the typed Future, whose ``then`` callbacks (comm hooks) run there. So DDP's
+backward goes on computing while buckets reduce on the progress thread.
 
-No ``from __future__ import annotations`` here: TorchScript compiles ``_identity`` below and
+Errors never leave as a failed Future. torch's C++ (DDP's reducer, the built-in comm hooks)
+reads a Future that Python completed with ``set_exception`` as a successful one whose value is
+the exception object, finds no tensors in it and crashes the process (SIGSEGV in
+``loss.backward()``, measured). So the typed Future always completes with the tensors, and the
+error reaches the caller by other ways, with its SmddpBackendError type and the daemon's
+message:
+
+- in a backward pass (DDP, comm hooks), the first ``get_future()`` of the pass queues an
+  autograd final callback (``Variable._execution_engine.queue_callback``). DDP queues its
+  ``finalize_backward`` only once the last bucket is launched, so ours runs first: it waits
+  for every Work whose Future was handed out in the pass and raises the first error, which
+  reaches ``backward()``'s caller unchanged (measured: default reducer, ``allreduce_hook``,
+  ``fp16_compress_hook``, built-in FP16_COMPRESS), before anything reads the tensors;
+- from Python, ``fut.wait()`` / ``fut.value()`` (and a ``then`` callback's ``fut.value()``)
+  raise the error through the Future's unwrap function;
+- ``Work.wait()`` raises it, and so do the next collectives where the group is broken.
+
+No ``from __future__ import annotations`` here: TorchScript compiles functions below and
 needs real annotations.
 """
 
+import functools
 import threading
+import weakref
 from datetime import timedelta
-from typing import Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
 from smddp.backend.errors import translate
-from smddp.client import Handle
+from smddp.client import Communicator, Handle
 from smddp.client.errors import SmddpError
+from smddp.client.progress import ProgressThread
 
 
 @torch.jit.script
@@ -43,6 +56,86 @@ def typed_future(tensors: List[torch.Tensor]) -> torch.futures.Future:
     Future completed from Python holds a PyObject, one made by ``torch.jit._fork`` does not.
     """
     return torch.jit._fork(_identity, tensors)
+
+
+@torch.jit.script
+def _after(signal: torch.futures.Future[int], tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+    # The signal's value (a PyObject) is never read: it only says that the op has finished.
+    torch.jit.wait(signal)
+    return tensors
+
+
+@torch.jit.script
+def _pending(signal: torch.futures.Future[int], tensors: List[torch.Tensor]) -> torch.futures.Future[List[torch.Tensor]]:
+    # In TorchScript, fork runs _after until it blocks on the signal and returns its Future
+    # (typed); once the signal is set, _after resumes on the inter-op pool and completes it.
+    return torch.jit._fork(_after, signal, tensors)
+
+
+# One completer thread per communicator: waits for each Work whose Future was handed out, in
+# order, then completes the Future. Not the progress thread: a completion may need the
+# communicator's lock (an op that completes lazily), which a caller holding it may be waiting
+# on the progress thread for.
+_completers: "weakref.WeakKeyDictionary[Communicator, ProgressThread]" = weakref.WeakKeyDictionary()
+_completers_lock = threading.Lock()
+
+
+def _completer(comm: Communicator) -> ProgressThread:
+    with _completers_lock:
+        thread = _completers.get(comm)
+        if thread is None:
+            thread = _completers[comm] = ProgressThread(f"smddp-complete-{comm.session.comm_id}")
+        return thread
+
+
+def stop_completer(comm: Communicator) -> None:
+    """Completes the Futures still due on ``comm`` and ends its completer thread."""
+    with _completers_lock:
+        thread = _completers.pop(comm, None)
+    if thread is not None:
+        thread.stop()
+
+
+# Works whose Futures were handed out during a backward pass, by graph task id; the pass's
+# final callback takes them out. A pass that fails before its final callbacks leaves its
+# entry behind, so only the newest few are kept.
+_backward_works: Dict[int, List["SmddpWork"]] = {}
+_backward_lock = threading.Lock()
+_BACKWARD_KEEP = 64
+
+
+def _guard_backward(work: "SmddpWork") -> None:
+    """In a backward pass, makes the pass raise ``work``'s error (if it fails) from a final
+    callback, before DDP's own final callback reads the Future's tensors."""
+    task = torch._C._current_graph_task_id()
+    if task < 0:
+        return
+    with _backward_lock:
+        works = _backward_works.get(task)
+        first = works is None
+        if works is None:
+            works = _backward_works[task] = []
+            while len(_backward_works) > _BACKWARD_KEEP:
+                del _backward_works[next(iter(_backward_works))]
+        works.append(work)
+    if first:
+        torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_backward_done, task))
+
+
+def _backward_done(task: int) -> None:
+    with _backward_lock:
+        works = _backward_works.pop(task, [])
+    error: Optional[BaseException] = None
+    for w in works:
+        w._complete()
+        error = error or w._error
+    if error is not None:
+        raise error
+
+
+def _foreign_thread() -> bool:
+    """True in a thread that Python's threading did not start (torch's inter-op pool)."""
+    return isinstance(threading.current_thread(), threading._DummyThread)
 
 
 class SmddpWork(dist.Work):
@@ -64,16 +157,19 @@ class SmddpWork(dist.Work):
 
     def _complete(self) -> None:
         with self._lock:
-            if self._completed:
-                return
-            try:
-                for h in self._handles:
-                    h.wait()
-                if self._finish is not None:
-                    self._finish()
-            except SmddpError as exc:
-                self._error = translate(exc)
-            self._completed = True
+            self._complete_locked()
+
+    def _complete_locked(self) -> None:
+        if self._completed:
+            return
+        try:
+            for h in self._handles:
+                h.wait()
+            if self._finish is not None:
+                self._finish()
+        except SmddpError as exc:
+            self._error = translate(exc)
+        self._completed = True
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
         self._complete()
@@ -83,8 +179,12 @@ class SmddpWork(dist.Work):
 
     def is_completed(self) -> bool:
         # Polling makes progress; copy-backs run before True, so outputs are ready when it is.
-        if not self._completed and all(h.poll() for h in self._handles):
-            self._complete()
+        # Never blocks: while the completer thread finishes the op this says False.
+        if not self._completed and all(h.poll() for h in self._handles) and self._lock.acquire(blocking=False):
+            try:
+                self._complete_locked()
+            finally:
+                self._lock.release()
         return self._completed
 
     def is_success(self) -> bool:
@@ -98,10 +198,36 @@ class SmddpWork(dist.Work):
         self.wait()
         return self._result
 
-    def get_future(self) -> torch.futures.Future:
-        """A completed Future of the output tensors; raises the op's error instead of
-        returning a failed Future (see the module docstring for why)."""
-        self._complete()
+    def _unwrap(self, value: Any) -> None:
         if self._error is not None:
             raise self._error
-        return typed_future(self._result)
+
+    def get_future(self) -> torch.futures.Future:
+        """A Future of the output tensors, returned at once; it completes once the op has
+        (outputs written). A failed op never fails it (see the module docstring): its error
+        is raised by a backward pass's final callback, by ``wait()``/``value()`` from Python,
+        and by ``Work.wait()``; an error already known is raised here."""
+        if not self.is_completed() and _foreign_thread() and torch._C._current_graph_task_id() < 0:
+            # A thread torch started, outside backward: a comm hook's ``then`` callback on the
+            # inter-op pool (PowerSGD waits there for the Future of a further all_reduce). The
+            # pending Future would complete on that pool, which such waits can fill up: wait here.
+            self._complete()
+        if self.is_completed():
+            if self._error is not None:
+                raise self._error
+            return typed_future(self._result)
+        signal: torch.futures.Future = torch.futures.Future()
+        fut = _pending(signal, self._result)
+        fut._set_unwrap_func(self._unwrap)
+        _guard_backward(self)
+
+        def complete() -> None:
+            try:
+                self._complete()
+            except BaseException as exc:  # a bug must not leave the Future pending forever
+                self._error = self._error or exc
+            finally:
+                signal.set_result(None)
+
+        _completer(self._handles[0].comm).submit(complete)
+        return fut

@@ -183,3 +183,99 @@ def test_ddp_comm_hooks(start_daemon, spawn_ranks, tmp_path):
     assert all_reduces["float16"] == 2 * calls["fp16_compress_hook"], (all_reduces, calls)
     assert _ops_by_dtype(port, "all_gather")["float16"] == calls["float16 reference"]
     assert daemon.stop() == 0, daemon.log()
+
+
+def futures(rank: int, world: int, init_file: str) -> dict:
+    """``Work.get_future()`` before the op can complete (rank 1 starts its op only once rank 0
+    holds the Future): small ops (the region's inline path) and large ones (the progress
+    thread), a non-contiguous output (its copy-back runs before the Future completes), a
+    ``then`` callback; then failed ops (mismatched dtypes) seen through ``fut.wait()``, a
+    ``then`` callback and a backward pass that never waits for its Future."""
+    import torch.distributed as dist
+
+    from smddp.backend.errors import SmddpMismatchError
+
+    dist.init_process_group("smddp", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    store = dist.distributed_c10d._get_default_store()
+    out: dict = {}
+    for name, n in (("small", 16), ("large", 1 << 20)):
+        base = torch.full((n, 2), float(rank + 1))
+        t = base[:, 0]  # not contiguous: reduced in a staging copy, copied back at the end
+        if rank == 1:
+            store.wait([f"go-{name}"])
+        fut = dist.all_reduce(t, async_op=True).get_future()
+        pending = not fut.done()
+        if rank == 0:
+            store.set(f"go-{name}", "1")
+        total = fut.then(lambda f: f.value()[0].sum().item())
+        got = fut.wait()[0]
+        out[name] = {
+            "pending": pending,
+            "value": torch.equal(got, torch.full((n,), 3.0)) and got is t,
+            "copied_back": torch.equal(base[:, 0], torch.full((n,), 3.0)) and bool((base[:, 1] == rank + 1).all()),
+            "then": total.wait(),
+        }
+
+    def mismatched(n: int) -> torch.Tensor:
+        return torch.ones(n, dtype=torch.float32 if rank == 0 else torch.float64)
+
+    errors = {}
+    group = dist.new_group(backend="smddp")
+    if rank == 1:
+        store.wait(["go-fail"])
+    fut = dist.all_reduce(mismatched(1 << 20), group=group, async_op=True).get_future()
+    if rank == 0:
+        store.set("go-fail", "1")
+    seen = fut.then(lambda f: f.value())
+    for what, call in (("wait", fut.wait), ("then", seen.wait)):
+        try:
+            call()
+            errors[what] = None
+        except Exception as exc:  # the test reports what came
+            errors[what] = (type(exc).__name__, str(exc))
+
+    class Reduced(torch.autograd.Function):
+        """Identity forward; its backward launches an all_reduce of the gradient and hands
+        out its Future without waiting, as DDP does with a bucket."""
+
+        @staticmethod
+        def forward(ctx, x):  # type: ignore[override]
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):  # type: ignore[override]
+            if rank == 1:
+                store.wait(["go-backward"])
+            ctx.fut = dist.all_reduce(mismatched(1 << 20), group=backward_group, async_op=True).get_future()
+            if rank == 0:
+                store.set("go-backward", "1")
+            return g
+
+    backward_group = dist.new_group(backend="smddp")
+    x = torch.ones(4, requires_grad=True)
+    try:
+        Reduced.apply(x).sum().backward()
+        errors["backward"] = None
+    except SmddpMismatchError as exc:
+        errors["backward"] = (type(exc).__name__, str(exc))
+    out["errors"] = errors
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_futures_complete_later(daemon, spawn_ranks, tmp_path):
+    results = spawn_ranks(futures, WORLD, WORLD, str(tmp_path / "init"), env=rank_env(daemon)).join()
+    for rank, got in enumerate(results):
+        for name in ("small", "large"):
+            r = got[name]
+            if rank == 0:
+                assert r["pending"], f"{name}: rank 0's Future was done before rank 1 started the op"
+            assert r["value"] and r["copied_back"], (rank, name, r)
+            assert r["then"] == 3.0 * (16 if name == "small" else 1 << 20), (rank, name, r)
+        errors = got["errors"]
+        assert errors["wait"][0] == "SmddpMismatchError", errors
+        # A then callback's fut.value() raises it too, and its Future fails with the message.
+        assert errors["then"] is not None and errors["wait"][1] in errors["then"][1], errors
+        # Raised from backward() with its type, though nothing in backward waited for it.
+        assert errors["backward"] is not None and errors["backward"][0] == "SmddpMismatchError", errors
