@@ -393,46 +393,49 @@ class Communicator:
 
             if self._progress.busy():
                 # Behind a large op on the progress thread: keep the ranks' order there.
-
-                def start() -> bool:
-                    try:
-                        shm.check()
-                        parity = shm.next_parity()
-                        if fill is not None:
-                            fill(parity)
-                        target = shm.publish(seq, parity, kind, code, count, root, reduce_op)
-                    except SmddpError as exc:
-                        handle.error = exc
-                        return False
-                    handle.pending = 1
-                    handle.shm = (seq, parity, target, finish, kind, code, nbytes)
-                    return True
-
                 handle.event = threading.Event()
                 handle.pending = 1
 
                 def run() -> None:
-                    if start():
+                    if self._shm_start(handle, shm, seq, kind, code, count, root, reduce_op, nbytes, fill, finish):
                         self._complete_shm(handle)
                     handle.pending = 0
                     handle.event.set()  # type: ignore[union-attr]
 
                 self._progress.submit(run)
                 return handle
-            # start(), inline: a small op's latency is mostly Python work like this.
-            try:
-                shm.check()
-                parity = shm.next_parity()
-                if fill is not None:
-                    fill(parity)
-                target = shm.publish(seq, parity, kind, code, count, root, reduce_op)
-            except SmddpError as exc:
-                handle.error = exc
-                return handle
-            handle.pending = 1
-            handle.shm = (seq, parity, target, finish, kind, code, nbytes)
-            self._shm_open = handle
+            if self._shm_start(handle, shm, seq, kind, code, count, root, reduce_op, nbytes, fill, finish):
+                self._shm_open = handle
             return handle
+
+    @staticmethod
+    def _shm_start(
+        handle: Handle,
+        shm: ShmPath,
+        seq: int,
+        kind: int,
+        code: int,
+        count: int,
+        root: int,
+        reduce_op: int,
+        nbytes: int,
+        fill: Callable[[int], None] | None,
+        finish: Callable[[int], None] | None,
+    ) -> bool:
+        """Copies this rank's input in and arrives at op ``seq``; False (the error in the
+        handle) when the communicator has failed."""
+        try:
+            shm.check()
+            parity = shm.next_parity()
+            if fill is not None:
+                fill(parity)
+            target = shm.publish(seq, parity, kind, code, count, root, reduce_op)
+        except SmddpError as exc:
+            handle.error = exc
+            return False
+        handle.pending = 1
+        handle.shm = (seq, parity, target, finish, kind, code, nbytes)
+        return True
 
     def _failed_handle(self, exc: SmddpError) -> Handle:
         handle = Handle(self, "op")
