@@ -16,10 +16,11 @@ import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
 from smddp.backend.cuda import CudaCollectives, on_cuda
+from smddp.backend.errors import translate
 from smddp.backend.tensors import as_numpy, check, reduce_op
 from smddp.backend.work import SmddpWork, stop_completer
 from smddp.client import Communicator, Handle
-from smddp.client.errors import UnsupportedError
+from smddp.client.errors import SmddpError, UnsupportedError
 
 BACKEND_NAME = "smddp"
 
@@ -72,11 +73,19 @@ def joined(works: list[SmddpWork], result: list[torch.Tensor]) -> SmddpWork:
 
 def _tracked(method: Callable[..., SmddpWork]) -> Callable[..., SmddpWork]:
     """Records the op's Work while a device coalescing block is open (``_start_coalescing``),
-    so that ``_end_coalescing`` can return one Work that waits for all of them."""
+    so that ``_end_coalescing`` can return one Work that waits for all of them; and turns a
+    client error raised at the call (a destroyed or failed group) into its DistBackendError
+    subclass, as torch's callers expect of a backend. Bad arguments stay UnsupportedError
+    (a ValueError)."""
 
     @functools.wraps(method)
     def run(self: SmddpProcessGroup, *args: Any, **kwargs: Any) -> SmddpWork:
-        work = method(self, *args, **kwargs)
+        try:
+            work = method(self, *args, **kwargs)
+        except UnsupportedError:
+            raise
+        except SmddpError as exc:
+            raise translate(exc) from None
         if self._coalesced is not None:
             self._coalesced.append(work)
         return work

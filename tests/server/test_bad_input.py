@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import socket
 import sys
@@ -170,13 +171,12 @@ def torch_bad_input(rank: int, world: int, init_file: str) -> dict[str, str]:
     dist.destroy_process_group(group)
     with pytest.raises(ValueError, match="not initialized"):
         dist.all_reduce(torch.ones(10), group=group)
-    # What it raises is the numpy client's SmddpError, not a DistBackendError, and it names
-    # only the rank (issue 15 report: neither what the README promises of errors).
-    from smddp.client import SmddpError
+    # A DistBackendError (smddp's base one) naming the job, the communicator and the rank.
+    from smddp.backend.errors import SmddpBackendError
 
-    with pytest.raises(SmddpError) as info:
+    with pytest.raises(dist.DistBackendError) as info:
         group.allreduce([torch.ones(10)], dist.AllreduceOptions()).wait()
-    assert type(info.value) is SmddpError
+    assert type(info.value) is SmddpBackendError
     seen["destroyed group"] = str(info.value)
 
     # The default group and the daemon are unharmed.
@@ -199,7 +199,11 @@ def test_torch_bad_tensors(daemon, spawn_ranks, tmp_path):
         assert "10 x float32" in mismatch and "20 x float32" in mismatch, mismatch
         assert mismatch in s["after mismatch"], s
     for rank, s in enumerate(seen):
-        assert s["destroyed group"] == f"rank {rank}: the communicator has been destroyed", s
+        assert re.fullmatch(
+            rf"job \S+ comm \d+: rank {rank}: the communicator has been destroyed "
+            r"\(destroy_process_group\); create a new group",
+            s["destroyed group"],
+        ), s
     assert seen[0]["size mismatch"] == seen[1]["size mismatch"]
 
 
