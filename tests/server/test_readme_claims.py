@@ -681,13 +681,23 @@ def test_where_daemons_and_clients_find_each_other() -> None:
         pytest.skip("needs root: a mount namespace with its own /run, and a daemon of uid 65534")
     for tool in ("unshare", "setpriv"):
         assert shutil.which(tool), f"{tool} (util-linux) is missing"
+    # A fresh /run and /tmp; a checkout or interpreter that lives under /tmp is bound back
+    # into the fresh one (else the new /tmp would hide the very Python that runs the test).
+    keep = sorted({
+        os.path.relpath(d, "/tmp")
+        for d in (str(Path(__file__).resolve().parents[2]), os.path.realpath(sys.prefix))
+        if d.startswith("/tmp/")
+    })  # fmt: skip
     script = (
-        "mount -t tmpfs -o mode=0755 tmpfs /run && mount -t tmpfs -o mode=1777 tmpfs /tmp "
-        '&& exec "$@"'
+        "mount -t tmpfs -o mode=0755 tmpfs /run && mkdir /run/host-tmp && mount --bind /tmp /run/host-tmp "
+        "&& mount -t tmpfs -o mode=1777 tmpfs /tmp "
+        '&& for d in $KEEP; do mkdir -p "/tmp/$d" && mount --bind "/run/host-tmp/$d" "/tmp/$d" || exit 1; done '
+        '&& umount /run/host-tmp && rmdir /run/host-tmp && exec "$@"'
     )
     proc = subprocess.run(
         ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", sys.executable, "-c", FIND],
         capture_output=True, text=True, timeout=280, check=False, cwd="/",
+        env=dict(os.environ, KEEP=" ".join(keep)),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     seen = json.loads(proc.stdout.splitlines()[-1])
