@@ -3,6 +3,8 @@
 Run under a launcher (mpirun -np N, srun, torchrun); prints "pre14 ok" on every rank.
 """
 
+import sys
+
 import torch
 
 import smdistributed.dataparallel.torch.distributed as dist
@@ -39,4 +41,6 @@ weights = [torch.zeros_like(model.module.weight) for _ in range(world)]
 dist.all_gather(weights, model.module.weight.detach().clone())
 assert all(torch.equal(w, weights[0]) for w in weights), "DDP ranks diverged"
 dist.destroy_process_group()
-print(f"pre14 ok rank={rank} world={world} local_rank={local_rank} local_size={local_size}", flush=True)
+# One write, newline included: a launcher that forwards output may split a print in two.
+sys.stdout.write(f"pre14 ok rank={rank} world={world} local_rank={local_rank} local_size={local_size}\n")
+sys.stdout.flush()

@@ -44,8 +44,12 @@ def _mpirun(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]
     env = _clean_env(tmp_path)
     # CI runs as root; --oversubscribe: more ranks than this machine's cores.
     env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    cmd = [mpirun, "--oversubscribe", "--bind-to", "none", "-np", str(WORLD), sys.executable, *args]
-    return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    # --tag-output: mpirun forwards each rank's output line by line, "[job,rank]<stdout>:" before
+    # each; without it two ranks' lines can interleave within a line. The tags are taken off here.
+    cmd = [mpirun, "--oversubscribe", "--bind-to", "none", "--tag-output", "-np", str(WORLD), sys.executable, *args]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    untag = re.compile(r"^\[\d+,\d+\]<std(?:out|err)>:", re.MULTILINE)
+    return subprocess.CompletedProcess(cmd, proc.returncode, untag.sub("", proc.stdout), untag.sub("", proc.stderr))
 
 
 def _slurm_step(args: list[str], tmp_path: Path) -> list[subprocess.CompletedProcess[str]]:
