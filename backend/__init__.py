@@ -51,7 +51,9 @@ def _create(dist_opts: Any, pg_options: Any) -> SmddpProcessGroup:
             nodes=node_layout([job.node_of_rank[g] for g in global_ranks], job.peer_of_node),
         )
     except SmddpError as exc:
-        raise dist.DistBackendError(f"smddp: cannot create process group {group_id} (rank {rank} of {size}): {exc}") from None
+        raise dist.DistBackendError(
+            f"smddp: cannot create process group {group_id} (rank {rank} of {size}): {exc}"
+        ) from None
     return SmddpProcessGroup(comm, rank, size)
 
 

@@ -29,7 +29,9 @@ from smddp.wire import outward_ip
 
 ENV_NODE_ID = "SMDDP_NODE_ID"
 ENV_ADVERTISE = "SMDDP_ADVERTISE"
-ENV_RESTART = "TORCHELASTIC_RESTART_COUNT"  # set by torchrun: 0 on the first attempt, then 1, 2, ...
+ENV_RESTART = (
+    "TORCHELASTIC_RESTART_COUNT"  # set by torchrun: 0 on the first attempt, then 1, 2, ...
+)
 
 _rounds = itertools.count()  # default groups this process created: a new init after a destroy
 
@@ -86,7 +88,10 @@ def rendezvous(store: dist.Store, rank: int, world_size: int, timeout: timedelta
     store.set_timeout(timeout)
     at = attempt_prefix(next(_rounds))
     if rank == 0:
-        store.set(at + "job", json.dumps({"job_id": "j" + secrets.token_hex(8), "token": secrets.token_hex(32)}))
+        store.set(
+            at + "job",
+            json.dumps({"job_id": "j" + secrets.token_hex(8), "token": secrets.token_hex(32)}),
+        )
     job = json.loads(_get(store, at + "job"))
     me = node_id()
     store.set(f"{at}node/{rank}", me)
@@ -99,9 +104,13 @@ def rendezvous(store: dist.Store, rank: int, world_size: int, timeout: timedelta
             path = find_or_start_daemon(peer_host() if spans_nodes else None)
             peer = daemon_info(path).peer_address
             if spans_nodes and not peer:
-                raise ConnectError(f"smddpd at {path} accepts no peer connections (--peer-bind off)")
+                raise ConnectError(
+                    f"smddpd at {path} accepts no peer connections (--peer-bind off)"
+                )
         except ConnectError as exc:
-            store.set(key, "!" + str(exc))  # tell the other local ranks instead of leaving them waiting
+            store.set(
+                key, "!" + str(exc)
+            )  # tell the other local ranks instead of leaving them waiting
             raise
         store.set(f"{at}peer/{me}", peer)
         store.set(key, path)

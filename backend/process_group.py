@@ -140,9 +140,15 @@ class SmddpProcessGroup(dist.ProcessGroup):
     # -- collectives --------------------------------------------------------------------------
 
     @_tracked
-    def allreduce(self, tensors: list[torch.Tensor], opts: c10d.AllreduceOptions | None = None) -> SmddpWork:
+    def allreduce(
+        self, tensors: list[torch.Tensor], opts: c10d.AllreduceOptions | None = None
+    ) -> SmddpWork:
         opts = opts if opts is not None else c10d.AllreduceOptions()
-        if len(tensors) == 1 and isinstance(tensors[0], torch.Tensor) and tensors[0].layout == torch.sparse_coo:
+        if (
+            len(tensors) == 1
+            and isinstance(tensors[0], torch.Tensor)
+            and tensors[0].layout == torch.sparse_coo
+        ):
             return self._sparse_allreduce(tensors[0], opts)
         if on_cuda(tensors):
             return self._gpu().allreduce([_one(tensors, "all_reduce")], opts)
@@ -166,7 +172,9 @@ class SmddpProcessGroup(dist.ProcessGroup):
         w = self.size()
         counts = torch.zeros(w, dtype=torch.int64)
         mine = torch.tensor([indices.shape[1]], dtype=torch.int64)
-        self.comm.all_gather([as_numpy(c, what) for c in counts.split(1)], as_numpy(mine, what)).wait()
+        self.comm.all_gather(
+            [as_numpy(c, what) for c in counts.split(1)], as_numpy(mine, what)
+        ).wait()
         most = int(counts.max())
         pad_i = torch.zeros((indices.shape[0], most), dtype=indices.dtype)
         pad_i[:, : indices.shape[1]] = indices
@@ -189,7 +197,9 @@ class SmddpProcessGroup(dist.ProcessGroup):
         return SmddpWork([], [t])
 
     @_tracked
-    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: c10d.AllreduceCoalescedOptions | None = None) -> SmddpWork:
+    def allreduce_coalesced(
+        self, tensors: list[torch.Tensor], opts: c10d.AllreduceCoalescedOptions | None = None
+    ) -> SmddpWork:
         opts = opts if opts is not None else c10d.AllreduceCoalescedOptions()
         if on_cuda(tensors):
             return self._gpu().allreduce(list(tensors), opts, "all_reduce_coalesced")  # type: ignore[arg-type]
@@ -200,7 +210,9 @@ class SmddpProcessGroup(dist.ProcessGroup):
         return SmddpWork(handles, list(tensors), stage.finish())
 
     @_tracked
-    def broadcast(self, tensors: list[torch.Tensor], opts: c10d.BroadcastOptions | None = None) -> SmddpWork:
+    def broadcast(
+        self, tensors: list[torch.Tensor], opts: c10d.BroadcastOptions | None = None
+    ) -> SmddpWork:
         opts = opts if opts is not None else c10d.BroadcastOptions()
         t = _one(tensors, "broadcast")
         if on_cuda(t):
@@ -211,7 +223,9 @@ class SmddpProcessGroup(dist.ProcessGroup):
         return SmddpWork([handle], [t], stage.finish())
 
     @_tracked
-    def reduce(self, tensors: list[torch.Tensor], opts: c10d.ReduceOptions | None = None) -> SmddpWork:
+    def reduce(
+        self, tensors: list[torch.Tensor], opts: c10d.ReduceOptions | None = None
+    ) -> SmddpWork:
         opts = opts if opts is not None else c10d.ReduceOptions()
         t = _one(tensors, "reduce")
         if on_cuda(t):
@@ -224,7 +238,10 @@ class SmddpProcessGroup(dist.ProcessGroup):
 
     @_tracked
     def allgather(
-        self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor], opts: c10d.AllgatherOptions
+        self,
+        output_lists: list[list[torch.Tensor]],
+        input_list: list[torch.Tensor],
+        opts: c10d.AllgatherOptions,
     ) -> SmddpWork:
         src = _one(input_list, "all_gather")
         outs = _one(output_lists, "all_gather")  # type: ignore[arg-type]
@@ -233,11 +250,15 @@ class SmddpProcessGroup(dist.ProcessGroup):
         stage = _Staging()
         bufs = [stage.out(o, "all_gather") for o in outs]
         self._same(src, bufs, "all_gather")
-        handle = self.comm.all_gather([as_numpy(b, "all_gather") for b in bufs], as_numpy(src, "all_gather"))
+        handle = self.comm.all_gather(
+            [as_numpy(b, "all_gather") for b in bufs], as_numpy(src, "all_gather")
+        )
         return SmddpWork([handle], list(outs), stage.finish())
 
     @_tracked
-    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: c10d.AllgatherOptions | None = None) -> SmddpWork:
+    def all_gather_single(
+        self, output: torch.Tensor, input: torch.Tensor, opts: c10d.AllgatherOptions | None = None
+    ) -> SmddpWork:
         opts = opts if opts is not None else c10d.AllgatherOptions()
         if on_cuda(output, input):
             return self._gpu().all_gather_single(output, input)
@@ -247,7 +268,9 @@ class SmddpProcessGroup(dist.ProcessGroup):
 
     _allgather_base = all_gather_single
 
-    def _gather_into(self, output: torch.Tensor, input: torch.Tensor, stage: _Staging, what: str) -> Handle:
+    def _gather_into(
+        self, output: torch.Tensor, input: torch.Tensor, stage: _Staging, what: str
+    ) -> Handle:
         check(input, what)
         buf = stage.out(output, what)
         if buf.numel() != input.numel() * self.size() or buf.dtype != input.dtype:
@@ -260,7 +283,10 @@ class SmddpProcessGroup(dist.ProcessGroup):
 
     @_tracked
     def all_gather_single_coalesced(
-        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: c10d.AllgatherOptions | None = None
+        self,
+        outputs: list[torch.Tensor],
+        inputs: list[torch.Tensor],
+        opts: c10d.AllgatherOptions | None = None,
     ) -> SmddpWork:
         """all_gather_into_tensor of each pair: functional collectives (DTensor, FSDP2,
         torch.compile) and the coalescing manager call this."""
@@ -268,7 +294,9 @@ class SmddpProcessGroup(dist.ProcessGroup):
         self._pairs(outputs, inputs, what)
         if on_cuda(outputs, inputs):
             gpu = self._gpu()
-            return joined([gpu.all_gather_single(o, i) for o, i in zip(outputs, inputs)], list(outputs))
+            return joined(
+                [gpu.all_gather_single(o, i) for o, i in zip(outputs, inputs)], list(outputs)
+            )
         stage = _Staging()
         handles = [self._gather_into(o, i, stage, what) for o, i in zip(outputs, inputs)]
         return SmddpWork(handles, list(outputs), stage.finish())
@@ -278,11 +306,16 @@ class SmddpProcessGroup(dist.ProcessGroup):
 
     @_tracked
     def allgather_coalesced(
-        self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor], opts: c10d.AllgatherOptions | None = None
+        self,
+        output_lists: list[list[torch.Tensor]],
+        input_list: list[torch.Tensor],
+        opts: c10d.AllgatherOptions | None = None,
     ) -> SmddpWork:
         """all_gather of each input: ``output_lists[r][i]`` receives rank r's ``input_list[i]``."""
         what = "all_gather_coalesced"
-        if len(output_lists) != self.size() or any(len(lst) != len(input_list) for lst in output_lists):
+        if len(output_lists) != self.size() or any(
+            len(lst) != len(input_list) for lst in output_lists
+        ):
             raise UnsupportedError(
                 f"{what}: expected {self.size()} output lists (one per rank) of {len(input_list)} "
                 f"tensors each, got {[len(lst) for lst in output_lists]}"
@@ -300,17 +333,28 @@ class SmddpProcessGroup(dist.ProcessGroup):
         result = [o for lst in output_lists for o in lst]
         if on_cuda(output_lists, input_list):
             gpu = self._gpu()
-            return joined([gpu.allgather([lst[i] for lst in output_lists], src) for i, src in enumerate(input_list)], result)
+            return joined(
+                [
+                    gpu.allgather([lst[i] for lst in output_lists], src)
+                    for i, src in enumerate(input_list)
+                ],
+                result,
+            )
         stage = _Staging()
         handles = []
         for i, src in enumerate(input_list):
             bufs = [stage.out(lst[i], what) for lst in output_lists]
-            handles.append(self.comm.all_gather([as_numpy(b, what) for b in bufs], as_numpy(src, what)))
+            handles.append(
+                self.comm.all_gather([as_numpy(b, what) for b in bufs], as_numpy(src, what))
+            )
         return SmddpWork(handles, result, stage.finish())
 
     @_tracked
     def reduce_scatter(
-        self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: c10d.ReduceScatterOptions
+        self,
+        outputs: list[torch.Tensor],
+        input_lists: list[list[torch.Tensor]],
+        opts: c10d.ReduceScatterOptions,
     ) -> SmddpWork:
         out = _one(outputs, "reduce_scatter")
         ins = _one(input_lists, "reduce_scatter")  # type: ignore[arg-type]
@@ -320,7 +364,9 @@ class SmddpProcessGroup(dist.ProcessGroup):
         stage = _Staging()
         buf = stage.out(out, "reduce_scatter")
         self._same(buf, ins, "reduce_scatter")
-        handle = self.comm.reduce_scatter(as_numpy(buf, "reduce_scatter"), [as_numpy(x, "reduce_scatter") for x in ins], op)
+        handle = self.comm.reduce_scatter(
+            as_numpy(buf, "reduce_scatter"), [as_numpy(x, "reduce_scatter") for x in ins], op
+        )
         return SmddpWork([handle], [out], stage.finish())
 
     @_tracked
@@ -337,7 +383,9 @@ class SmddpProcessGroup(dist.ProcessGroup):
 
     _reduce_scatter_base = reduce_scatter_single
 
-    def _scatter_from(self, output: torch.Tensor, input: torch.Tensor, op: int, stage: _Staging, what: str) -> Handle:
+    def _scatter_from(
+        self, output: torch.Tensor, input: torch.Tensor, op: int, stage: _Staging, what: str
+    ) -> Handle:
         check(input, what)
         buf = stage.out(output, what)
         if input.numel() != buf.numel() * self.size() or buf.dtype != input.dtype:
@@ -346,11 +394,16 @@ class SmddpProcessGroup(dist.ProcessGroup):
                 f"{buf.numel()} x {buf.dtype} are expected"
             )
         pieces = input.contiguous().reshape(self.size(), -1)
-        return self.comm.reduce_scatter(as_numpy(buf, what), [as_numpy(p, what) for p in pieces], op)
+        return self.comm.reduce_scatter(
+            as_numpy(buf, what), [as_numpy(p, what) for p in pieces], op
+        )
 
     @_tracked
     def reduce_scatter_single_coalesced(
-        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: c10d.ReduceScatterOptions | None = None
+        self,
+        outputs: list[torch.Tensor],
+        inputs: list[torch.Tensor],
+        opts: c10d.ReduceScatterOptions | None = None,
     ) -> SmddpWork:
         """reduce_scatter_tensor of each pair (functional collectives, coalescing manager)."""
         opts = opts if opts is not None else c10d.ReduceScatterOptions()
@@ -358,7 +411,10 @@ class SmddpProcessGroup(dist.ProcessGroup):
         self._pairs(outputs, inputs, what)
         if on_cuda(outputs, inputs):
             gpu = self._gpu()
-            return joined([gpu.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)], list(outputs))
+            return joined(
+                [gpu.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)],
+                list(outputs),
+            )
         op = reduce_op(opts.reduceOp, what)
         stage = _Staging()
         handles = [self._scatter_from(o, i, op, stage, what) for o, i in zip(outputs, inputs)]
@@ -390,13 +446,20 @@ class SmddpProcessGroup(dist.ProcessGroup):
     end_coalescing = _end_coalescing
 
     @_tracked
-    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: c10d.AllToAllOptions | None = None) -> SmddpWork:
+    def alltoall(
+        self,
+        outputs: list[torch.Tensor],
+        inputs: list[torch.Tensor],
+        opts: c10d.AllToAllOptions | None = None,
+    ) -> SmddpWork:
         opts = opts if opts is not None else c10d.AllToAllOptions()
         if on_cuda(outputs, inputs):
             return self._gpu().alltoall(list(outputs), list(inputs))
         stage = _Staging()
         bufs = [stage.out(o, "all_to_all") for o in outputs]
-        handle = self.comm.all_to_all([as_numpy(b, "all_to_all") for b in bufs], [as_numpy(x, "all_to_all") for x in inputs])
+        handle = self.comm.all_to_all(
+            [as_numpy(b, "all_to_all") for b in bufs], [as_numpy(x, "all_to_all") for x in inputs]
+        )
         return SmddpWork([handle], list(outputs), stage.finish())
 
     @_tracked
@@ -411,34 +474,51 @@ class SmddpProcessGroup(dist.ProcessGroup):
         opts = opts if opts is not None else c10d.AllToAllOptions()
         what = "all_to_all_single"
         if on_cuda(output, input):
-            return self._gpu().all_to_all_single(output, input, output_split_sizes, input_split_sizes, self._split)
+            return self._gpu().all_to_all_single(
+                output, input, output_split_sizes, input_split_sizes, self._split
+            )
         check(input, what)
         stage = _Staging()
         buf = stage.out(output, what)
         outs = self._split(buf, output_split_sizes, what, "output")
         ins = self._split(input.contiguous(), input_split_sizes, what, "input")
-        handle = self.comm.all_to_all([as_numpy(o, what) for o in outs], [as_numpy(x, what) for x in ins])
+        handle = self.comm.all_to_all(
+            [as_numpy(o, what) for o in outs], [as_numpy(x, what) for x in ins]
+        )
         return SmddpWork([handle], [output], stage.finish())
 
     alltoall_base = all_to_all_single
 
-    def _split(self, t: torch.Tensor, sizes: list[int], what: str, which: str) -> list[torch.Tensor]:
+    def _split(
+        self, t: torch.Tensor, sizes: list[int], what: str, which: str
+    ) -> list[torch.Tensor]:
         w = self.size()
         if not sizes:
             if t.shape[0] % w if t.dim() else True:
-                raise UnsupportedError(f"{what}: {which} dim 0 ({tuple(t.shape)}) is not divisible by {w} ranks")
+                raise UnsupportedError(
+                    f"{what}: {which} dim 0 ({tuple(t.shape)}) is not divisible by {w} ranks"
+                )
             sizes = [t.shape[0] // w] * w
         if len(sizes) != w or sum(sizes) != t.shape[0]:
-            raise UnsupportedError(f"{what}: {which} split sizes {list(sizes)} do not split dim 0 of {tuple(t.shape)} into {w} parts")
+            raise UnsupportedError(
+                f"{what}: {which} split sizes {list(sizes)} do not split dim 0 of {tuple(t.shape)} into {w} parts"
+            )
         return list(torch.split(t, sizes, dim=0))
 
     @_tracked
-    def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: c10d.GatherOptions | None = None) -> SmddpWork:
+    def gather(
+        self,
+        output_lists: list[list[torch.Tensor]],
+        inputs: list[torch.Tensor],
+        opts: c10d.GatherOptions | None = None,
+    ) -> SmddpWork:
         opts = opts if opts is not None else c10d.GatherOptions()
         src = _one(inputs, "gather")
         root = opts.rootRank
         if on_cuda(src, output_lists if self.rank() == root else []):
-            return self._gpu().gather(list(_one(output_lists, "gather")) if self.rank() == root else None, src, root)  # type: ignore[arg-type]
+            return self._gpu().gather(
+                list(_one(output_lists, "gather")) if self.rank() == root else None, src, root
+            )  # type: ignore[arg-type]
         stage = _Staging()
         outs = None
         result = [src]
@@ -447,23 +527,38 @@ class SmddpProcessGroup(dist.ProcessGroup):
             outs = [stage.out(o, "gather") for o in targets]
             self._same(src, outs, "gather")
             result = list(targets)
-        handle = self.comm.gather([as_numpy(o, "gather") for o in outs] if outs is not None else None, as_numpy(src, "gather"), root)
+        handle = self.comm.gather(
+            [as_numpy(o, "gather") for o in outs] if outs is not None else None,
+            as_numpy(src, "gather"),
+            root,
+        )
         return SmddpWork([handle], result, stage.finish())
 
     @_tracked
-    def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: c10d.ScatterOptions | None = None) -> SmddpWork:
+    def scatter(
+        self,
+        outputs: list[torch.Tensor],
+        input_lists: list[list[torch.Tensor]],
+        opts: c10d.ScatterOptions | None = None,
+    ) -> SmddpWork:
         opts = opts if opts is not None else c10d.ScatterOptions()
         out = _one(outputs, "scatter")
         root = opts.rootRank
         if on_cuda(out, input_lists if self.rank() == root else []):
-            return self._gpu().scatter(out, list(_one(input_lists, "scatter")) if self.rank() == root else None, root)  # type: ignore[arg-type]
+            return self._gpu().scatter(
+                out, list(_one(input_lists, "scatter")) if self.rank() == root else None, root
+            )  # type: ignore[arg-type]
         stage = _Staging()
         buf = stage.out(out, "scatter")
         ins = None
         if self.rank() == root:
             ins = _one(input_lists, "scatter")  # type: ignore[arg-type]
             self._same(buf, ins, "scatter")
-        handle = self.comm.scatter(as_numpy(buf, "scatter"), [as_numpy(x, "scatter") for x in ins] if ins is not None else None, root)
+        handle = self.comm.scatter(
+            as_numpy(buf, "scatter"),
+            [as_numpy(x, "scatter") for x in ins] if ins is not None else None,
+            root,
+        )
         return SmddpWork([handle], [out], stage.finish())
 
     @_tracked
@@ -490,7 +585,9 @@ class SmddpProcessGroup(dist.ProcessGroup):
         return SmddpWork([handle], [t], stage.finish())
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> SmddpWork:
-        raise UnsupportedError("recv: smddp needs the source rank (recv from any source is not supported)")
+        raise UnsupportedError(
+            "recv: smddp needs the source rank (recv from any source is not supported)"
+        )
 
     def _gpu(self) -> CudaCollectives:
         """The GPU path (backend/cuda.py), for collectives on CUDA tensors."""

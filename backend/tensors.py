@@ -16,8 +16,16 @@ from smddp.client.errors import UnsupportedError
 from smddp.v1 import smddp_pb2 as pb
 
 SUPPORTED = (
-    torch.float16, torch.bfloat16, torch.float32, torch.float64,
-    torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
 )
 _REDUCE_OPS = {
     dist.ReduceOp.SUM: pb.SUM,
@@ -44,13 +52,22 @@ def check(t: torch.Tensor, what: str) -> None:
         )
     if t.dtype not in SUPPORTED:
         names = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED)
-        raise UnsupportedError(f"{what}: dtype {str(t.dtype).removeprefix('torch.')} is not supported ({names})")
+        raise UnsupportedError(
+            f"{what}: dtype {str(t.dtype).removeprefix('torch.')} is not supported ({names})"
+        )
 
 
 _TYPESTR = {
-    torch.float16: "<f2", torch.bfloat16: "<i2", torch.float32: "<f4", torch.float64: "<f8",
-    torch.int8: "|i1", torch.uint8: "|u1", torch.int16: "<i2", torch.int32: "<i4",
-    torch.int64: "<i8", torch.bool: "|b1",
+    torch.float16: "<f2",
+    torch.bfloat16: "<i2",
+    torch.float32: "<f4",
+    torch.float64: "<f8",
+    torch.int8: "|i1",
+    torch.uint8: "|u1",
+    torch.int16: "<i2",
+    torch.int32: "<i4",
+    torch.int64: "<i8",
+    torch.bool: "|b1",
 }
 
 
@@ -69,7 +86,9 @@ class _TensorMemory:
             "typestr": _TYPESTR[t.dtype],
             "data": (t.data_ptr(), False),
             # None: C-contiguous, most tensors (building strides is a third of this call).
-            "strides": None if t.is_contiguous() else tuple(s * t.element_size() for s in t.stride()),
+            "strides": None
+            if t.is_contiguous()
+            else tuple(s * t.element_size() for s in t.stride()),
         }
 
 
@@ -96,4 +115,6 @@ def reduce_op(op: dist.ReduceOp, what: str) -> int:
     for torch_op, wire in _REDUCE_OPS.items():
         if op == torch_op:
             return wire
-    raise UnsupportedError(f"{what}: reduce op {op} is not supported (SUM, AVG, MIN, MAX, PRODUCT, BAND, BOR, BXOR)")
+    raise UnsupportedError(
+        f"{what}: reduce op {op} is not supported (SUM, AVG, MIN, MAX, PRODUCT, BAND, BOR, BXOR)"
+    )

@@ -58,7 +58,9 @@ class UnsupportedTorchError(ImportError):
 def _release(version: str) -> tuple[int, int]:
     match = re.match(r"(\d+)\.(\d+)", version)
     if match is None:
-        raise UnsupportedTorchError(f"smddp's torch backend cannot read torch's version {version!r}")
+        raise UnsupportedTorchError(
+            f"smddp's torch backend cannot read torch's version {version!r}"
+        )
     return int(match.group(1)), int(match.group(2))
 
 
@@ -78,7 +80,9 @@ def check_torch(version: str | None = None) -> None:
         )
     if version is None:
         missing = [
-            " or ".join(names) for names in _REACHED_AS if not any(hasattr(dist.ProcessGroup, n) for n in names)
+            " or ".join(names)
+            for names in _REACHED_AS
+            if not any(hasattr(dist.ProcessGroup, n) for n in names)
         ]
         register = dist.Backend.register_backend.__code__.co_varnames
         if "devices" not in register or "extended_api" not in register:
@@ -88,5 +92,6 @@ def check_torch(version: str | None = None) -> None:
                 f"smddp's torch backend needs {SUPPORTED}; this torch {found} lacks {', '.join(missing)} "
                 f"(a development build between releases?): install a released torch in that range"
             )
+
 
 check_torch()  # at import, before the backend's modules touch torch's ProcessGroup API

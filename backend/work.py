@@ -66,7 +66,9 @@ def _after(signal: torch.futures.Future[int], tensors: List[torch.Tensor]) -> Li
 
 
 @torch.jit.script
-def _pending(signal: torch.futures.Future[int], tensors: List[torch.Tensor]) -> torch.futures.Future[List[torch.Tensor]]:
+def _pending(
+    signal: torch.futures.Future[int], tensors: List[torch.Tensor]
+) -> torch.futures.Future[List[torch.Tensor]]:
     # In TorchScript, fork runs _after until it blocks on the signal and returns its Future
     # (typed); once the signal is set, _after resumes on the inter-op pool and completes it.
     return torch.jit._fork(_after, signal, tensors)
@@ -119,7 +121,9 @@ def _guard_backward(work: "SmddpWork") -> None:
                 del _backward_works[next(iter(_backward_works))]
         works.append(work)
     if first:
-        torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_backward_done, task))
+        torch.autograd.Variable._execution_engine.queue_callback(
+            functools.partial(_backward_done, task)
+        )
 
 
 def _backward_done(task: int) -> None:
@@ -180,7 +184,11 @@ class SmddpWork(dist.Work):
     def is_completed(self) -> bool:
         # Polling makes progress; copy-backs run before True, so outputs are ready when it is.
         # Never blocks: while the completer thread finishes the op this says False.
-        if not self._completed and all(h.poll() for h in self._handles) and self._lock.acquire(blocking=False):
+        if (
+            not self._completed
+            and all(h.poll() for h in self._handles)
+            and self._lock.acquire(blocking=False)
+        ):
             try:
                 self._complete_locked()
             finally:

@@ -94,7 +94,9 @@ class NamespaceRunner:
     Rank r runs on node ``r // ranks_per_node``; rank 0's node hosts the c10d store.
     """
 
-    def __init__(self, cluster: NetnsCluster, ranks_per_node: int, folder: Path, transport: str = "tcp") -> None:
+    def __init__(
+        self, cluster: NetnsCluster, ranks_per_node: int, folder: Path, transport: str = "tcp"
+    ) -> None:
         self.cluster = cluster
         self.ranks_per_node = ranks_per_node
         self.transport = transport
@@ -272,12 +274,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
             flush=True,
         )
-        doc = run_all(config, runner=NamespaceRunner(cluster, args.ranks_per_node, folder, args.peer_transport))
+        doc = run_all(
+            config,
+            runner=NamespaceRunner(cluster, args.ranks_per_node, folder, args.peer_transport),
+        )
     finally:
         cluster.destroy()
         shutil.rmtree(folder, ignore_errors=True)
     doc["meta"].update(
-        nodes=args.nodes, ranks_per_node=args.ranks_per_node, link_rate=args.rate, peer_transport=args.peer_transport
+        nodes=args.nodes,
+        ranks_per_node=args.ranks_per_node,
+        link_rate=args.rate,
+        peer_transport=args.peer_transport,
     )
     rows = [Row(**r) for r in doc["rows"]]
     sys.stdout.write(

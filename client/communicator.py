@@ -135,7 +135,11 @@ def _part(template: pb.OpRequest, part: int, parts: int) -> pb.OpRequest:
 
 
 def _direct_chunk_bytes(world_size: int) -> int:
-    default = DEFAULT_DIRECT_CHUNK_BYTES if world_size <= (os.cpu_count() or 1) else SHARED_CORES_DIRECT_CHUNK_BYTES
+    default = (
+        DEFAULT_DIRECT_CHUNK_BYTES
+        if world_size <= (os.cpu_count() or 1)
+        else SHARED_CORES_DIRECT_CHUNK_BYTES
+    )
     return max(ALIGN, int(os.environ.get(ENV_DIRECT_CHUNK_BYTES, default)))
 
 
@@ -161,7 +165,10 @@ class Communicator:
         self._ring = RingAllocator(half)
         # Direct ops' buffers, in the second half: DIRECT_BUFFERS of them, used in turn.
         self._direct_base = half
-        self._direct_buffer = max(ALIGN, min(_direct_chunk_bytes(session.world_size), half // DIRECT_BUFFERS) // ALIGN * ALIGN)
+        self._direct_buffer = max(
+            ALIGN,
+            min(_direct_chunk_bytes(session.world_size), half // DIRECT_BUFFERS) // ALIGN * ALIGN,
+        )
         self._direct_count = 0
         self._direct_min = (
             int(os.environ.get(ENV_DIRECT_MIN_BYTES, DEFAULT_DIRECT_MIN_BYTES))
@@ -176,7 +183,9 @@ class Communicator:
         # Receive chunks past that wait here, in order, and go out as earlier ones retire.
         self._recv_cap = half // 2
         self._recv_bytes = 0
-        self._deferred: collections.deque[tuple[Handle, pb.OpRequest, _Layout, list, dict]] = collections.deque()
+        self._deferred: collections.deque[tuple[Handle, pb.OpRequest, _Layout, list, dict]] = (
+            collections.deque()
+        )
         self._flushing = False
         self._seq = 0
         self._p2p_seq: dict[tuple[int, int], int] = {}
@@ -184,11 +193,15 @@ class Communicator:
         self._lock = threading.RLock()
         self._closed = False
         # The shared-memory path: every collective it can carry, between the ranks.
-        self._use_shm = single_node and session.world_size > 1 and os.environ.get(ENV_REGION, "1") != "0"
+        self._use_shm = (
+            single_node and session.world_size > 1 and os.environ.get(ENV_REGION, "1") != "0"
+        )
         self._shm: ShmPath | None = None
         self._shm_open: Handle | None = None  # its op whose completion is still due
         # Direct ops not yet started, which a blocking wait may run in its own thread.
-        self._steal: weakref.WeakKeyDictionary[Handle, Callable[[], bool]] = weakref.WeakKeyDictionary()
+        self._steal: weakref.WeakKeyDictionary[Handle, Callable[[], bool]] = (
+            weakref.WeakKeyDictionary()
+        )
         self._progress = ProgressThread(f"smddp-progress-{session.comm_id}")
 
     # -- the engine ---------------------------------------------------------------------------
@@ -228,7 +241,12 @@ class Communicator:
                 o, n = value  # type: ignore[misc]
                 getattr(req, name).CopyFrom(pb.Region(offset=base + o, nbytes=n))
         req.request_id = next(self._ids)
-        chunk = _Chunk(handle, req.request_id, [(dst, base + off) for dst, off in copy_out], recv_bytes=recv_bytes)
+        chunk = _Chunk(
+            handle,
+            req.request_id,
+            [(dst, base + off) for dst, off in copy_out],
+            recv_bytes=recv_bytes,
+        )
         if not recv_bytes:
             handle.pending += 1
         self._outstanding.append(chunk)
@@ -338,8 +356,12 @@ class Communicator:
                 self._retire_oldest()
             self._peer_maps, region = self.session.peer_arenas()
             self._shm = ShmPath(
-                f"job {self.session.job_id} comm {self.session.comm_id}", self.rank, region,
-                self.timeout_s, self.session.alive, self.session.gone,
+                f"job {self.session.job_id} comm {self.session.comm_id}",
+                self.rank,
+                region,
+                self.timeout_s,
+                self.session.alive,
+                self.session.gone,
             )
         return self._shm
 
@@ -400,14 +422,18 @@ class Communicator:
                 handle.pending = 1
 
                 def run() -> None:
-                    if self._shm_start(handle, shm, seq, kind, code, count, root, reduce_op, nbytes, fill, finish):
+                    if self._shm_start(
+                        handle, shm, seq, kind, code, count, root, reduce_op, nbytes, fill, finish
+                    ):
                         self._complete_shm(handle)
                     handle.pending = 0
                     handle.event.set()  # type: ignore[union-attr]
 
                 self._progress.submit(run)
                 return handle
-            if self._shm_start(handle, shm, seq, kind, code, count, root, reduce_op, nbytes, fill, finish):
+            if self._shm_start(
+                handle, shm, seq, kind, code, count, root, reduce_op, nbytes, fill, finish
+            ):
                 self._shm_open = handle
             return handle
 
@@ -460,11 +486,15 @@ class Communicator:
         if reduce_op == pb.AVG:
             np.divide(out, np.asarray(len(ins), dtype=out.dtype), out=out)
 
-    def _begin(self, kind: int, dtype: np.dtype | None, count: int, root: int = 0, reduce_op: int = 0) -> tuple[Handle, pb.OpRequest]:
+    def _begin(
+        self, kind: int, dtype: np.dtype | None, count: int, root: int = 0, reduce_op: int = 0
+    ) -> tuple[Handle, pb.OpRequest]:
         self._check_open()
         self._seq += 1
         wire_dtype = WIRE_DTYPES[dtype] if dtype is not None else pb.DTYPE_UNSPECIFIED
-        template = pb.OpRequest(seq=self._seq, kind=kind, dtype=wire_dtype, count=count, root=root, reduce_op=reduce_op)
+        template = pb.OpRequest(
+            seq=self._seq, kind=kind, dtype=wire_dtype, count=count, root=root, reduce_op=reduce_op
+        )
         return Handle(self, f"op #{self._seq}"), template
 
     def _parts(self, n: int, bytes_per_element: int) -> tuple[int, int]:
@@ -614,7 +644,9 @@ class Communicator:
                         if not active and c == chunks:
                             break
                         if first:
-                            shm.wait(shm.publish(seq, parity, kind, code, count, root, reduce_op), seq)
+                            shm.wait(
+                                shm.publish(seq, parity, kind, code, count, root, reduce_op), seq
+                            )
                             shm.agree(seq, parity)
                             first = False
                         else:
@@ -623,7 +655,9 @@ class Communicator:
                 except SmddpError as exc:
                     handle.error = exc
                 except Exception as exc:  # a bug must fail the op, not hang its waiters
-                    handle.error = SmddpError(f"rank {self.rank}: op #{seq} failed in the progress thread: {exc!r}")
+                    handle.error = SmddpError(
+                        f"rank {self.rank}: op #{seq} failed in the progress thread: {exc!r}"
+                    )
                 finally:
                     handle.pending = 0
                     handle.event.set()  # type: ignore[union-attr]
@@ -660,7 +694,9 @@ class Communicator:
             yield
             mine = flat[a + lo : a + hi]
             result = bufs[me][lo:hi]  # for the others; it aliases none of the inputs
-            self._shm_reduce(result, [mine if j == me else x[lo:hi] for j, x in enumerate(bufs)], reduce_op)
+            self._shm_reduce(
+                result, [mine if j == me else x[lo:hi] for j, x in enumerate(bufs)], reduce_op
+            )
             np.copyto(mine, result)  # still in this core's cache
             yield
             for j in range(w):
@@ -731,12 +767,20 @@ class Communicator:
 
             def finish(p: int) -> None:
                 if me == root:
-                    self._shm_reduce(flat, [b[:n] for b in self._shm.typed(p, flat.dtype)], reduce_op)  # type: ignore[union-attr]
+                    self._shm_reduce(
+                        flat, [b[:n] for b in self._shm.typed(p, flat.dtype)], reduce_op
+                    )  # type: ignore[union-attr]
 
-            return self._shm_op(pb.REDUCE, flat.dtype, n, root, reduce_op, flat.nbytes, fill, finish)
-        return self._elementwise(pb.REDUCE, flat, root, reduce_op, send=True, receive=self.rank == root)
+            return self._shm_op(
+                pb.REDUCE, flat.dtype, n, root, reduce_op, flat.nbytes, fill, finish
+            )
+        return self._elementwise(
+            pb.REDUCE, flat, root, reduce_op, send=True, receive=self.rank == root
+        )
 
-    def _elementwise(self, kind: int, flat: np.ndarray, root: int, reduce_op: int, send: bool, receive: bool) -> Handle:
+    def _elementwise(
+        self, kind: int, flat: np.ndarray, root: int, reduce_op: int, send: bool, receive: bool
+    ) -> Handle:
         with self._lock:
             handle, template = self._begin(kind, flat.dtype, flat.size, root, reduce_op)
             s = flat.dtype.itemsize
@@ -746,7 +790,9 @@ class Communicator:
                 off = layout.add((b - a) * s)
                 req = _part(template, p, parts)
                 self._submit(
-                    handle, req, layout,
+                    handle,
+                    req,
+                    layout,
                     [(flat[a:b], off)] if send else [],
                     [(flat[a:b], off)] if receive else [],
                     {"input": (off, (b - a) * s), "output": (off, (b - a) * s)},
@@ -760,9 +806,18 @@ class Communicator:
     def gather(self, outputs: Sequence[np.ndarray] | None, array: np.ndarray, root: int) -> Handle:
         """Gathers every rank's ``array`` into ``outputs[r]`` on the root (None elsewhere)."""
         self._check_root(root, "gather")
-        return self._gather_like(pb.GATHER, outputs if self.rank == root else None, array, root, "gather")
+        return self._gather_like(
+            pb.GATHER, outputs if self.rank == root else None, array, root, "gather"
+        )
 
-    def _gather_like(self, kind: int, outputs: Sequence[np.ndarray] | None, array: np.ndarray, root: int, what: str) -> Handle:
+    def _gather_like(
+        self,
+        kind: int,
+        outputs: Sequence[np.ndarray] | None,
+        array: np.ndarray,
+        root: int,
+        what: str,
+    ) -> Handle:
         src = _flat(array, what)
         outs = self._per_rank(outputs, src.size, src.dtype, what, writable=True)
         n, me = src.size, self.rank
@@ -778,7 +833,11 @@ class Communicator:
                         np.copyto(o, src if j == me else bufs[j][:n])
 
             return self._shm_op(kind, src.dtype, n, root, 0, src.nbytes, fill, finish)
-        if kind == pb.ALL_GATHER and outs is not None and (self._use_shm or 0 <= self._direct_min <= src.nbytes):
+        if (
+            kind == pb.ALL_GATHER
+            and outs is not None
+            and (self._use_shm or 0 <= self._direct_min <= src.nbytes)
+        ):
             return self._direct_all_gather(outs, src)
         with self._lock:
             handle, template = self._begin(kind, src.dtype, src.size, root)
@@ -790,14 +849,27 @@ class Communicator:
                 off_in = layout.add(n * s)
                 off_out = layout.add(n * s * w) if outs is not None else 0
                 req = _part(template, p, parts)
-                copy_out = [(o[a:b], off_out + r * n * s) for r, o in enumerate(outs)] if outs is not None else []
+                copy_out = (
+                    [(o[a:b], off_out + r * n * s) for r, o in enumerate(outs)]
+                    if outs is not None
+                    else []
+                )
                 self._submit(
-                    handle, req, layout, [(src[a:b], off_in)], copy_out,
-                    {"input": (off_in, n * s), "output": (off_out, n * s * w if outs is not None else 0)},
+                    handle,
+                    req,
+                    layout,
+                    [(src[a:b], off_in)],
+                    copy_out,
+                    {
+                        "input": (off_in, n * s),
+                        "output": (off_out, n * s * w if outs is not None else 0),
+                    },
                 )
             return handle
 
-    def reduce_scatter(self, output: np.ndarray, inputs: Sequence[np.ndarray], reduce_op: int = pb.SUM) -> Handle:
+    def reduce_scatter(
+        self, output: np.ndarray, inputs: Sequence[np.ndarray], reduce_op: int = pb.SUM
+    ) -> Handle:
         """Rank r's ``output`` becomes the reduction over ranks of their ``inputs[r]``."""
         out = _flat(output, "reduce_scatter", writable=True)
         self._check_reduce(out.dtype, reduce_op)
@@ -807,9 +879,19 @@ class Communicator:
         """Rank r's ``output`` becomes the root's ``inputs[r]`` (``inputs`` None off the root)."""
         out = _flat(output, "scatter", writable=True)
         self._check_root(root, "scatter")
-        return self._scatter_like(pb.SCATTER, out, inputs if self.rank == root else None, root, 0, "scatter")
+        return self._scatter_like(
+            pb.SCATTER, out, inputs if self.rank == root else None, root, 0, "scatter"
+        )
 
-    def _scatter_like(self, kind: int, out: np.ndarray, inputs: Sequence[np.ndarray] | None, root: int, reduce_op: int, what: str) -> Handle:
+    def _scatter_like(
+        self,
+        kind: int,
+        out: np.ndarray,
+        inputs: Sequence[np.ndarray] | None,
+        root: int,
+        reduce_op: int,
+        what: str,
+    ) -> Handle:
         ins = self._per_rank(inputs, out.size, out.dtype, what, writable=False)
         n, me, w = out.size, self.rank, self.world_size
         if self._fits(out.nbytes * w):
@@ -827,7 +909,16 @@ class Communicator:
                 else:
                     self._shm_reduce(out, [b[me * n : (me + 1) * n] for b in bufs], reduce_op)
 
-            return self._shm_op(kind, out.dtype, n, root, reduce_op, out.nbytes * w if ins is not None else 0, fill, finish)
+            return self._shm_op(
+                kind,
+                out.dtype,
+                n,
+                root,
+                reduce_op,
+                out.nbytes * w if ins is not None else 0,
+                fill,
+                finish,
+            )
         with self._lock:
             handle, template = self._begin(kind, out.dtype, out.size, root, reduce_op)
             s, w = out.dtype.itemsize, self.world_size
@@ -838,24 +929,48 @@ class Communicator:
                 off_in = layout.add(n * s * w) if ins is not None else 0
                 off_out = layout.add(n * s)
                 req = _part(template, p, parts)
-                copy_in = [(x[a:b], off_in + r * n * s) for r, x in enumerate(ins)] if ins is not None else []
+                copy_in = (
+                    [(x[a:b], off_in + r * n * s) for r, x in enumerate(ins)]
+                    if ins is not None
+                    else []
+                )
                 self._submit(
-                    handle, req, layout, copy_in, [(out[a:b], off_out)],
-                    {"input": (off_in, n * s * w if ins is not None else 0), "output": (off_out, n * s)},
+                    handle,
+                    req,
+                    layout,
+                    copy_in,
+                    [(out[a:b], off_out)],
+                    {
+                        "input": (off_in, n * s * w if ins is not None else 0),
+                        "output": (off_out, n * s),
+                    },
                 )
             return handle
 
-    def _per_rank(self, arrays: Sequence[np.ndarray] | None, n: int, dtype: np.dtype, what: str, writable: bool) -> list[np.ndarray] | None:
+    def _per_rank(
+        self,
+        arrays: Sequence[np.ndarray] | None,
+        n: int,
+        dtype: np.dtype,
+        what: str,
+        writable: bool,
+    ) -> list[np.ndarray] | None:
         if arrays is None:
             return None
         if len(arrays) != self.world_size:
-            raise UnsupportedError(f"{what}: expected {self.world_size} tensors (one per rank), got {len(arrays)}")
+            raise UnsupportedError(
+                f"{what}: expected {self.world_size} tensors (one per rank), got {len(arrays)}"
+            )
         flats = [_flat(a, what, writable) for a in arrays]
         for r, f in enumerate(flats):
             if f.dtype != dtype:
-                raise UnsupportedError(f"{what}: tensor {r} has dtype {f.dtype} but the op is {dtype}")
+                raise UnsupportedError(
+                    f"{what}: tensor {r} has dtype {f.dtype} but the op is {dtype}"
+                )
             if f.size != n:
-                raise UnsupportedError(f"{what}: tensor {r} has {f.size} elements where {n} were expected")
+                raise UnsupportedError(
+                    f"{what}: tensor {r} has {f.size} elements where {n} were expected"
+                )
         return flats
 
     def all_to_all(self, outputs: Sequence[np.ndarray], inputs: Sequence[np.ndarray]) -> Handle:
@@ -873,7 +988,9 @@ class Communicator:
         if any(x.dtype != dtype for x in ins + outs):
             raise UnsupportedError("all_to_all: every input and output must have the same dtype")
         s = dtype.itemsize
-        need = np.array([(sum(x.size for x in ins) + sum(x.size for x in outs)) * s], dtype=np.int64)
+        need = np.array(
+            [(sum(x.size for x in ins) + sum(x.size for x in outs)) * s], dtype=np.int64
+        )
         with self._lock:
             # Every rank must cut the blocks into the same number of chunks: agree on the
             # largest footprint first (an op of its own in the sequence).
@@ -895,7 +1012,14 @@ class Communicator:
                     recvs.append((off, (b - a) * s))
                     copy_out.append((x[a:b], off))
                 req = _part(template, p, parts)
-                self._submit(handle, req, layout, copy_in, copy_out, {"send_blocks": sends, "recv_blocks": recvs})
+                self._submit(
+                    handle,
+                    req,
+                    layout,
+                    copy_in,
+                    copy_out,
+                    {"send_blocks": sends, "recv_blocks": recvs},
+                )
             return handle
 
     def barrier(self) -> Handle:
@@ -926,7 +1050,14 @@ class Communicator:
             seq = self._p2p_seq.get((peer, kind), 0) + 1
             self._p2p_seq[(peer, kind)] = seq
             s = flat.dtype.itemsize
-            template = pb.OpRequest(seq=seq, kind=kind, dtype=WIRE_DTYPES[flat.dtype], count=flat.size, root=peer, tag=tag)
+            template = pb.OpRequest(
+                seq=seq,
+                kind=kind,
+                dtype=WIRE_DTYPES[flat.dtype],
+                count=flat.size,
+                root=peer,
+                tag=tag,
+            )
             handle = Handle(self, f"{what} #{seq}")
             per, parts = self._parts(flat.size, s)
             for p, (a, b) in enumerate(_ranges(flat.size, per, parts)):
@@ -1013,7 +1144,9 @@ def _daemon_socket(socket_path: str | None) -> str:
     paths = [socket_path] if socket_path else socket_candidates()
     path = next((p for p in paths if os.path.exists(p)), None)
     if path is None:
-        raise ConnectError(f"no smddpd socket found (looked at {', '.join(paths)}); start smddpd or set SMDDP_SOCKET")
+        raise ConnectError(
+            f"no smddpd socket found (looked at {', '.join(paths)}); start smddpd or set SMDDP_SOCKET"
+        )
     return path
 
 
@@ -1052,13 +1185,22 @@ def rendezvous(
 
     path = _daemon_socket(socket_path)
     request = pb.RendezvousRequest(
-        job_id=job_id, job_token=job_token, rank=rank, world_size=world_size, root=root,
-        root_node_id=root_node_id, timeout_ms=int(timeout_s * 1000),
+        job_id=job_id,
+        job_token=job_token,
+        rank=rank,
+        world_size=world_size,
+        root=root,
+        root_node_id=root_node_id,
+        timeout_ms=int(timeout_s * 1000),
     )
     try:
-        return list(pb_grpc.NodeStub(grpc_channel(path)).Rendezvous(request, timeout=timeout_s + 30).nodes)
+        return list(
+            pb_grpc.NodeStub(grpc_channel(path)).Rendezvous(request, timeout=timeout_s + 30).nodes
+        )
     except grpc.RpcError as exc:
-        raise ConnectError(f"smddpd at {path}: rank {rank}: {exc.details() or exc.code()}") from None
+        raise ConnectError(
+            f"smddpd at {path}: rank {rank}: {exc.details() or exc.code()}"
+        ) from None
 
 
 def daemon_info(socket_path: str) -> pb.InfoReply:
@@ -1076,4 +1218,6 @@ def daemon_info(socket_path: str) -> pb.InfoReply:
     try:
         return pb_grpc.NodeStub(grpc_channel(socket_path)).Info(pb.InfoRequest(), timeout=10)
     except grpc.RpcError as exc:
-        raise ConnectError(f"smddpd at {socket_path} does not answer: {exc.details() or exc.code()}") from None
+        raise ConnectError(
+            f"smddpd at {socket_path} does not answer: {exc.details() or exc.code()}"
+        ) from None

@@ -62,7 +62,10 @@ def find_or_start_daemon(peer_host: str | None = None) -> str:
     candidates = socket_candidates()
     for path in candidates:
         if daemon_answers(path):
-            log.warning("smddp: using the smddpd that answers at %s (a daemon of this node, not started by this job)", path)
+            log.warning(
+                "smddp: using the smddpd that answers at %s (a daemon of this node, not started by this job)",
+                path,
+            )
             return path
     if os.environ.get(ENV_EMBEDDED) == "0":
         raise ConnectError(
@@ -116,7 +119,11 @@ def clean_stale_folders(tmp: str | None = None, now: float | None = None) -> lis
             continue
         removed.append(folder)
     if removed:
-        log.info("smddp: removed %d folder(s) of embedded daemons that are gone: %s", len(removed), ", ".join(removed))
+        log.info(
+            "smddp: removed %d folder(s) of embedded daemons that are gone: %s",
+            len(removed),
+            ", ".join(removed),
+        )
     return removed
 
 
@@ -146,28 +153,50 @@ def start_embedded_daemon(tried: list[str] | None = None, peer_host: str | None 
     env = dict(os.environ)
     env.pop("SMDDP_SOCKET", None)
     cmd = [
-        sys.executable, "-m", "smddp.server",
-        "--socket", path,
-        "--owner-pid", str(os.getpid()),
-        "--http-bind", "off",
+        sys.executable,
+        "-m",
+        "smddp.server",
+        "--socket",
+        path,
+        "--owner-pid",
+        str(os.getpid()),
+        "--http-bind",
+        "off",
         *(
-            ["--peer-bind", "0.0.0.0:0", "--data-port", "0", "--ucx-port", "0", "--advertise", peer_host]
-            if peer_host else ["--peer-bind", "off"]
+            [
+                "--peer-bind",
+                "0.0.0.0:0",
+                "--data-port",
+                "0",
+                "--ucx-port",
+                "0",
+                "--advertise",
+                peer_host,
+            ]
+            if peer_host
+            else ["--peer-bind", "off"]
         ),
-        "--log-level", os.environ.get("SMDDP_EMBEDDED_LOG_LEVEL", "WARNING"),
+        "--log-level",
+        os.environ.get("SMDDP_EMBEDDED_LOG_LEVEL", "WARNING"),
     ]
     proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + START_TIMEOUT_S
     while not daemon_answers(path, timeout_s=1.0):
         if proc.poll() is not None:
-            raise ConnectError(f"the embedded smddpd exited with status {proc.returncode} before serving")
+            raise ConnectError(
+                f"the embedded smddpd exited with status {proc.returncode} before serving"
+            )
         if time.monotonic() > deadline:
             proc.kill()
-            raise ConnectError(f"the embedded smddpd did not serve on {path} within {START_TIMEOUT_S:.0f} s")
+            raise ConnectError(
+                f"the embedded smddpd did not serve on {path} within {START_TIMEOUT_S:.0f} s"
+            )
         time.sleep(0.05)
     where = f" at {', '.join(tried)}" if tried else ""
     log.warning(
         "smddp: no smddpd answers%s; started an embedded daemon for this job on %s (pid %d)",
-        where, path, proc.pid,
+        where,
+        path,
+        proc.pid,
     )
     return path

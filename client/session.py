@@ -90,13 +90,17 @@ class DaemonSession:
         try:
             self._sock.connect(socket_path + DATA_SOCKET_SUFFIX)
             attach = pb.AttachRequest(session_id=self.session_id, session_secret=self._secret)
-            socket.send_fds(self._sock, [pack(MSG_ATTACH, attach.SerializeToString())], [self.arena.fd])
+            socket.send_fds(
+                self._sock, [pack(MSG_ATTACH, attach.SerializeToString())], [self.arena.fd]
+            )
             self._sock.settimeout(REGISTER_TIMEOUT_S)
             kind, payload = unpack(self._sock.recv(MAX_MESSAGE_BYTES))
             answer = pb.AttachReply.FromString(payload)
         except (OSError, ValueError) as exc:
             self.close()
-            raise ConnectError(f"cannot attach to smddpd's data socket at {socket_path}{DATA_SOCKET_SUFFIX}: {exc}") from None
+            raise ConnectError(
+                f"cannot attach to smddpd's data socket at {socket_path}{DATA_SOCKET_SUFFIX}: {exc}"
+            ) from None
         if kind != MSG_ATTACH_REPLY or not answer.ok:
             self.close()
             raise ConnectError(f"smddpd at {socket_path} refused the arena: {answer.error}")
@@ -135,7 +139,11 @@ class DaemonSession:
                     replies.put(reply)
                 replies.put(DaemonLostError(f"smddpd at {self.socket_path} ended the Ops stream"))
             except grpc.RpcError as exc:
-                replies.put(DaemonLostError(f"smddpd at {self.socket_path}: Ops stream broke: {exc.details()}"))
+                replies.put(
+                    DaemonLostError(
+                        f"smddpd at {self.socket_path}: Ops stream broke: {exc.details()}"
+                    )
+                )
 
         threading.Thread(target=pump, name="smddp-ops-stream", daemon=True).start()
         self._stream_requests, self._stream_replies = requests, replies
@@ -190,7 +198,11 @@ class DaemonSession:
         """One reply, or None after RECV_SLICE_S (at once unless ``block``) without one."""
         if self._stream_replies is not None:
             try:
-                item = self._stream_replies.get(timeout=RECV_SLICE_S) if block else self._stream_replies.get_nowait()
+                item = (
+                    self._stream_replies.get(timeout=RECV_SLICE_S)
+                    if block
+                    else self._stream_replies.get_nowait()
+                )
             except queue.Empty:
                 return None
             if isinstance(item, Exception):
@@ -206,7 +218,9 @@ class DaemonSession:
         except (TimeoutError, BlockingIOError):
             return None
         except OSError as exc:
-            raise DaemonLostError(f"smddpd at {self.socket_path}: connection broke: {exc}") from None
+            raise DaemonLostError(
+                f"smddpd at {self.socket_path}: connection broke: {exc}"
+            ) from None
         finally:
             if not block:
                 self._sock.settimeout(RECV_SLICE_S)
@@ -220,7 +234,9 @@ class DaemonSession:
             raise DaemonLostError(f"smddpd at {self.socket_path} sent message type {kind}")
         reply = pb.OpReply.FromString(self._view[1:n])
         if reply.request_id == 0 and not reply.ok:
-            raise op_error(reply.error_kind, reply.error)  # a notice for every rank (the daemon stops)
+            raise op_error(
+                reply.error_kind, reply.error
+            )  # a notice for every rank (the daemon stops)
         return reply
 
     def peer_arenas(self) -> tuple[list[np.ndarray], np.ndarray]:
@@ -237,7 +253,9 @@ class DaemonSession:
         try:
             self._sock.sendall(pack(MSG_PEER_ARENAS, b""))
             self._sock.settimeout(None)
-            msg, fds, _flags, _addr = socket.recv_fds(self._sock, MAX_MESSAGE_BYTES, self.world_size + 1)
+            msg, fds, _flags, _addr = socket.recv_fds(
+                self._sock, MAX_MESSAGE_BYTES, self.world_size + 1
+            )
         except OSError as exc:
             raise self.gone(exc) from None
         finally:
@@ -269,7 +287,9 @@ class DaemonSession:
         # poll, not recv: the socket's timeout would make even a peek wait.
         poller = select.poll()
         poller.register(self._sock.fileno(), select.POLLIN)
-        return not any(ev & (select.POLLHUP | select.POLLERR | select.POLLNVAL) for _, ev in poller.poll(0))
+        return not any(
+            ev & (select.POLLHUP | select.POLLERR | select.POLLNVAL) for _, ev in poller.poll(0)
+        )
 
     def gone(self, detail: object = None) -> DaemonLostError:
         """The error for a daemon that went away: its parting notice, if it left one."""
@@ -282,7 +302,9 @@ class DaemonSession:
         except (DaemonLostError, OSError, ValueError):
             pass
         suffix = f": {detail}" if detail is not None else ""
-        return DaemonLostError(f"smddpd at {self.socket_path} is gone (it stopped or restarted){suffix}")
+        return DaemonLostError(
+            f"smddpd at {self.socket_path} is gone (it stopped or restarted){suffix}"
+        )
 
     def close(self, deregister: bool = True) -> None:
         """Leaves the communicator (when ``deregister``) and releases socket and arena."""
@@ -292,7 +314,8 @@ class DaemonSession:
         if deregister:
             try:
                 self._stub.Deregister(
-                    pb.DeregisterRequest(session_id=self.session_id, session_secret=self._secret), timeout=5
+                    pb.DeregisterRequest(session_id=self.session_id, session_secret=self._secret),
+                    timeout=5,
                 )
             except grpc.RpcError:
                 pass  # the daemon is gone; there is nothing left to leave

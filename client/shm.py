@@ -102,7 +102,9 @@ class ShmPath:
         self.q = memoryview(region).cast("q")
         self.base = v.slot_base[rank]
         self.bases = v.slot_base
-        self.others = [(j, v.slot_base[j] + S_STEP, v.step_address(j)) for j in range(self.world) if j != rank]
+        self.others = [
+            (j, v.slot_base[j] + S_STEP, v.step_address(j)) for j in range(self.world) if j != rank
+        ]
         self.sleep_words = [b + S_SLEEPING for b in v.slot_base]
         self.my_address = v.step_address(rank)
         self.step = self.q[self.base + S_STEP]
@@ -114,7 +116,9 @@ class ShmPath:
         self._typed: dict[tuple[int, np.dtype], list[np.ndarray]] = {}
         self._sized: dict[tuple[int, np.dtype, int], list[np.ndarray]] = {}
         # Word indices of every rank's arrival time, per parity (done() reads them).
-        self._arrival_words = [[b + SIG_WORD + p * SIG_WORDS + G_ARRIVAL for b in v.slot_base] for p in (0, 1)]
+        self._arrival_words = [
+            [b + SIG_WORD + p * SIG_WORDS + G_ARRIVAL for b in v.slot_base] for p in (0, 1)
+        ]
         self.spin_s = SPIN_S if usable_cores() >= self.world else SHORT_SPIN_S
         self.error: OpError | DaemonLostError | None = None
         self.count = 0  # ops run in the region so far (their parity alternates)
@@ -224,7 +228,9 @@ class ShmPath:
         self.count += 1
         return self.count & 1
 
-    def publish(self, seq: int, parity: int, kind: int, dtype: int, count: int, root: int, reduce_op: int) -> int:
+    def publish(
+        self, seq: int, parity: int, kind: int, dtype: int, count: int, root: int, reduce_op: int
+    ) -> int:
         """Writes this rank's signature of op ``seq`` and arrives at it; returns the step."""
         q = self.q
         w = self.base + SIG_WORD + parity * SIG_WORDS
@@ -236,7 +242,13 @@ class ShmPath:
         q[w + G_OP] = reduce_op
         q[w + G_ARRIVAL] = time.monotonic_ns()
         # packed_signature(), inline (a function call is a tenth of this method).
-        q[w + G_PACKED] = (kind << 58) | (dtype << 53) | (reduce_op << 49) | ((root & 0x3FFF) << 35) | (count & 0x7FFFFFFFF)
+        q[w + G_PACKED] = (
+            (kind << 58)
+            | (dtype << 53)
+            | (reduce_op << 49)
+            | ((root & 0x3FFF) << 35)
+            | (count & 0x7FFFFFFFF)
+        )
         q[self.base + S_SEQ] = seq
         return self.bump()
 
@@ -264,7 +276,9 @@ class ShmPath:
             text = f"{rank_list(ranks)} called {describe(*sig[G_KIND : G_OP + 1])}"
             return text if sig[G_SEQ] == seq else f"{text} as op #{sig[G_SEQ]}"
 
-        message = f"{self.name}: {call(ordered[0][1])} as op #{seq} while " + " and ".join(call(r) for _, r in ordered[1:])
+        message = f"{self.name}: {call(ordered[0][1])} as op #{seq} while " + " and ".join(
+            call(r) for _, r in ordered[1:]
+        )
         message = message.replace(f" as op #{seq} as op #", " as op #")
         self.view.set_slot_error(self.rank, pb.MISMATCH, message)
         self.error = MismatchError(message)

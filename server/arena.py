@@ -38,7 +38,9 @@ class Arena:
             try:
                 seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
             except OSError as exc:
-                raise InvalidRequest(f"{owner}: the arena fd is not a sealable memfd ({exc})") from None
+                raise InvalidRequest(
+                    f"{owner}: the arena fd is not a sealable memfd ({exc})"
+                ) from None
             if seals & REQUIRED_SEALS != REQUIRED_SEALS:
                 raise InvalidRequest(f"{owner}: the arena memfd must be sealed with F_SEAL_SHRINK")
             size = os.fstat(fd).st_size
@@ -55,7 +57,9 @@ class Arena:
             try:
                 self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             except OSError as exc:  # a read-only descriptor, say
-                raise InvalidRequest(f"{owner}: the daemon cannot map the arena memfd read-write ({exc})") from None
+                raise InvalidRequest(
+                    f"{owner}: the daemon cannot map the arena memfd read-write ({exc})"
+                ) from None
         except BaseException:
             os.close(fd)
             raise

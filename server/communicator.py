@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     from smddp.server.metrics import Metrics
     from smddp.server.peer_transport import CommPeers
 
+
 class ReplyChannel(Protocol):
     """Where a session's op replies are written: the data socket or a gRPC Ops stream."""
 
@@ -88,7 +89,12 @@ class Session:
 
     def log_fields(self) -> dict[str, object]:
         """``extra=`` for a log record about this rank: the JSON log's job, comm, rank, node."""
-        return {"job": self.comm.job_id, "comm": self.comm.comm_id, "rank": self.rank, "node": self.node_id}
+        return {
+            "job": self.comm.job_id,
+            "comm": self.comm.comm_id,
+            "rank": self.rank,
+            "node": self.node_id,
+        }
 
     def reply(self, reply: pb.OpReply) -> None:
         """Sends a reply if the rank still has a channel."""
@@ -101,11 +107,18 @@ class GpuOps(Protocol):
     """What a communicator asks of the daemon's GPU side (``gpu.GpuOps``)."""
 
     def execute(
-        self, comm: Communicator, ranks: Sequence[int], sessions: Sequence[Session], reqs: Sequence[pb.OpRequest]
+        self,
+        comm: Communicator,
+        ranks: Sequence[int],
+        sessions: Sequence[Session],
+        reqs: Sequence[pb.OpRequest],
     ) -> None: ...
 
     def execute_p2p(
-        self, comm: Communicator, sender: tuple[Session, pb.OpRequest], receiver: tuple[Session, pb.OpRequest]
+        self,
+        comm: Communicator,
+        sender: tuple[Session, pb.OpRequest],
+        receiver: tuple[Session, pb.OpRequest],
     ) -> None: ...
 
     def release_rank(self, session: Session) -> None: ...
@@ -220,7 +233,12 @@ class Communicator:
             self.members[session.rank] = session
 
     def remove(
-        self, session: Session, why: str, kind: int, log_level: int = logging.WARNING, fail: bool = True
+        self,
+        session: Session,
+        why: str,
+        kind: int,
+        log_level: int = logging.WARNING,
+        fail: bool = True,
     ) -> bool:
         """Removes a rank. Others' pending and later ops fail, since they can no longer complete.
 
@@ -257,7 +275,9 @@ class Communicator:
                 within the timeout.
         """
         if self.peers is not None:
-            raise FailedPrecondition(f"{self.name()}: direct arena access is for single-node communicators")
+            raise FailedPrecondition(
+                f"{self.name()}: direct arena access is for single-node communicators"
+            )
         deadline = time.monotonic() + self.timeout_s
         with self._attached:
             while True:
@@ -271,7 +291,9 @@ class Communicator:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     missing = [r for r, s in enumerate(ready) if s is None or s.arena is None]
-                    raise FailedPrecondition(f"{self.name()}: {rank_list(missing)} did not attach within {self.timeout_s:.0f} s")
+                    raise FailedPrecondition(
+                        f"{self.name()}: {rank_list(missing)} did not attach within {self.timeout_s:.0f} s"
+                    )
                 self._attached.wait(min(remaining, 0.5))
 
     def failed(self) -> tuple[int, str] | None:
@@ -293,7 +315,11 @@ class Communicator:
             self._validate(session, req)
         except SmddpError as exc:
             # A rank that sends an impossible op leaves the others waiting forever: fail all.
-            self.fail(exc.kind, f"{self.name()}: {session.label()} sent an invalid op: {exc}", culprit=session)
+            self.fail(
+                exc.kind,
+                f"{self.name()}: {session.label()} sent an invalid op: {exc}",
+                culprit=session,
+            )
             self._count_op_failure()
             self._reply_error(session, req, exc.kind, str(exc))
             return
@@ -317,16 +343,27 @@ class Communicator:
                     # Within the job's budget only: beyond it the send waits for its recv.
                     if self.buffers is None or self.buffers.try_take(req.input.nbytes):
                         try:
-                            pending.sent = session.arena.view(req.input, NUMPY_DTYPES[req.dtype]).copy()  # type: ignore[union-attr]
+                            pending.sent = session.arena.view(
+                                req.input, NUMPY_DTYPES[req.dtype]
+                            ).copy()  # type: ignore[union-attr]
                             early = True
                         except SmddpError:
                             if self.buffers is not None:
-                                self.buffers.give(req.input.nbytes)  # a bad region is reported when the recv meets it
+                                self.buffers.give(
+                                    req.input.nbytes
+                                )  # a bad region is reported when the recv meets it
                     else:
                         pending.held_back = self.buffers.limit_text(req.input.nbytes)
                         refusals.log(
-                            log, logging.INFO, "send held back", "%s: %s's send of %d bytes to rank %d waits for its "
-                            "receive: %s", self.name(), session.label(), req.input.nbytes, req.root, pending.held_back,
+                            log,
+                            logging.INFO,
+                            "send held back",
+                            "%s: %s's send of %d bytes to rank %d waits for its receive: %s",
+                            self.name(),
+                            session.label(),
+                            req.input.nbytes,
+                            req.root,
+                            pending.held_back,
                         )
         if failure is not None:
             self._reply_error(session, req, *failure)
@@ -352,12 +389,16 @@ class Communicator:
             raise InvalidRequest(f"unknown dtype {req.dtype} in {KIND_NAMES[req.kind]}")
         if req.parts < 1 or req.part >= req.parts:
             raise InvalidRequest(f"chunk {req.part} of {req.parts} is impossible")
-        if (req.kind in ROOTED_KINDS or req.kind in P2P_KINDS) and not 0 <= req.root < self.world_size:
+        if (
+            req.kind in ROOTED_KINDS or req.kind in P2P_KINDS
+        ) and not 0 <= req.root < self.world_size:
             raise InvalidRequest(
                 f"{describe_request(req)}: rank {req.root} is outside a world of {self.world_size}"
             )
         if req.kind in P2P_KINDS and req.root == session.rank:
-            raise InvalidRequest(f"{describe_request(req)}: a rank cannot send to or receive from itself")
+            raise InvalidRequest(
+                f"{describe_request(req)}: a rank cannot send to or receive from itself"
+            )
         if req.kind in REDUCING_KINDS:
             problem = reduce_op_check(req.dtype, req.reduce_op)
             if problem:
@@ -378,7 +419,12 @@ class Communicator:
                 expected = session.next_collective
             # Collectives that ran in the control region took sequence numbers too: a new op
             # may skip ahead, a chunk may not.
-            skipped = req.kind not in P2P_KINDS and req.part == 0 and expected[1] == 0 and req.seq > expected[0]
+            skipped = (
+                req.kind not in P2P_KINDS
+                and req.part == 0
+                and expected[1] == 0
+                and req.seq > expected[0]
+            )
             if (req.seq, req.part) != expected and not skipped:
                 raise InvalidRequest(
                     f"{describe_request(req)} arrived as op #{req.seq} chunk {req.part}, "
@@ -424,7 +470,9 @@ class Communicator:
 
             def send() -> None:
                 try:
-                    self.peers.send(node, FRAME_DATA, req, 0, [data], src_rank=session.rank, dst_rank=req.root)  # type: ignore[union-attr]
+                    self.peers.send(
+                        node, FRAME_DATA, req, 0, [data], src_rank=session.rank, dst_rank=req.root
+                    )  # type: ignore[union-attr]
                 except PeerError as exc:
                     self.fail(pb.RANK_FAILED, f"{self.name()}: {exc}")
                     self._reply_error(session, req, pb.RANK_FAILED, f"{self.name()}: {exc}")
@@ -445,7 +493,9 @@ class Communicator:
                 out = session.arena.view(req.output, NUMPY_DTYPES[req.dtype])  # type: ignore[union-attr]
                 data = frame.payload.view(out.dtype)
                 if data.size != out.size:
-                    raise InvalidRequest(f"send of {data.size} elements meets a recv of {out.size} elements")
+                    raise InvalidRequest(
+                        f"send of {data.size} elements meets a recv of {out.size} elements"
+                    )
                 out[:] = data
             except SmddpError as exc:
                 msg = f"{self.name()}: {exc}"
@@ -467,18 +517,27 @@ class Communicator:
                 self._check_match(pending, reqs)
                 arenas = [s.arena for s in sessions]
                 if any(r.HasField("cuda") for r in reqs):
-                    self._gpu.ops(sessions[0].node_id).execute(self, pending.participants, sessions, reqs)
+                    self._gpu.ops(sessions[0].node_id).execute(
+                        self, pending.participants, sessions, reqs
+                    )
                 elif self.peers is None:
                     host_collectives.execute(reqs, arenas)  # type: ignore[arg-type]
                 else:
                     by_rank = dict(zip(pending.participants, reqs))
-                    hierarchical.execute(self.layout, self.peers, by_rank, dict(zip(pending.participants, arenas)))  # type: ignore[arg-type]
+                    hierarchical.execute(
+                        self.layout, self.peers, by_rank, dict(zip(pending.participants, arenas))
+                    )  # type: ignore[arg-type]
         except PeerError as exc:
             msg = f"{self.name()}: {exc}"
             self.fail(exc.kind, msg)
             self._count_op_failure()
             for s, r in zip(sessions, reqs):
-                self._reply_error(s, r, self._failed[0] if self._failed else exc.kind, self._failed[1] if self._failed else msg)
+                self._reply_error(
+                    s,
+                    r,
+                    self._failed[0] if self._failed else exc.kind,
+                    self._failed[1] if self._failed else msg,
+                )
             return
         except SmddpError as exc:
             msg = str(exc) if str(exc).startswith(self.name()) else f"{self.name()}: {exc}"
@@ -502,7 +561,9 @@ class Communicator:
         last = max(arrivals, key=lambda a: a[2])
         op_key = pending.key[:-1]
         start, nbytes = self._progress.pop(op_key, (pending.first_arrival, 0))
-        nbytes += sum(r.input.nbytes + sum(b.nbytes for b in r.send_blocks) + _gpu_bytes(r) for r in reqs)
+        nbytes += sum(
+            r.input.nbytes + sum(b.nbytes for b in r.send_blocks) + _gpu_bytes(r) for r in reqs
+        )
         final = reqs[0].part + 1 == reqs[0].parts
         if final:
             with self._lock:
@@ -514,19 +575,38 @@ class Communicator:
         # Count the op before any rank hears of it, so that a scrape after wait() sees it.
         if final and self._metrics is not None:
             skew = last[2] - pending.first_arrival
-            self._metrics.op_done(self.job_id, self.world_size, reqs[0], time.monotonic() - start, last[0].rank, skew, nbytes)
+            self._metrics.op_done(
+                self.job_id,
+                self.world_size,
+                reqs[0],
+                time.monotonic() - start,
+                last[0].rank,
+                skew,
+                nbytes,
+            )
         for s, r in zip(sessions, reqs):
             if pending.sent is None or r.kind != pb.SEND:
                 s.reply(pb.OpReply(request_id=r.request_id, ok=True))
 
-    def _run_p2p(self, sessions: list[Session], reqs: list[pb.OpRequest], sent: np.ndarray | None = None) -> None:
+    def _run_p2p(
+        self, sessions: list[Session], reqs: list[pb.OpRequest], sent: np.ndarray | None = None
+    ) -> None:
         if sent is not None and self.buffers is not None:
-            self.buffers.give(sent.nbytes)  # the copy is dropped once this call returns, whatever it does
+            self.buffers.give(
+                sent.nbytes
+            )  # the copy is dropped once this call returns, whatever it does
         send, recv = (reqs[0], reqs[1]) if reqs[0].kind == pb.SEND else (reqs[1], reqs[0])
-        s_send, s_recv = (sessions[0], sessions[1]) if reqs[0].kind == pb.SEND else (sessions[1], sessions[0])
+        s_send, s_recv = (
+            (sessions[0], sessions[1]) if reqs[0].kind == pb.SEND else (sessions[1], sessions[0])
+        )
         if recv.kind != pb.RECV or send.kind != pb.SEND:
             raise InvalidRequest("a send must meet a recv")
-        if (send.dtype, send.count, send.parts, send.tag) != (recv.dtype, recv.count, recv.parts, recv.tag):
+        if (send.dtype, send.count, send.parts, send.tag) != (
+            recv.dtype,
+            recv.count,
+            recv.parts,
+            recv.tag,
+        ):
             raise InvalidRequest(
                 f"{s_send.label()} called {describe_request(send)} (tag {send.tag}) as message "
                 f"#{send.seq} to rank {s_recv.rank}, which called {describe_request(recv)} "
@@ -540,7 +620,9 @@ class Communicator:
             return
         out = s_recv.arena.view(recv.output, sent.dtype)  # type: ignore[union-attr]
         if out.size != sent.size:
-            raise InvalidRequest(f"send of {sent.size} elements from rank {s_send.rank} meets a recv of {out.size} elements")
+            raise InvalidRequest(
+                f"send of {sent.size} elements from rank {s_send.rank} meets a recv of {out.size} elements"
+            )
         out[:] = sent
 
     def _check_match(self, pending: Pending, reqs: list[pb.OpRequest]) -> None:
@@ -552,7 +634,10 @@ class Communicator:
             return
         # Name the minority first: "rank 3 called X as op #17 while ranks 0-2 called Y".
         ordered = sorted(groups.items(), key=lambda kv: (len(kv[1]), kv[1][0]))
-        calls = [f"{rank_list(ranks)} called {describe_request(by_rank[ranks[0]])}" for _, ranks in ordered]
+        calls = [
+            f"{rank_list(ranks)} called {describe_request(by_rank[ranks[0]])}"
+            for _, ranks in ordered
+        ]
         text = f"{calls[0]} as op #{pending.seq} while " + " and ".join(calls[1:])
         raise OpMismatch(f"{self.name()}: {text}")
 
@@ -601,7 +686,12 @@ class Communicator:
             self._failure_counted = self._failure_counted or count
         if self._metrics is not None and count:
             self._metrics.error(kind)
-        log.log(logging.WARNING if pending or in_region else log_level, "%s", message, extra=self._log_fields(culprit))
+        log.log(
+            logging.WARNING if pending or in_region else log_level,
+            "%s",
+            message,
+            extra=self._log_fields(culprit),
+        )
         for p in pending:
             for session, req, _ in p.arrivals.values():
                 if p.sent is not None and req.kind == pb.SEND:
@@ -653,7 +743,10 @@ class Communicator:
         self.fail(pb.TIMEOUT, message, culprit=culprit)
 
     def _labels(self, ranks: list[int]) -> list[str]:
-        return [self.members[r].label() if r in self.members else f"rank {r} (not registered)" for r in ranks]
+        return [
+            self.members[r].label() if r in self.members else f"rank {r} (not registered)"
+            for r in ranks
+        ]
 
     def _check_region(self, now: float) -> None:
         region = self.region
@@ -681,7 +774,9 @@ class Communicator:
         if region is not None and self._metrics is not None:
             with self._lock:  # a scrape and the last rank's departure may both drain
                 if self.region is not None:
-                    self._metrics.add_region_counts(self.job_id, self.world_size, *region.new_counts())
+                    self._metrics.add_region_counts(
+                        self.job_id, self.world_size, *region.new_counts()
+                    )
 
     def close(self) -> None:
         """Stops the worker and closes the peer connections (the last local rank left)."""
@@ -707,7 +802,8 @@ class Communicator:
                 comm_id=self.comm_id,
                 world_size=self.world_size,
                 failed=self._failed[1] if self._failed else "",
-                ops_completed=self.ops_completed + (self.region.ops_completed(self.local_ranks[0]) if self.region else 0),
+                ops_completed=self.ops_completed
+                + (self.region.ops_completed(self.local_ranks[0]) if self.region else 0),
             )
             for r, s in sorted(self.members.items()):
                 st.ranks.add(
@@ -716,9 +812,12 @@ class Communicator:
                     pid=s.pid,
                     node_id=s.node_id,
                     attached=s.arena is not None,
-                    ops_completed=s.ops_completed + (self.region.ops_completed(r) if self.region else 0),
+                    ops_completed=s.ops_completed
+                    + (self.region.ops_completed(r) if self.region else 0),
                 )
-            region_op = self.region.pending() if self.region is not None and self._failed is None else None
+            region_op = (
+                self.region.pending() if self.region is not None and self._failed is None else None
+            )
             if region_op is not None:
                 st.pending.add(
                     seq=region_op.seq,

@@ -24,8 +24,16 @@ _KINDS: dict[str, type] = {"int": int, "float": float}
 IMPLIED_PEER_BIND = "0.0.0.0:7470"
 _IMPLY_PEERS = ("data_port", "advertise", "peer_transport", "ucx_port")
 _POSITIVE = (
-    "attach_timeout_s", "max_unattached", "max_jobs_per_uid", "max_ranks_per_uid", "max_connections_per_uid",
-    "max_handshakes_per_uid", "max_handshakes", "max_pending_rendezvous", "max_rendezvous_wait_s", "max_op_streams",
+    "attach_timeout_s",
+    "max_unattached",
+    "max_jobs_per_uid",
+    "max_ranks_per_uid",
+    "max_connections_per_uid",
+    "max_handshakes_per_uid",
+    "max_handshakes",
+    "max_pending_rendezvous",
+    "max_rendezvous_wait_s",
+    "max_op_streams",
 )
 # A node id: a host name, or what SMDDP_NODE_ID says; it goes into messages, logs and replies.
 NODE_ID = re.compile(r"^[A-Za-z0-9._:@+-]{1,253}$")
@@ -144,7 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
         "the file. Sizes (the --*-bytes flags) take units: 4MiB, 1GiB (powers of 1024), 4MB "
         "(powers of 1000), or a plain byte count.",
     )
-    parser.add_argument("--config", help="TOML file with any of the settings below (env SMDDP_CONFIG)")
+    parser.add_argument(
+        "--config", help="TOML file with any of the settings below (env SMDDP_CONFIG)"
+    )
     for f in fields(DaemonConfig):
         flag = "--" + f.name.replace("_", "-")
         env = ENV_PREFIX + f.name.upper()
@@ -153,7 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
         kind = {"int": int, "float": float}.get(str(f.type), str)
         if units.is_size(f.name):  # 4MiB, 1GiB, or a plain byte count
             kind, shown = units.size_arg, units.format_size(default)
-        parser.add_argument(flag, type=kind, default=None, help=f"{_HELP[f.name]} (env {env}; default {shown})")
+        parser.add_argument(
+            flag, type=kind, default=None, help=f"{_HELP[f.name]} (env {env}; default {shown})"
+        )
     return parser
 
 
@@ -181,9 +193,13 @@ def load(argv: list[str] | None = None, environ: dict[str, str] | None = None) -
             # TOML values arrive typed: refuse true for an int or 1.5 for an int rather than
             # let Python's int() quietly turn them into 1.
             kind = _KINDS.get(str(names[name].type), str)
-            accepted = (int, float) if kind is float else (int, str) if units.is_size(name) else (kind,)
+            accepted = (
+                (int, float) if kind is float else (int, str) if units.is_size(name) else (kind,)
+            )
             if isinstance(value, bool) or not isinstance(value, accepted):
-                parser.error(f"config file {config_file}: {key} = {value!r} is not a valid {kind.__name__}")
+                parser.error(
+                    f"config file {config_file}: {key} = {value!r} is not a valid {kind.__name__}"
+                )
             values[name] = value
     for name in names:
         raw = env.get(ENV_PREFIX + name.upper())
@@ -197,7 +213,11 @@ def load(argv: list[str] | None = None, environ: dict[str, str] | None = None) -
         try:
             values[name] = units.parse_size(value) if units.is_size(name) else kind(value)
         except (TypeError, ValueError) as exc:
-            parser.error(f"{name}: {exc}" if units.is_size(name) else f"{name}: {value!r} is not a valid {kind.__name__}")
+            parser.error(
+                f"{name}: {exc}"
+                if units.is_size(name)
+                else f"{name}: {value!r} is not a valid {kind.__name__}"
+            )
     if values.get("log_format", "text") not in ("text", "json"):
         parser.error("log_format must be 'text' or 'json'")
     tls = [values.get(name, "") for name in ("tls_cert", "tls_key", "tls_ca")]
@@ -207,7 +227,9 @@ def load(argv: list[str] | None = None, environ: dict[str, str] | None = None) -
     if transport not in ("tcp", "ucx"):
         parser.error(f"peer_transport: {transport!r} is not one of tcp, ucx")
     if transport == "ucx" and any(tls):
-        parser.error("peer_transport ucx carries no TLS: use tcp with --tls-cert, or ucx on a trusted network without it")
+        parser.error(
+            "peer_transport ucx carries no TLS: use tcp with --tls-cert, or ucx on a trusted network without it"
+        )
     for name in ("data_port", "ucx_port"):
         if not 0 <= values.get(name, 0) <= 65535:
             parser.error(f"{name}: {values[name]} is not a port number (0..65535)")
@@ -219,7 +241,9 @@ def load(argv: list[str] | None = None, environ: dict[str, str] | None = None) -
             parser.error(f"{name}: {values[name]} must be greater than 0")
     node_id = values.get("node_id")
     if node_id is not None and not NODE_ID.match(node_id):
-        parser.error(f"node_id: {node_id[:80]!r} must be 1-253 characters of A-Z a-z 0-9 . _ : @ + -")
+        parser.error(
+            f"node_id: {node_id[:80]!r} must be 1-253 characters of A-Z a-z 0-9 . _ : @ + -"
+        )
     level = values.get("log_level", "INFO")
     if not isinstance(logging.getLevelName(level.upper()), int):
         parser.error(f"log_level: {level!r} is not one of DEBUG, INFO, WARNING, ERROR")

@@ -55,7 +55,9 @@ class ControlRegion:
         self.fd = os.memfd_create("smddp-region", os.MFD_CLOEXEC)
         try:
             os.ftruncate(self.fd, self.nbytes)
-            self._mm = mmap.mmap(self.fd, self.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            self._mm = mmap.mmap(
+                self.fd, self.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE
+            )
         except OSError:
             os.close(self.fd)
             raise
@@ -91,7 +93,9 @@ class ControlRegion:
         if seq == 0 or not missing:
             return None
         arrived = [r for r, s in enumerate(seqs) if s >= seq]
-        sigs = [s for s in (v.signature(r, seq) for r in arrived) if s is not None and s[G_SEQ] == seq]
+        sigs = [
+            s for s in (v.signature(r, seq) for r in arrived) if s is not None and s[G_SEQ] == seq
+        ]
         if not sigs:
             return None  # a rank is between publishing its sequence number and its signature
         sig = sigs[0]

@@ -58,10 +58,14 @@ def _fail(target: str, exc: grpc.RpcError) -> SystemExit:
     """The exit message of a failed call; a socket nobody answers on says so."""
     hint = ""
     if exc.code() == grpc.StatusCode.UNAVAILABLE and target.startswith("unix:"):
-        hint = (" (the socket exists but no daemon answers on it: a smddpd that stopped without removing "
-                "it; a new smddpd on that socket replaces it)")
+        hint = (
+            " (the socket exists but no daemon answers on it: a smddpd that stopped without removing "
+            "it; a new smddpd on that socket replaces it)"
+        )
     elif exc.code() == grpc.StatusCode.UNIMPLEMENTED and not target.startswith("unix:"):
-        hint = " (a --grpc-bind listener serves health only: run smddpctl on that node, with --socket)"
+        hint = (
+            " (a --grpc-bind listener serves health only: run smddpctl on that node, with --socket)"
+        )
     return SystemExit(f"smddpctl: {target}: {exc.code().name}: {exc.details()}{hint}")
 
 
@@ -76,7 +80,13 @@ def _node(args: argparse.Namespace) -> tuple[str, pb_grpc.NodeStub]:
 
 
 def _print_json(message: Any) -> None:
-    print(json.dumps(MessageToDict(message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)))
+    print(
+        json.dumps(
+            MessageToDict(
+                message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+            )
+        )
+    )
 
 
 def _check(target: str, service: str) -> str:
@@ -119,17 +129,25 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(st)
         return 0
-    print(f"node {st.node_id}  smddpd {st.version}  up {st.uptime_seconds:.0f} s  communicators {len(st.comms)}")
+    print(
+        f"node {st.node_id}  smddpd {st.version}  up {st.uptime_seconds:.0f} s  communicators {len(st.comms)}"
+    )
     for c in st.comms:
         state = f"FAILED: {c.failed}" if c.failed else "ok"
-        print(f"  job {c.job_id} comm {c.comm_id}: {len(c.ranks)}/{c.world_size} ranks, {c.ops_completed} ops, {state}")
+        print(
+            f"  job {c.job_id} comm {c.comm_id}: {len(c.ranks)}/{c.world_size} ranks, {c.ops_completed} ops, {state}"
+        )
         for r in c.ranks:
-            print(f"    rank {r.rank} (global {r.global_rank}) pid {r.pid} node {r.node_id} ops {r.ops_completed}"
-                  f"{'' if r.attached else ' (not attached)'}")
+            print(
+                f"    rank {r.rank} (global {r.global_rank}) pid {r.pid} node {r.node_id} ops {r.ops_completed}"
+                f"{'' if r.attached else ' (not attached)'}"
+            )
         for p in c.pending:
             missing = ", ".join(map(str, p.missing_ranks)) or "-"
-            print(f"    waiting: op #{p.seq} chunk {p.part} {p.description} for {p.waited_seconds:.1f} s; "
-                  f"arrived {', '.join(map(str, p.arrived_ranks))}; missing {missing}")
+            print(
+                f"    waiting: op #{p.seq} chunk {p.part} {p.description} for {p.waited_seconds:.1f} s; "
+                f"arrived {', '.join(map(str, p.arrived_ranks))}; missing {missing}"
+            )
     return 0
 
 
@@ -152,10 +170,14 @@ def cmd_topology(args: argparse.Namespace) -> int:
         print(f"  {d.kind} {d.index}: {d.name}")
     for job in topo.jobs:
         local = ", ".join(map(str, job.local_ranks))
-        print(f"  job {job.job_id} comm {job.comm_id}: {len(job.nodes)} node(s), local ranks {local}")
+        print(
+            f"  job {job.job_id} comm {job.comm_id}: {len(job.nodes)} node(s), local ranks {local}"
+        )
         for n in job.nodes:
             here = "  (this node)" if set(n.ranks) == set(job.local_ranks) else ""
-            print(f"    {n.node_id}  {n.peer_address or '-'}  ranks {', '.join(map(str, n.ranks))}{here}")
+            print(
+                f"    {n.node_id}  {n.peer_address or '-'}  ranks {', '.join(map(str, n.ranks))}{here}"
+            )
     return 0
 
 
@@ -187,7 +209,9 @@ def summarize(text: str) -> dict[str, Any]:
     p50/p99 durations; stragglers per job and rank; errors by kind; the gauges."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    ops: dict[tuple[str, str], dict[str, Any]] = defaultdict(lambda: {"count": 0, "bytes": 0, "buckets": []})
+    ops: dict[tuple[str, str], dict[str, Any]] = defaultdict(
+        lambda: {"count": 0, "bytes": 0, "buckets": []}
+    )
     stragglers: dict[str, dict[str, int]] = defaultdict(dict)
     errors: dict[str, int] = {}
     gauges: dict[str, float] = {}
@@ -216,10 +240,16 @@ def summarize(text: str) -> dict[str, Any]:
     for (op, dtype), v in sorted(ops.items()):
         if not v["count"]:
             continue
-        rows.append({
-            "op": op, "dtype": dtype, "count": v["count"], "bytes": v["bytes"],
-            "p50_seconds": _quantile(0.5, v["buckets"]), "p99_seconds": _quantile(0.99, v["buckets"]),
-        })
+        rows.append(
+            {
+                "op": op,
+                "dtype": dtype,
+                "count": v["count"],
+                "bytes": v["bytes"],
+                "p50_seconds": _quantile(0.5, v["buckets"]),
+                "p99_seconds": _quantile(0.99, v["buckets"]),
+            }
+        )
     return {
         "ops": rows,
         "stragglers": [
@@ -254,13 +284,17 @@ def _bytes(n: int) -> str:
 
 def print_summary(target: str, summary: dict[str, Any]) -> None:
     """Prints :func:`summarize`'s result as a few tables."""
-    print(f"smddpd at {target}: {summary['registered_ranks']} ranks registered, "
-          f"{summary['active_jobs']} jobs, {_bytes(summary['shm_bytes'])} of arenas mapped")
+    print(
+        f"smddpd at {target}: {summary['registered_ranks']} ranks registered, "
+        f"{summary['active_jobs']} jobs, {_bytes(summary['shm_bytes'])} of arenas mapped"
+    )
     if summary["ops"]:
         print(f"\n{'op':<16}{'dtype':<10}{'count':>10}{'bytes':>13}{'p50':>11}{'p99':>11}")
         for r in summary["ops"]:
-            print(f"{r['op']:<16}{r['dtype']:<10}{r['count']:>10}{_bytes(r['bytes']):>13}"
-                  f"{_duration(r['p50_seconds']):>11}{_duration(r['p99_seconds']):>11}")
+            print(
+                f"{r['op']:<16}{r['dtype']:<10}{r['count']:>10}{_bytes(r['bytes']):>13}"
+                f"{_duration(r['p50_seconds']):>11}{_duration(r['p99_seconds']):>11}"
+            )
         print("(durations: first rank's arrival to completion, from the histogram's buckets)")
     else:
         print("\nno op completed yet")
@@ -311,17 +345,21 @@ def _common(parser: argparse.ArgumentParser, suppress: bool) -> None:
     """
     default: Any = argparse.SUPPRESS if suppress else None
     parser.add_argument(
-        "--socket", default=default,
+        "--socket",
+        default=default,
         help="the daemon's unix socket (default: SMDDP_SOCKET, else /run/smddp/smddpd.sock or the "
         "per-user path smddpd uses when it may not create /run/smddp)",
     )
     parser.add_argument(
-        "--address", default=default,
+        "--address",
+        default=default,
         help="HOST:PORT of a daemon's --grpc-bind listener instead of the socket (health only: that "
         "listener serves nothing else)",
     )
     parser.add_argument(
-        "--json", action="store_true", default=argparse.SUPPRESS if suppress else False,
+        "--json",
+        action="store_true",
+        default=argparse.SUPPRESS if suppress else False,
         help="machine-readable output (one JSON document)",
     )
 
@@ -336,21 +374,32 @@ def build_parser() -> argparse.ArgumentParser:
     _common(parser, suppress=False)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     h = sub.add_parser("health", help="grpc.health.v1 status (exit 1 unless SERVING)")
-    h.add_argument("--service", default="", help="service name ('' for the whole daemon, or smddp.v1.Node)")
     h.add_argument(
-        "--wait", type=float, default=0.0, metavar="SECONDS",
+        "--service", default="", help="service name ('' for the whole daemon, or smddp.v1.Node)"
+    )
+    h.add_argument(
+        "--wait",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
         help="wait up to SECONDS for the daemon to serve (for scripts that start one)",
     )
     h.set_defaults(func=cmd_health)
-    s = sub.add_parser("status", help="jobs, communicators, ranks and ops in flight (who is missing)")
+    s = sub.add_parser(
+        "status", help="jobs, communicators, ranks and ops in flight (who is missing)"
+    )
     s.set_defaults(func=cmd_status)
-    t = sub.add_parser("topology", help="this node, its devices and the node layout of every communicator")
+    t = sub.add_parser(
+        "topology", help="this node, its devices and the node layout of every communicator"
+    )
     t.set_defaults(func=cmd_topology)
     m = sub.add_parser(
         "metrics",
         help="a summary of the daemon's metrics: per op count, bytes, p50/p99 duration; stragglers; errors",
     )
-    m.add_argument("--raw", action="store_true", help="the Prometheus exposition text as /metrics serves it")
+    m.add_argument(
+        "--raw", action="store_true", help="the Prometheus exposition text as /metrics serves it"
+    )
     m.set_defaults(func=cmd_metrics)
     for p in (h, s, t, m):
         _common(p, suppress=True)

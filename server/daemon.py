@@ -147,7 +147,11 @@ class Daemon:
         pb_grpc.add_NodeServicer_to_server(NodeService(self.registry), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
-            (NODE_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            (
+                NODE_SERVICE,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ),
             server,
         )
         server.add_insecure_port("unix:" + cfg.socket)
@@ -169,7 +173,11 @@ class Daemon:
             )
             health_pb2_grpc.add_HealthServicer_to_server(self.health, tcp)
             reflection.enable_server_reflection(
-                (health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), tcp
+                (
+                    health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                    reflection.SERVICE_NAME,
+                ),
+                tcp,
             )
             port = tcp.add_insecure_port(cfg.grpc_bind)
             self.listeners.append(f"gRPC health {cfg.grpc_bind.rpartition(':')[0]}:{port}")
@@ -189,9 +197,12 @@ class Daemon:
         self._watchdog_pinger.start()
         log.info(
             "smddpd serving on %s (node %s, pid %d, peers %s); listening: %s",
-            cfg.socket, cfg.node_id, os.getpid(),
+            cfg.socket,
+            cfg.node_id,
+            os.getpid(),
             f"{self.registry.peer_address}, data over {cfg.peer_transport} port {self._peers.data_port}"
-            if self._peers is not None else "off (--peer-bind off)",
+            if self._peers is not None
+            else "off (--peer-bind off)",
             ", ".join(self.listeners),
         )
 
@@ -207,7 +218,12 @@ class Daemon:
         tls_files = (cfg.tls_cert, cfg.tls_key, cfg.tls_ca) if cfg.tls_cert else None
         transport = pb.UCX if cfg.peer_transport == "ucx" else pb.TCP
         self._peers = PeerNetwork(
-            host, cfg.data_port, transport, self._find_peers, PeerControl(tls_files), cfg.ucx_port,
+            host,
+            cfg.data_port,
+            transport,
+            self._find_peers,
+            PeerControl(tls_files),
+            cfg.ucx_port,
             tls=tls.contexts(*tls_files) if tls_files else None,
         )
         server = grpc.server(
@@ -228,13 +244,17 @@ class Daemon:
             detail = ""
         if not port:
             self._peers.stop()
-            raise RuntimeError(f"cannot listen for other daemons on {cfg.peer_bind} (--peer-bind){detail}")
+            raise RuntimeError(
+                f"cannot listen for other daemons on {cfg.peer_bind} (--peer-bind){detail}"
+            )
         server.start()
         self._peer_grpc = server
         self._peers.start()
         self.registry.network = self._peers
         self.registry.peer_address = advertise_address(host, port, cfg.advertise)
-        self.listeners.append(f"peer control {host}:{port} (advertised {self.registry.peer_address})")
+        self.listeners.append(
+            f"peer control {host}:{port} (advertised {self.registry.peer_address})"
+        )
         self.listeners.append(f"peer data tcp {host}:{self._peers.tcp_port}")
         if self._peers.transport == pb.UCX:
             self.listeners.append(f"peer data ucx port {self._peers.data_port}")
@@ -272,7 +292,10 @@ class Daemon:
 
     def alive(self) -> bool:
         """True while the daemon's own watchdog loop keeps ticking."""
-        return not self.stopped.is_set() and time.monotonic() - self.last_tick < 10 * WATCHDOG_PERIOD_S + 5
+        return (
+            not self.stopped.is_set()
+            and time.monotonic() - self.last_tick < 10 * WATCHDOG_PERIOD_S + 5
+        )
 
     def ready(self) -> tuple[bool, str]:
         """Whether new jobs are welcome, and why not."""
@@ -288,7 +311,10 @@ class Daemon:
                 return False, why
         if self._free_fds < SPARE_FDS:
             soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-            return False, f"out of file descriptors ({max(self._free_fds, 0)} of RLIMIT_NOFILE {soft} left)"
+            return (
+                False,
+                f"out of file descriptors ({max(self._free_fds, 0)} of RLIMIT_NOFILE {soft} left)",
+            )
         return True, "ready"
 
     def _update_health(self) -> None:
@@ -296,7 +322,11 @@ class Daemon:
         ok, why = self.ready()
         if ok != self._serving and not self.stopping:
             self._serving = ok
-            status = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
+            status = (
+                health_pb2.HealthCheckResponse.SERVING
+                if ok
+                else health_pb2.HealthCheckResponse.NOT_SERVING
+            )
             self.health.set(NODE_SERVICE, status)
             if ok:
                 log.info("ready for new jobs again")

@@ -76,10 +76,15 @@ class DataSocketServer:
         self._lock = threading.Lock()
         self._stopping = False
         cfg = registry.config
-        self._connections = Counts("data-socket connections", cfg.max_connections_per_uid, "--max-connections-per-uid")
+        self._connections = Counts(
+            "data-socket connections", cfg.max_connections_per_uid, "--max-connections-per-uid"
+        )
         self._handshakes = Counts(
-            "data-socket connections that have not attached", cfg.max_handshakes_per_uid, "--max-handshakes-per-uid",
-            cfg.max_handshakes, "--max-handshakes",
+            "data-socket connections that have not attached",
+            cfg.max_handshakes_per_uid,
+            "--max-handshakes-per-uid",
+            cfg.max_handshakes,
+            "--max-handshakes",
         )
         self._attach_timeout_s = cfg.attach_timeout_s
         # When accept() last failed, and why; cleared by the next success.
@@ -141,9 +146,17 @@ class DataSocketServer:
                     if self._stopping or exc.errno in (errno.EBADF, errno.EINVAL):
                         return  # the socket was closed: stop() ends the loop this way
                     # EMFILE, ENFILE, ENOBUFS, ENOMEM, ECONNABORTED...: the next try may pass.
-                    self.accept_error = (time.monotonic(), f"{exc.strerror or exc} (errno {exc.errno})")
-                    refusals.log(log, logging.WARNING, f"data-socket accept failing ({errno.errorcode.get(exc.errno or 0, exc.errno)})",
-                                 "the data socket cannot accept a connection: %s; retrying", exc)
+                    self.accept_error = (
+                        time.monotonic(),
+                        f"{exc.strerror or exc} (errno {exc.errno})",
+                    )
+                    refusals.log(
+                        log,
+                        logging.WARNING,
+                        f"data-socket accept failing ({errno.errorcode.get(exc.errno or 0, exc.errno)})",
+                        "the data socket cannot accept a connection: %s; retrying",
+                        exc,
+                    )
                     time.sleep(backoff)
                     backoff = min(backoff * 2, ACCEPT_BACKOFF_MAX_S)
                     continue
@@ -152,7 +165,13 @@ class DataSocketServer:
                 try:
                     self._admit(conn)
                 except Exception as exc:  # a thread that cannot start, say: keep accepting
-                    refusals.log(log, logging.WARNING, "data-socket connection not served", "cannot serve a data-socket connection: %r", exc)
+                    refusals.log(
+                        log,
+                        logging.WARNING,
+                        "data-socket connection not served",
+                        "cannot serve a data-socket connection: %r",
+                        exc,
+                    )
                     conn.close()
         finally:
             self._accept_running = False
@@ -169,14 +188,24 @@ class DataSocketServer:
                 self._connections.give(uid)
                 raise
         except LimitExceeded as exc:
-            refusals.log(log, logging.WARNING, "data-socket connection refused (limit)", "refused a data-socket connection of uid %d (pid %d): %s", uid, pid, exc)
+            refusals.log(
+                log,
+                logging.WARNING,
+                "data-socket connection refused (limit)",
+                "refused a data-socket connection of uid %d (pid %d): %s",
+                uid,
+                pid,
+                exc,
+            )
             self._send_attach_reply(conn, pb.AttachReply(ok=False, error=str(exc)))
             conn.close()
             return
         with self._lock:
             self._conns.add(conn)
         try:
-            threading.Thread(target=self._serve, args=(conn, pid, uid), name="smddp-data-conn", daemon=True).start()
+            threading.Thread(
+                target=self._serve, args=(conn, pid, uid), name="smddp-data-conn", daemon=True
+            ).start()
         except BaseException:
             with self._lock:
                 self._conns.discard(conn)
@@ -208,7 +237,10 @@ class DataSocketServer:
                     # In a thread of its own: it waits for the other ranks to attach, while
                     # this one must keep reading (an EOF here is the rank's death).
                     threading.Thread(
-                        target=self._send_peer_arenas, args=(conn, session), name="smddp-peer-arenas", daemon=True
+                        target=self._send_peer_arenas,
+                        args=(conn, session),
+                        name="smddp-peer-arenas",
+                        daemon=True,
                     ).start()
                     continue
                 if buf[0] != MSG_OP:
@@ -238,9 +270,15 @@ class DataSocketServer:
         try:
             msg, fds, _flags, _addr = socket.recv_fds(conn, MAX_MESSAGE_BYTES, 4)
         except TimeoutError:
-            refusals.log(log, logging.INFO, "data-socket handshake timed out",
-                         "closed a data-socket connection of uid %d (pid %d): no AttachRequest within %.0f s (--attach-timeout-s)",
-                         uid, pid, self._attach_timeout_s)
+            refusals.log(
+                log,
+                logging.INFO,
+                "data-socket handshake timed out",
+                "closed a data-socket connection of uid %d (pid %d): no AttachRequest within %.0f s (--attach-timeout-s)",
+                uid,
+                pid,
+                self._attach_timeout_s,
+            )
             return None
         conn.settimeout(None)
         try:
@@ -260,8 +298,15 @@ class DataSocketServer:
             self._registry.attach(session, fd, uid, pid)
         except (ValueError, SmddpError) as exc:
             self._send_attach_reply(conn, pb.AttachReply(ok=False, error=str(exc)))
-            refusals.log(log, logging.INFO, f"data-socket attach refused ({type(exc).__name__})",
-                         "refused a data-socket attach from uid %d (pid %d): %s", uid, pid, exc)
+            refusals.log(
+                log,
+                logging.INFO,
+                f"data-socket attach refused ({type(exc).__name__})",
+                "refused a data-socket attach from uid %d (pid %d): %s",
+                uid,
+                pid,
+                exc,
+            )
             return None
         finally:
             for fd in fds:
@@ -281,7 +326,9 @@ class DataSocketServer:
         lock = channel.lock if isinstance(channel, SocketChannel) else threading.Lock()
         with lock:
             try:
-                socket.send_fds(conn, [pack(MSG_PEER_ARENAS_REPLY, reply.SerializeToString())], sent)
+                socket.send_fds(
+                    conn, [pack(MSG_PEER_ARENAS_REPLY, reply.SerializeToString())], sent
+                )
             except OSError:
                 pass
 

@@ -37,4 +37,6 @@ def check_node_id(where: str, field: str, value: str, optional: bool = False) ->
 def check_peer_address(where: str, field: str, value: str) -> None:
     """Raises InvalidRequest unless ``value`` looks like HOST:PORT."""
     if not PEER_ADDRESS.match(value):
-        raise InvalidRequest(f"{where}: {field} {quote(value)} ({len(value)} characters) is not HOST:PORT")
+        raise InvalidRequest(
+            f"{where}: {field} {quote(value)} ({len(value)} characters) is not HOST:PORT"
+        )

@@ -86,7 +86,9 @@ class _NodeChunk:
     def _check(self, frame: Frame) -> None:
         r = self.req0
         # Frames carry no ``direct``: an op that spans nodes never runs in the control region.
-        if frame.signature() == op_signature(r.kind, r.dtype, r.count, r.root, r.reduce_op, r.parts):
+        if frame.signature() == op_signature(
+            r.kind, r.dtype, r.count, r.root, r.reduce_op, r.parts
+        ):
             return
         theirs = describe(frame.kind, frame.dtype, frame.count, frame.root, frame.reduce_op)
         node = frame.src_node
@@ -105,7 +107,9 @@ class _NodeChunk:
                 )
 
 
-def execute(layout: Layout, peers: Peers, reqs: dict[int, pb.OpRequest], arenas: dict[int, Arena]) -> None:
+def execute(
+    layout: Layout, peers: Peers, reqs: dict[int, pb.OpRequest], arenas: dict[int, Arena]
+) -> None:
     """Runs one chunk of a collective across the communicator's nodes.
 
     Args:
@@ -193,7 +197,9 @@ def _gather_like(c: _NodeChunk, everywhere: bool) -> None:
     outs = [c.output(r) for r in targets]
     for out in outs:
         if out.size != n * c.world:
-            raise InvalidRequest(f"{describe_request(c.req0)}: an output holds {out.size} elements, not {n * c.world}")
+            raise InvalidRequest(
+                f"{describe_request(c.req0)}: an output holds {out.size} elements, not {n * c.world}"
+            )
     receivers = c.others() if everywhere else ([root_node] if root_node != c.me else [])
     for j in receivers:
         c.send(j, 0, ins)
@@ -222,7 +228,9 @@ def _scatter(c: _NodeChunk) -> None:
     if root_node == c.me:
         data = c.input(root)
         if data.size != n * c.world:
-            raise InvalidRequest(f"{describe_request(c.req0)}: the root's input holds {data.size} elements, not {n * c.world}")
+            raise InvalidRequest(
+                f"{describe_request(c.req0)}: the root's input holds {data.size} elements, not {n * c.world}"
+            )
         for j in c.others():
             c.send(j, 0, [data[r * n : (r + 1) * n] for r in c.nodes[j]])
         for rank, out in zip(c.local, outs):
@@ -241,13 +249,22 @@ def _reduce_scatter(c: _NodeChunk) -> None:
     for ranks in c.nodes:
         p = np.empty(n * len(ranks), dtype=c.dtype)
         for k, d in enumerate(ranks):
-            reduce_into([p[k * n : (k + 1) * n]], [x[d * n : (d + 1) * n] for x in ins], c.req0.reduce_op, divisor=1)
+            reduce_into(
+                [p[k * n : (k + 1) * n]],
+                [x[d * n : (d + 1) * n] for x in ins],
+                c.req0.reduce_op,
+                divisor=1,
+            )
         partials.append(p)
     for j in c.others():
         c.send(j, 0, [partials[j]])
-    parts = [partials[c.me] if i == c.me else c.recv(i, 0, n * len(c.local)) for i in range(len(c.nodes))]
+    parts = [
+        partials[c.me] if i == c.me else c.recv(i, 0, n * len(c.local)) for i in range(len(c.nodes))
+    ]
     for k, out in enumerate(outs):
-        reduce_into([out], [p[k * n : (k + 1) * n] for p in parts], c.req0.reduce_op, divisor=c.world)
+        reduce_into(
+            [out], [p[k * n : (k + 1) * n] for p in parts], c.req0.reduce_op, divisor=c.world
+        )
 
 
 def _all_to_all(c: _NodeChunk) -> None:
@@ -255,7 +272,9 @@ def _all_to_all(c: _NodeChunk) -> None:
     for rank in c.local:
         req = c.reqs[rank]
         if len(req.send_blocks) != w or len(req.recv_blocks) != w:
-            raise InvalidRequest(f"all_to_all: rank {rank} gave the wrong number of blocks for a world of {w}")
+            raise InvalidRequest(
+                f"all_to_all: rank {rank} gave the wrong number of blocks for a world of {w}"
+            )
     sends = {s: [c.arenas[s].view(b, c.dtype) for b in c.reqs[s].send_blocks] for s in c.local}
     recvs = {d: [c.arenas[d].view(b, c.dtype) for b in c.reqs[d].recv_blocks] for d in c.local}
     for j in c.others():

@@ -26,11 +26,15 @@ from smddp.v1 import smddp_pb2 as pb
 from smddp.wire import NUMPY_DTYPES, describe_request
 
 
-def _views(arenas: Sequence[Arena], regions: Sequence[pb.Region], dtype: np.dtype) -> list[np.ndarray]:
+def _views(
+    arenas: Sequence[Arena], regions: Sequence[pb.Region], dtype: np.dtype
+) -> list[np.ndarray]:
     return [a.view(r, dtype) for a, r in zip(arenas, regions)]
 
 
-def _expect(views: Sequence[np.ndarray], sizes: Sequence[int], what: str, req: pb.OpRequest) -> None:
+def _expect(
+    views: Sequence[np.ndarray], sizes: Sequence[int], what: str, req: pb.OpRequest
+) -> None:
     for rank, (v, n) in enumerate(zip(views, sizes)):
         if v.size != n:
             raise InvalidRequest(

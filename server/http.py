@@ -51,7 +51,9 @@ class HttpServer:
                 else:
                     self._send(404, b"not found: try /healthz, /readyz or /metrics\n")
 
-            def _send(self, code: int, body: bytes, ctype: str = "text/plain; charset=utf-8") -> None:
+            def _send(
+                self, code: int, body: bytes, ctype: str = "text/plain; charset=utf-8"
+            ) -> None:
                 self.send_response(code)
                 self.send_header("Content-Type", ctype)
                 self.send_header("Content-Length", str(len(body)))

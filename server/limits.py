@@ -26,7 +26,14 @@ class Counts:
     ``take`` raises LimitExceeded naming the flag of the limit that would be passed.
     """
 
-    def __init__(self, what: str, per_uid: int, flag_per_uid: str, total: int | None = None, flag_total: str = "") -> None:
+    def __init__(
+        self,
+        what: str,
+        per_uid: int,
+        flag_per_uid: str,
+        total: int | None = None,
+        flag_total: str = "",
+    ) -> None:
         self.what = what
         self.per_uid = per_uid
         self.total = total
@@ -46,9 +53,13 @@ class Counts:
         prefix = f"{where}: " if where else ""
         with self._lock:
             if self._held[uid] + n > self.per_uid:
-                raise LimitExceeded(f"{prefix}uid {uid} already holds {self._held[uid]} {self.what} ({self._flags[0]} {self.per_uid})")
+                raise LimitExceeded(
+                    f"{prefix}uid {uid} already holds {self._held[uid]} {self.what} ({self._flags[0]} {self.per_uid})"
+                )
             if self.total is not None and self._held[ALL] + n > self.total:
-                raise LimitExceeded(f"{prefix}the daemon already holds {self._held[ALL]} {self.what} ({self._flags[1]} {self.total})")
+                raise LimitExceeded(
+                    f"{prefix}the daemon already holds {self._held[ALL]} {self.what} ({self._flags[1]} {self.total})"
+                )
             self._held[uid] += n
             self._held[ALL] += n
 
@@ -73,7 +84,9 @@ class ByteBudget:
     """
 
     def __init__(self, per_uid: int, total: int) -> None:
-        self._counts = Counts("buffered bytes", per_uid, "--max-buffered-bytes-per-uid", total, "--max-buffered-bytes")
+        self._counts = Counts(
+            "buffered bytes", per_uid, "--max-buffered-bytes-per-uid", total, "--max-buffered-bytes"
+        )
 
     def try_take(self, uid: int, nbytes: int) -> bool:
         """True (and counted) if ``uid`` may have ``nbytes`` more held."""
@@ -155,7 +168,9 @@ class Slots:
         """
         with self._lock:
             if self._held >= self.limit:
-                raise LimitExceeded(f"{where}: the daemon already has {self._held} {self.what} ({self.flag} {self.limit})")
+                raise LimitExceeded(
+                    f"{where}: the daemon already has {self._held} {self.what} ({self.flag} {self.limit})"
+                )
             self._held += 1
         try:
             yield

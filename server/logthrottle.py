@@ -26,7 +26,15 @@ class Throttle:
         self._windows: dict[str, tuple[float, int]] = {}  # cause -> (window start, lines seen)
         self._lock = threading.Lock()
 
-    def log(self, logger: logging.Logger, level: int, cause: str, msg: str, *args: object, **kwargs: object) -> bool:
+    def log(
+        self,
+        logger: logging.Logger,
+        level: int,
+        cause: str,
+        msg: str,
+        *args: object,
+        **kwargs: object,
+    ) -> bool:
         """Logs unless ``cause`` already had its ``burst`` lines in this window.
 
         Returns:
@@ -42,12 +50,26 @@ class Throttle:
             seen += 1
             self._windows[cause] = (start, seen)
             if len(self._windows) > 1024:  # causes are ours, but keep the table bounded anyway
-                self._windows = {k: v for k, v in self._windows.items() if now - v[0] < self.window_s}
+                self._windows = {
+                    k: v for k, v in self._windows.items() if now - v[0] < self.window_s
+                }
         if dropped:
-            logger.log(level, "%s: %d more lines were left out in the previous %.0f s", cause, dropped, self.window_s)
+            logger.log(
+                level,
+                "%s: %d more lines were left out in the previous %.0f s",
+                cause,
+                dropped,
+                self.window_s,
+            )
         if seen > self.burst:
             if seen == self.burst + 1:
-                logger.log(level, "%s: more than %d lines in %.0f s; the rest of this minute's are counted, not written", cause, self.burst, self.window_s)
+                logger.log(
+                    level,
+                    "%s: more than %d lines in %.0f s; the rest of this minute's are counted, not written",
+                    cause,
+                    self.burst,
+                    self.window_s,
+                )
             return False
         logger.log(level, msg, *args, **kwargs)  # type: ignore[arg-type]
         return True

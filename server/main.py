@@ -39,7 +39,9 @@ def setup_logging(level: str, fmt: str) -> None:
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s smddpd %(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(
+            logging.Formatter("%(asctime)s smddpd %(levelname)s %(name)s: %(message)s")
+        )
     # Clients' strings reach messages: a newline among them must not start a forged line.
     handler.addFilter(SafeText())
     root = logging.getLogger()

@@ -33,29 +33,65 @@ class Metrics:
         # Registered first, so that a scrape reads the regions' counters before the metrics.
         self._drain = _RegionDrain()
         r.register(self._drain)
-        self.ops = Counter("smddp_ops", "Collective and point-to-point ops completed", ["op", "dtype"], registry=r)
-        self.bytes = Counter("smddp_op_bytes", "Bytes contributed by each rank, summed over ranks", ["op", "dtype"], registry=r)
+        self.ops = Counter(
+            "smddp_ops", "Collective and point-to-point ops completed", ["op", "dtype"], registry=r
+        )
+        self.bytes = Counter(
+            "smddp_op_bytes",
+            "Bytes contributed by each rank, summed over ranks",
+            ["op", "dtype"],
+            registry=r,
+        )
         self.duration = Histogram(
-            "smddp_op_duration_seconds", "Time from the first rank's arrival to completion of an op",
-            ["op", "dtype"], buckets=_LATENCY_BUCKETS, registry=r,
+            "smddp_op_duration_seconds",
+            "Time from the first rank's arrival to completion of an op",
+            ["op", "dtype"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.skew = Histogram(
-            "smddp_arrival_skew_seconds", "Time from the first to the last rank's arrival at an op",
-            ["op"], buckets=_LATENCY_BUCKETS, registry=r,
+            "smddp_arrival_skew_seconds",
+            "Time from the first to the last rank's arrival at an op",
+            ["op"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.straggler = Counter(
-            "smddp_straggler", "Ops at which this rank arrived last (with more than one rank)", ["job", "rank"], registry=r
+            "smddp_straggler",
+            "Ops at which this rank arrived last (with more than one rank)",
+            ["job", "rank"],
+            registry=r,
         )
-        self.errors = Counter("smddp_errors", "Failed communicators and refused requests by kind", ["kind"], registry=r)
-        self.registered_ranks = Gauge("smddp_registered_ranks", "Ranks registered with this daemon", registry=r)
+        self.errors = Counter(
+            "smddp_errors",
+            "Failed communicators and refused requests by kind",
+            ["kind"],
+            registry=r,
+        )
+        self.registered_ranks = Gauge(
+            "smddp_registered_ranks", "Ranks registered with this daemon", registry=r
+        )
         self.jobs = Gauge("smddp_active_jobs", "Jobs with at least one registered rank", registry=r)
-        self.shm_bytes = Gauge("smddp_shm_bytes", "Bytes of shared-memory arenas mapped by the daemon", registry=r)
-        self.peer_bytes_sent = Counter("smddp_peer_bytes_sent", "Bytes sent to peer daemons", ["peer"], registry=r)
-        self.peer_bytes_received = Counter("smddp_peer_bytes_received", "Bytes received from peer daemons", ["peer"], registry=r)
-        self.peer_errors = Counter("smddp_peer_connection_errors", "Failed connections to peer daemons", ["peer"], registry=r)
+        self.shm_bytes = Gauge(
+            "smddp_shm_bytes", "Bytes of shared-memory arenas mapped by the daemon", registry=r
+        )
+        self.peer_bytes_sent = Counter(
+            "smddp_peer_bytes_sent", "Bytes sent to peer daemons", ["peer"], registry=r
+        )
+        self.peer_bytes_received = Counter(
+            "smddp_peer_bytes_received", "Bytes received from peer daemons", ["peer"], registry=r
+        )
+        self.peer_errors = Counter(
+            "smddp_peer_connection_errors",
+            "Failed connections to peer daemons",
+            ["peer"],
+            registry=r,
+        )
         self.peer_calls = Counter(
-            "smddp_peer_calls", "Calls of other daemons that this daemon's Peer service answered, by status",
-            ["method", "code"], registry=r,
+            "smddp_peer_calls",
+            "Calls of other daemons that this daemon's Peer service answered, by status",
+            ["method", "code"],
+            registry=r,
         )
         # Pre-create the error series so that dashboards see zeros, not absences.
         for name in ERROR_NAMES.values():
@@ -85,7 +121,11 @@ class Metrics:
         children = self._children.get(key)
         if children is None:  # labels() costs microseconds per call: resolve once per op and dtype
             op = KIND_NAMES.get(kind, "unknown")
-            dtype = dtype_name(dtype_code) if dtype_code in NUMPY_DTYPES and kind != pb.BARRIER else "none"
+            dtype = (
+                dtype_name(dtype_code)
+                if dtype_code in NUMPY_DTYPES and kind != pb.BARRIER
+                else "none"
+            )
             children = (
                 self.ops.labels(op, dtype),
                 self.bytes.labels(op, dtype),
@@ -120,11 +160,15 @@ class Metrics:
             c_ops, c_bytes, c_duration, _ = self._op_children(kind, dtype_code)
             c_ops.inc(int(ops[row, rg.C_OPS]))
             c_bytes.inc(int(nbytes[row]))
-            _add_observations(c_duration, ops[row, rg.C_DUR_BUCKET :], int(ops[row, rg.C_DUR_SUM]) / 1e9)
+            _add_observations(
+                c_duration, ops[row, rg.C_DUR_BUCKET :], int(ops[row, rg.C_DUR_SUM]) / 1e9
+            )
         for kind in np.flatnonzero(skew[:, rg.K_COUNT]):
             c_skew = self._skew_children.get(int(kind))
             if c_skew is None:
-                c_skew = self._skew_children[int(kind)] = self.skew.labels(KIND_NAMES.get(int(kind), "unknown"))
+                c_skew = self._skew_children[int(kind)] = self.skew.labels(
+                    KIND_NAMES.get(int(kind), "unknown")
+                )
             _add_observations(c_skew, skew[kind, rg.K_BUCKET :], int(skew[kind, rg.K_SUM]) / 1e9)
         if world_size > 1:
             for rank in np.flatnonzero(last):

@@ -59,7 +59,9 @@ class PeerService(pb_grpc.PeerServicer, EdgeService):
         if self._registry.metrics is not None:
             self._registry.metrics.peer_calls.labels(method, code.name).inc()
 
-    def _comm(self, req: pb.PeerRequest, context: grpc.ServicerContext) -> tuple[Communicator, CommPeers]:
+    def _comm(
+        self, req: pb.PeerRequest, context: grpc.ServicerContext
+    ) -> tuple[Communicator, CommPeers]:
         """The communicator ``req`` names and its peers, once its proof and node index check out.
 
         Raises:
@@ -67,9 +69,15 @@ class PeerService(pb_grpc.PeerServicer, EdgeService):
         """
         comm = self._registry.find_comm(req.job_id, req.comm_id, req.proof)
         if comm is None or comm.peers is None:
-            raise NotFound(f"job {req.job_id[:64]} comm {req.comm_id[:64]} is not registered here yet")
+            raise NotFound(
+                f"job {req.job_id[:64]} comm {req.comm_id[:64]} is not registered here yet"
+            )
         if not hmac.compare_digest(req.proof, token_proof(comm.token, comm.job_id, comm.comm_id)):
-            log.warning("refused a Peer call from %s: wrong job token for job %s", context.peer(), comm.job_id)
+            log.warning(
+                "refused a Peer call from %s: wrong job token for job %s",
+                context.peer(),
+                comm.job_id,
+            )
             raise PermissionDenied(f"wrong job token for job {comm.job_id}")
         peers = comm.peers
         if not 0 <= req.node < len(peers.node_ids) or req.node == peers.my_node:
@@ -95,7 +103,9 @@ class PeerService(pb_grpc.PeerServicer, EdgeService):
                 "same --peer-transport"
             )
         if request.peer.node > peers.my_node:
-            raise InvalidRequest(f"{comm.name()}: the node of lower index joins the higher, not node {caller}")
+            raise InvalidRequest(
+                f"{comm.name()}: the node of lower index joins the higher, not node {caller}"
+            )
         failure = comm.failed()
         if failure is not None:
             raise Aborted(f"the communicator already failed on node {me}: {failure[1]}")
@@ -106,18 +116,29 @@ class PeerService(pb_grpc.PeerServicer, EdgeService):
         comm, _ = self._comm(request.peer, context)
         # The node that failed warns there; here it is news only if an op was waiting (fail()
         # then warns anyway), e.g. not when that node's ranks simply left.
-        comm.fail(request.kind or pb.ABORTED, request.message[:65536], propagate=False, log_level=logging.INFO)
+        comm.fail(
+            request.kind or pb.ABORTED,
+            request.message[:65536],
+            propagate=False,
+            log_level=logging.INFO,
+        )
         return pb.AbortReply()
 
     @edge()
-    def PeerStatus(self, request: pb.PeerStatusRequest, context: grpc.ServicerContext) -> pb.PeerStatusReply:
+    def PeerStatus(
+        self, request: pb.PeerStatusRequest, context: grpc.ServicerContext
+    ) -> pb.PeerStatusReply:
         comm, peers = self._comm(request.peer, context)
         return pb.PeerStatusReply(node_id=peers.node_ids[peers.my_node], comm=comm.status())
 
     @edge()
     def Meet(self, request: pb.MeetRequest, context: grpc.ServicerContext) -> pb.RendezvousReply:
         cfg = self._registry.config
-        timeout_s = min(request.timeout_ms, MAX_TIMEOUT_MS) / 1000 if request.timeout_ms else cfg.default_timeout_s
+        timeout_s = (
+            min(request.timeout_ms, MAX_TIMEOUT_MS) / 1000
+            if request.timeout_ms
+            else cfg.default_timeout_s
+        )
         timeout_s = min(timeout_s, cfg.max_rendezvous_wait_s)
         # Each waiting Meet holds a thread of this service: bounded with the Node service's
         # Rendezvous calls, so that neither can take every thread.

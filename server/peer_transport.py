@@ -65,7 +65,15 @@ if TYPE_CHECKING:
     from smddp.server.limits import BufferAccount
     from smddp.server.metrics import Metrics
 
-__all__ = ["CommPeers", "FRAME_DATA", "Frame", "PeerError", "PeerNetwork", "parse_address", "token_proof"]
+__all__ = [
+    "CommPeers",
+    "FRAME_DATA",
+    "Frame",
+    "PeerError",
+    "PeerNetwork",
+    "parse_address",
+    "token_proof",
+]
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +166,9 @@ class CommPeers:
         self._aborts: list[threading.Thread] = []  # Abort calls in flight
         for node in range(len(self.node_ids)):
             if node > self.my_node:
-                threading.Thread(target=self._connect, args=(node,), name="smddp-peer-connect", daemon=True).start()
+                threading.Thread(
+                    target=self._connect, args=(node,), name="smddp-peer-connect", daemon=True
+                ).start()
         threading.Thread(target=self._heartbeat, name="smddp-peer-heartbeat", daemon=True).start()
 
     # -- connections --------------------------------------------------------------------------
@@ -169,7 +179,10 @@ class CommPeers:
     def peer_request(self) -> pb.PeerRequest:
         """What every call to another node's Peer service starts with."""
         return pb.PeerRequest(
-            job_id=self.layout.job_id, comm_id=self.layout.comm_id, node=self.my_node, proof=self.proof
+            job_id=self.layout.job_id,
+            comm_id=self.layout.comm_id,
+            node=self.my_node,
+            proof=self.proof,
         )
 
     def accepts(self, proof: bytes, node: int) -> str | None:
@@ -187,12 +200,25 @@ class CommPeers:
             try:
                 timeout = max(0.1, min(HEARTBEAT_TIMEOUT_S, deadline - time.monotonic()))
                 return control.join(
-                    self.addresses[node], self.node_ids[node], peer, self.node_ids, self.network.transport, timeout
+                    self.addresses[node],
+                    self.node_ids[node],
+                    peer,
+                    self.node_ids,
+                    self.network.transport,
+                    timeout,
                 )
             except grpc.RpcError as exc:
                 code, details = exc.code(), exc.details() or str(exc.code())
-                details = details.split("last error: ", 1)[-1]  # not gRPC's "failed to connect to all addresses"
-            log.debug("%s: joining node %s: %s: %s", self.layout.name(), self.node_ids[node], code, details)
+                details = details.split("last error: ", 1)[
+                    -1
+                ]  # not gRPC's "failed to connect to all addresses"
+            log.debug(
+                "%s: joining node %s: %s: %s",
+                self.layout.name(),
+                self.node_ids[node],
+                code,
+                details,
+            )
             refusal = _tls_refusal(details, self.network.tls, self.node_ids[node])
             if refusal is not None:
                 self._lost(node, f"refused our connection: {refusal}")
@@ -201,7 +227,9 @@ class CommPeers:
                 self._lost(node, f"refused to join: {details}")
                 return None
             if time.monotonic() > deadline:
-                self._timed_out(node, f"did not let this node join within {self.timeout_s:.0f} s ({details})")
+                self._timed_out(
+                    node, f"did not let this node join within {self.timeout_s:.0f} s ({details})"
+                )
                 return None
             time.sleep(CONNECT_RETRY_S)
         return None
@@ -235,7 +263,10 @@ class CommPeers:
                     self._lost(node, f"refused our connection: {message}")
                     return
                 if time.monotonic() > deadline:
-                    self._timed_out(node, f"did not accept a connection within {self.timeout_s:.0f} s ({message})")
+                    self._timed_out(
+                        node,
+                        f"did not accept a connection within {self.timeout_s:.0f} s ({message})",
+                    )
                     return
                 time.sleep(CONNECT_RETRY_S)
 
@@ -249,7 +280,9 @@ class CommPeers:
             self._socks.setdefault(node, []).append(sock)
             self._send_locks[sock] = threading.Lock()
             self._cond.notify_all()
-        threading.Thread(target=self._receive, args=(node, sock), name="smddp-peer-recv", daemon=True).start()
+        threading.Thread(
+            target=self._receive, args=(node, sock), name="smddp-peer-recv", daemon=True
+        ).start()
 
     def _timed_out(self, node: int, detail: str) -> None:
         """Connecting to ``node`` ran out of time: counted as a connection error, node lost."""
@@ -300,8 +333,19 @@ class CommPeers:
         nbytes = sum(p.nbytes if isinstance(p, np.ndarray) else len(p) for p in payloads)
         r = req or pb.OpRequest()
         header = pack_header(
-            ftype, self.my_node, nbytes, kind=r.kind, dtype=r.dtype, seq=r.seq, part=r.part, parts=r.parts,
-            round_=round_, src_rank=src_rank, dst_rank=dst_rank, count=r.count, root=r.root,
+            ftype,
+            self.my_node,
+            nbytes,
+            kind=r.kind,
+            dtype=r.dtype,
+            seq=r.seq,
+            part=r.part,
+            parts=r.parts,
+            round_=round_,
+            src_rank=src_rank,
+            dst_rank=dst_rank,
+            count=r.count,
+            root=r.root,
             reduce_op=r.reduce_op,
         )
         sock = self._socket_for(node, time.monotonic() + self.timeout_s)
@@ -311,9 +355,15 @@ class CommPeers:
                 for p in payloads:
                     if len(p):
                         # As bytes: a memoryview cannot carry ml_dtypes' bfloat16 ('E').
-                        sock.sendall(memoryview(np.ascontiguousarray(p).view(np.uint8)) if isinstance(p, np.ndarray) else p)
+                        sock.sendall(
+                            memoryview(np.ascontiguousarray(p).view(np.uint8))
+                            if isinstance(p, np.ndarray)
+                            else p
+                        )
             except OSError as exc:
-                raise PeerError(f"sending to node {self.node_ids[node]} ({self.addresses[node]}) failed: {exc}") from None
+                raise PeerError(
+                    f"sending to node {self.node_ids[node]} ({self.addresses[node]}) failed: {exc}"
+                ) from None
         if self._metrics is not None and nbytes:
             self._metrics.peer_bytes_sent.labels(self.node_ids[node]).inc(nbytes)
 
@@ -328,12 +378,21 @@ class CommPeers:
 
         def tell(node: int) -> None:
             try:
-                control.abort(self.addresses[node], self.node_ids[node], peer, kind, message, ABORT_WAIT_S)
+                control.abort(
+                    self.addresses[node], self.node_ids[node], peer, kind, message, ABORT_WAIT_S
+                )
             except grpc.RpcError as exc:
-                log.info("%s: could not tell node %s of the failure: %s", self.layout.name(), self.node_ids[node], exc.details())
+                log.info(
+                    "%s: could not tell node %s of the failure: %s",
+                    self.layout.name(),
+                    self.node_ids[node],
+                    exc.details(),
+                )
 
         for node in self.peer_nodes():
-            thread = threading.Thread(target=tell, args=(node,), name="smddp-peer-abort", daemon=True)
+            thread = threading.Thread(
+                target=tell, args=(node,), name="smddp-peer-abort", daemon=True
+            )
             thread.start()
             self._aborts.append(thread)
 
@@ -407,7 +466,10 @@ class CommPeers:
                 self._deliver(frame)
         except TimeoutError:
             if not said_bye:
-                self._lost(node, f"silent for {HEARTBEAT_TIMEOUT_S:.0f} s (no heartbeat: partitioned or hung)")
+                self._lost(
+                    node,
+                    f"silent for {HEARTBEAT_TIMEOUT_S:.0f} s (no heartbeat: partitioned or hung)",
+                )
         except (OSError, ConnectionError, struct.error) as exc:
             if not said_bye:
                 self._lost(node, f"connection broke ({exc})")
@@ -456,7 +518,9 @@ class CommPeers:
             while key not in self._mail:
                 self._check_open()
                 if node in self._gone:
-                    raise PeerError(f"op #{seq}: the ranks of node {self.node_ids[node]} have all left the communicator")
+                    raise PeerError(
+                        f"op #{seq}: the ranks of node {self.node_ids[node]} have all left the communicator"
+                    )
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
@@ -470,7 +534,9 @@ class CommPeers:
             kind=pb.TIMEOUT,
         )
 
-    def on_p2p(self, src_rank: int, dst_rank: int, seq: int, part: int, callback: Callable[[Frame], None]) -> None:
+    def on_p2p(
+        self, src_rank: int, dst_rank: int, seq: int, part: int, callback: Callable[[Frame], None]
+    ) -> None:
         """Calls ``callback`` with the matching p2p frame, now or when it arrives."""
         key = ("p", src_rank, dst_rank, seq, part)
         with self._cond:
@@ -603,7 +669,11 @@ class PeerNetwork:
             hello = read_hello(sock)
             peers = self._find(hello.job_id, hello.comm_id, hello.proof)
             if peers is None:
-                answer(sock, HELLO_RETRY, f"job {hello.job_id} comm {hello.comm_id} is not registered here yet")
+                answer(
+                    sock,
+                    HELLO_RETRY,
+                    f"job {hello.job_id} comm {hello.comm_id} is not registered here yet",
+                )
                 sock.close()
                 return
             refusal = peers.accepts(hello.proof, hello.node)
@@ -624,5 +694,7 @@ class Transport(Protocol):
 
     port: int
 
-    def connect(self, host: str, port: int, timeout: float, server_name: str = "") -> Connection: ...
+    def connect(
+        self, host: str, port: int, timeout: float, server_name: str = ""
+    ) -> Connection: ...
     def stop(self) -> None: ...

@@ -44,7 +44,9 @@ MAX_TIMEOUT_MS = 7 * 24 * 3600 * 1000
 
 def _check_token(where: str, token: bytes) -> None:
     if not MIN_TOKEN_BYTES <= len(token) <= MAX_TOKEN_BYTES:
-        raise InvalidRequest(f"{where}: job_token must have {MIN_TOKEN_BYTES}-{MAX_TOKEN_BYTES} bytes")
+        raise InvalidRequest(
+            f"{where}: job_token must have {MIN_TOKEN_BYTES}-{MAX_TOKEN_BYTES} bytes"
+        )
 
 
 def _uid_of(pid: int) -> int | None:
@@ -82,7 +84,9 @@ class Job:
 class Registry:
     """Thread-safe tables of communicators and sessions, and the rules for joining them."""
 
-    def __init__(self, config: DaemonConfig, metrics: Metrics | None = None, gpu: GpuSupply | None = None) -> None:
+    def __init__(
+        self, config: DaemonConfig, metrics: Metrics | None = None, gpu: GpuSupply | None = None
+    ) -> None:
         self._gpu = gpu
         self.config = config
         self.started = time.time()
@@ -93,9 +97,13 @@ class Registry:
         # oldest makes room when there are max_unattached of them.
         self._unattached: OrderedDict[str, Session] = OrderedDict()
         self._jobs_per_uid = Counts("jobs", config.max_jobs_per_uid, "--max-jobs-per-uid")
-        self._ranks_per_uid = Counts("attached ranks", config.max_ranks_per_uid, "--max-ranks-per-uid")
+        self._ranks_per_uid = Counts(
+            "attached ranks", config.max_ranks_per_uid, "--max-ranks-per-uid"
+        )
         self.buffers = ByteBudget(config.max_buffered_bytes_per_uid, config.max_buffered_bytes)
-        self.rendezvous_slots = Slots("waiting Rendezvous calls", config.max_pending_rendezvous, "--max-pending-rendezvous")
+        self.rendezvous_slots = Slots(
+            "waiting Rendezvous calls", config.max_pending_rendezvous, "--max-pending-rendezvous"
+        )
         # HOST:PORT other daemons reach this one at; "" when the peer listener is off.
         self.peer_address = ""
         self.network: PeerNetwork | None = None  # set by the daemon when peers are enabled
@@ -114,9 +122,13 @@ class Registry:
         """
         cfg = self.config
         if not JOB_ID.match(req.job_id):
-            raise InvalidRequest(f"job_id {quote(req.job_id)} must be 1-128 characters of A-Z a-z 0-9 . _ : -")
+            raise InvalidRequest(
+                f"job_id {quote(req.job_id)} must be 1-128 characters of A-Z a-z 0-9 . _ : -"
+            )
         if not COMM_ID.match(req.comm_id):
-            raise InvalidRequest(f"job {req.job_id}: comm_id {quote(req.comm_id)} must be 1-256 printable characters")
+            raise InvalidRequest(
+                f"job {req.job_id}: comm_id {quote(req.comm_id)} must be 1-256 printable characters"
+            )
         where = f"job {req.job_id} comm {req.comm_id}"
         if self._stopping:
             raise FailedPrecondition(f"{where}: smddpd is shutting down")
@@ -141,8 +153,12 @@ class Registry:
             job = self._job(req.job_id, req.job_token)
             if job is None:
                 if self._owned_jobs() >= cfg.max_jobs:
-                    raise LimitExceeded(f"{where}: the daemon already serves {cfg.max_jobs} jobs (--max-jobs)")
-                if claimed_uid is not None and any(j.owner == claimed_uid for j in self._jobs.get(req.job_id, ())):
+                    raise LimitExceeded(
+                        f"{where}: the daemon already serves {cfg.max_jobs} jobs (--max-jobs)"
+                    )
+                if claimed_uid is not None and any(
+                    j.owner == claimed_uid for j in self._jobs.get(req.job_id, ())
+                ):
                     # The same user's job under this id has another token: a mistake, not a
                     # second job (another user's job of this id is simply another job).
                     raise Unauthenticated(f"{where} rank {req.rank}: wrong job token")
@@ -154,16 +170,30 @@ class Registry:
                 # must hold two chunks (plus alignment) for them to pipeline.
                 chunk = max(4096, min(cfg.chunk_bytes, req.arena_bytes // 4) // 64 * 64)
                 comm = Communicator(
-                    req.job_id, req.comm_id, req.world_size, req.job_token, timeout_s, chunk, self.metrics,
-                    nodes=nodes, my_node=my_node, specs=req.nodes, gpu=self._gpu,
+                    req.job_id,
+                    req.comm_id,
+                    req.world_size,
+                    req.job_token,
+                    timeout_s,
+                    chunk,
+                    self.metrics,
+                    nodes=nodes,
+                    my_node=my_node,
+                    specs=req.nodes,
+                    gpu=self._gpu,
                 )
                 comm.buffers = job.buffers
                 if len(comm.nodes) > 1:
                     assert self.network is not None  # _layout refuses nodes without peers
                     comm.attach_peers(
                         CommPeers(
-                            comm.layout, comm.token, comm.timeout_s, self.network, comm.fail,
-                            buffers=job.buffers, metrics=self.metrics,
+                            comm.layout,
+                            comm.token,
+                            comm.timeout_s,
+                            self.network,
+                            comm.fail,
+                            buffers=job.buffers,
+                            metrics=self.metrics,
                         )
                     )
                 job.comms[req.comm_id] = comm
@@ -173,14 +203,19 @@ class Registry:
                         f"{where}: rank {req.rank} registered with world_size {req.world_size} "
                         f"but the communicator has {comm.world_size} ranks"
                     )
-                if comm.nodes != (nodes or [list(range(req.world_size))]) or comm.my_node != my_node:
+                if (
+                    comm.nodes != (nodes or [list(range(req.world_size))])
+                    or comm.my_node != my_node
+                ):
                     raise FailedPrecondition(
                         f"{where}: rank {req.rank} describes the job's nodes differently than the "
                         "ranks registered before it"
                     )
                 if req.rank in comm.members:
                     other = comm.members[req.rank]
-                    raise FailedPrecondition(f"{where}: rank {req.rank} is already registered ({other.label()})")
+                    raise FailedPrecondition(
+                        f"{where}: rank {req.rank} is already registered ({other.label()})"
+                    )
                 if req.arena_bytes // 4 < comm.chunk_bytes:
                     raise InvalidRequest(
                         f"{where} rank {req.rank}: arena of {req.arena_bytes} bytes is smaller than "
@@ -206,7 +241,9 @@ class Registry:
                 old,
                 f"{old.comm.name()}: {old.label()} was dropped before it attached its arena: "
                 f"{cfg.max_unattached} newer registrations arrived first (--max-unattached)",
-                pb.RANK_FAILED, logging.INFO, fail=self._others_attached(old),
+                pb.RANK_FAILED,
+                logging.INFO,
+                fail=self._others_attached(old),
             )
         log.info("%s: registered %s", where, session.label(), extra=session.log_fields())
         return session
@@ -216,7 +253,9 @@ class Registry:
         if not req.nodes:
             return None, 0
         if len(req.nodes) > req.world_size:
-            raise InvalidRequest(f"{where}: the layout lists {len(req.nodes)} nodes for {req.world_size} ranks")
+            raise InvalidRequest(
+                f"{where}: the layout lists {len(req.nodes)} nodes for {req.world_size} ranks"
+            )
         for i, spec in enumerate(req.nodes):
             check_node_id(where, f"nodes[{i}].node_id", spec.node_id)
             check_peer_address(where, f"nodes[{i}].peer_address", spec.peer_address)
@@ -227,7 +266,12 @@ class Registry:
             raise InvalidRequest(f"{where}: node ids repeat in the layout: {ids}")
         for spec in req.nodes:
             ranks = list(spec.ranks)
-            if not ranks or ranks != sorted(set(ranks)) or any(r >= req.world_size for r in ranks) or seen & set(ranks):
+            if (
+                not ranks
+                or ranks != sorted(set(ranks))
+                or any(r >= req.world_size for r in ranks)
+                or seen & set(ranks)
+            ):
                 raise InvalidRequest(
                     f"{where}: node {spec.node_id} lists ranks {ranks[:16]}: expected ascending, distinct "
                     f"ranks below {req.world_size} that no other node lists"
@@ -235,7 +279,9 @@ class Registry:
             seen |= set(ranks)
             nodes.append(ranks)
         if len(seen) != req.world_size:
-            raise InvalidRequest(f"{where}: the layout places {len(seen)} of {req.world_size} ranks")
+            raise InvalidRequest(
+                f"{where}: the layout places {len(seen)} of {req.world_size} ranks"
+            )
         my_node = next(i for i, ranks in enumerate(nodes) if req.rank in ranks)
         if len(nodes) > 1:
             if not self.peer_address or self.network is None:
@@ -247,10 +293,14 @@ class Registry:
                 try:
                     parse_address(spec.peer_address)
                 except ValueError:
-                    raise InvalidRequest(f"{where}: node {spec.node_id} has no valid peer address ({quote(spec.peer_address)})") from None
+                    raise InvalidRequest(
+                        f"{where}: node {spec.node_id} has no valid peer address ({quote(spec.peer_address)})"
+                    ) from None
         return nodes, my_node
 
-    def meet(self, req: pb.RendezvousRequest, active: Callable[[], bool] = lambda: True) -> list[pb.NodeSpec]:
+    def meet(
+        self, req: pb.RendezvousRequest, active: Callable[[], bool] = lambda: True
+    ) -> list[pb.NodeSpec]:
         """A local rank's rendezvous (``Node.Rendezvous``): hosted here or forwarded to the root.
 
         Args:
@@ -262,7 +312,9 @@ class Registry:
         """
         where = f"rendezvous of job {req.job_id[:64]}"
         if not JOB_ID.match(req.job_id):
-            raise InvalidRequest(f"rendezvous of job {quote(req.job_id)}: job_id must be 1-128 characters of A-Z a-z 0-9 . _ : -")
+            raise InvalidRequest(
+                f"rendezvous of job {quote(req.job_id)}: job_id must be 1-128 characters of A-Z a-z 0-9 . _ : -"
+            )
         _check_token(where, req.job_token)
         if req.root:
             check_peer_address(where, "root", req.root)
@@ -272,16 +324,25 @@ class Registry:
         node_id, address = self.config.node_id, self.peer_address or "none"
         if not req.root or req.root == self.peer_address:
             with self.rendezvous_slots.held(where):
-                return self.rendezvous.meet(req.job_id, proof, req.rank, req.world_size, node_id, address, timeout_s, active)
+                return self.rendezvous.meet(
+                    req.job_id, proof, req.rank, req.world_size, node_id, address, timeout_s, active
+                )
         if self.network is None:
-            raise FailedPrecondition(f"{where}: the root is another daemon ({req.root}) but this one has no peers (--peer-bind off)")
+            raise FailedPrecondition(
+                f"{where}: the root is another daemon ({req.root}) but this one has no peers (--peer-bind off)"
+            )
         try:
             parse_address(req.root)
         except ValueError:
             raise InvalidRequest(f"{where}: root {quote(req.root)} is not HOST:PORT") from None
         meet = pb.MeetRequest(
-            job_id=req.job_id, proof=proof, rank=req.rank, world_size=req.world_size, node_id=node_id,
-            peer_address=address, timeout_ms=int(timeout_s * 1000),
+            job_id=req.job_id,
+            proof=proof,
+            rank=req.rank,
+            world_size=req.world_size,
+            node_id=node_id,
+            peer_address=address,
+            timeout_ms=int(timeout_s * 1000),
         )
         with self.rendezvous_slots.held(where):
             call = self.network.control.meet_future(
@@ -301,10 +362,15 @@ class Registry:
                         if not active():
                             call.cancel()
                     except grpc.FutureCancelledError:
-                        why = "smddpd is shutting down" if self._stopping else "the caller went away"
+                        why = (
+                            "smddpd is shutting down" if self._stopping else "the caller went away"
+                        )
                         raise FailedPrecondition(f"{where}: {why}") from None
                     except grpc.RpcError as exc:
-                        raise RemoteRefusal(exc.code(), f"{where}: the root's daemon at {req.root}: {exc.details() or exc.code()}") from None
+                        raise RemoteRefusal(
+                            exc.code(),
+                            f"{where}: the root's daemon at {req.root}: {exc.details() or exc.code()}",
+                        ) from None
             finally:
                 with self._lock:
                     self._forwarded.discard(call)
@@ -335,7 +401,9 @@ class Registry:
         """Jobs that a rank has attached to (lock held): the ones --max-jobs counts."""
         return sum(1 for jobs in self._jobs.values() for j in jobs if j.owner is not None)
 
-    def find_comm(self, job_id: str, comm_id: str, proof: bytes | None = None) -> Communicator | None:
+    def find_comm(
+        self, job_id: str, comm_id: str, proof: bytes | None = None
+    ) -> Communicator | None:
         """The communicator a peer daemon asks for, if registered here.
 
         Args:
@@ -377,7 +445,9 @@ class Registry:
         comm = session.comm
         if session.arena is not None:
             os.close(fd)
-            raise FailedPrecondition(f"{comm.name()}: {session.label()} has already attached its arena")
+            raise FailedPrecondition(
+                f"{comm.name()}: {session.label()} has already attached its arena"
+            )
         # A bad memfd is refused before anything is counted: the registration stays as it
         # was (it may attach again with a good one, or expire).
         arena = Arena(fd, session.arena_bytes, f"{comm.name()} {session.label()}")
@@ -407,7 +477,9 @@ class Registry:
             assert job is not None
             if job.owner is None:
                 if self._owned_jobs() >= self.config.max_jobs:
-                    raise LimitExceeded(f"{comm.name()}: the daemon already serves {self.config.max_jobs} jobs (--max-jobs)")
+                    raise LimitExceeded(
+                        f"{comm.name()}: the daemon already serves {self.config.max_jobs} jobs (--max-jobs)"
+                    )
                 if any(j.owner == uid for j in self._jobs.get(comm.job_id, ()) if j is not job):
                     raise Unauthenticated(
                         f"{comm.name()} {session.label()}: wrong job token: uid {uid} already runs job "
@@ -422,7 +494,9 @@ class Registry:
                 job.owner = uid
                 job.buffers.uid = uid
             elif job.owner != uid:
-                raise PermissionDenied(f"{comm.name()}: uid {uid} may not join job {comm.job_id}, which belongs to uid {job.owner}")
+                raise PermissionDenied(
+                    f"{comm.name()}: uid {uid} may not join job {comm.job_id}, which belongs to uid {job.owner}"
+                )
             else:
                 self._ranks_per_uid.take(uid, where=comm.name())
             session.uid = uid
@@ -445,7 +519,9 @@ class Registry:
     @staticmethod
     def _others_attached(session: Session) -> bool:
         """True if ranks of the session's communicator took part (dropping it must fail them)."""
-        return any(s is not session and s.arena is not None for s in list(session.comm.members.values()))
+        return any(
+            s is not session and s.arena is not None for s in list(session.comm.members.values())
+        )
 
     # -- leaving ------------------------------------------------------------------------------
 
@@ -463,7 +539,12 @@ class Registry:
         self._drop(session, why, pb.RANK_FAILED)
 
     def _drop(
-        self, session: Session, why: str, kind: int, log_level: int = logging.WARNING, fail: bool = True
+        self,
+        session: Session,
+        why: str,
+        kind: int,
+        log_level: int = logging.WARNING,
+        fail: bool = True,
     ) -> None:
         with self._lock:
             if session.closed:
@@ -557,4 +638,11 @@ class Registry:
         for comm in self.comms():
             comm.fail(pb.SHUTDOWN, f"{comm.name()}: {reason}")
         for session in self.sessions():
-            session.reply(pb.OpReply(request_id=0, ok=False, error_kind=pb.SHUTDOWN, error=f"{session.comm.name()}: {reason}"))
+            session.reply(
+                pb.OpReply(
+                    request_id=0,
+                    ok=False,
+                    error_kind=pb.SHUTDOWN,
+                    error=f"{session.comm.name()}: {reason}",
+                )
+            )

@@ -53,7 +53,9 @@ def rendezvous_proof(token: bytes, job_id: str) -> bytes:
 class _Meeting:
     world_size: int
     proof: bytes
-    arrivals: dict[int, tuple[str, str]] = field(default_factory=dict)  # rank -> (node id, peer address)
+    arrivals: dict[int, tuple[str, str]] = field(
+        default_factory=dict
+    )  # rank -> (node id, peer address)
     layout: list[pb.NodeSpec] | None = None
     answered: int = 0
     # Set once an arrival shows the meeting cannot complete (disagreeing world sizes): every
@@ -106,7 +108,9 @@ class RendezvousTable:
                 "passes its node layout to Register itself (as torch jobs do from their store)"
             )
         if not job_id or not world_size > 0 or rank >= world_size:
-            raise InvalidRequest(f"{where}: rank {rank} of world size {world_size} is not a rank of a job")
+            raise InvalidRequest(
+                f"{where}: rank {rank} of world size {world_size} is not a rank of a job"
+            )
         if not node_id or not peer_address:
             raise InvalidRequest(f"{where}: rank {rank} arrived without a node id and peer address")
         check_node_id(where, "node_id", node_id)
@@ -117,7 +121,9 @@ class RendezvousTable:
                 raise FailedPrecondition(f"{where}: {self._stopped}")
             meeting = self._meetings.get(job_id)
             now = time.monotonic()
-            for stale in [j for j, m in self._meetings.items() if m.failed and m.failed_until <= now]:
+            for stale in [
+                j for j, m in self._meetings.items() if m.failed and m.failed_until <= now
+            ]:
                 if stale == job_id:
                     meeting = None
                 del self._meetings[stale]
@@ -125,7 +131,9 @@ class RendezvousTable:
                 raise FailedPrecondition(meeting.failed)
             if meeting is None:
                 if len(self._meetings) >= self._max:
-                    raise LimitExceeded(f"{where}: this daemon already hosts {self._max} rendezvous (--max-jobs)")
+                    raise LimitExceeded(
+                        f"{where}: this daemon already hosts {self._max} rendezvous (--max-jobs)"
+                    )
                 meeting = self._meetings[job_id] = _Meeting(world_size, proof)
             if not hmac.compare_digest(meeting.proof, proof):
                 raise PermissionDenied(f"{where}: rank {rank} has the wrong job token")
@@ -138,7 +146,9 @@ class RendezvousTable:
                 self._cond.notify_all()  # the ranks already waiting cannot meet either
                 raise FailedPrecondition(meeting.failed)
             if rank in meeting.arrivals or meeting.layout is not None:
-                raise FailedPrecondition(f"{where}: rank {rank} arrived twice (from node {node_id})")
+                raise FailedPrecondition(
+                    f"{where}: rank {rank} arrived twice (from node {node_id})"
+                )
             for other, (other_node, other_address) in meeting.arrivals.items():
                 if other_node == node_id and other_address != peer_address:
                     raise FailedPrecondition(
@@ -155,14 +165,20 @@ class RendezvousTable:
                     del meeting.arrivals[rank]
                     raise FailedPrecondition(meeting.failed)
                 remaining = deadline - time.monotonic()
-                gone = self._stopped or (None if active() else f"rank {rank}'s call was cancelled (its process went away)")
+                gone = self._stopped or (
+                    None
+                    if active()
+                    else f"rank {rank}'s call was cancelled (its process went away)"
+                )
                 if remaining <= 0 or gone:
                     del meeting.arrivals[rank]
                     if not meeting.arrivals:
                         self._meetings.pop(job_id, None)
                     if gone:
                         raise FailedPrecondition(f"{where}: {gone}")
-                    missing = [r for r in range(world_size) if r not in meeting.arrivals and r != rank]
+                    missing = [
+                        r for r in range(world_size) if r not in meeting.arrivals and r != rank
+                    ]
                     raise RendezvousTimeout(
                         f"{where}: {rank_list(missing)} did not arrive within {timeout_s:.0f} s "
                         f"({len(meeting.arrivals) + 1} of {world_size} ranks came)"

@@ -43,16 +43,22 @@ class NodeService(pb_grpc.NodeServicer, EdgeService):
         self._registry = registry
         # Each Ops stream holds a gRPC thread for its life: bounded, so that they cannot take
         # the threads that Register, Status and health need.
-        self._streams = Slots("gRPC Ops streams", registry.config.max_op_streams, "--max-op-streams")
+        self._streams = Slots(
+            "gRPC Ops streams", registry.config.max_op_streams, "--max-op-streams"
+        )
 
     def _refused(self, what: str, exc: SmddpError) -> None:
         """Counts a refused call by its error kind and logs it (rate-limited per cause)."""
         if self._registry.metrics is not None:
             self._registry.metrics.error(exc.kind)
-        refusals.log(log, logging.INFO, f"{what} refused ({exc.code.name})", "refused a %s: %s", what, exc)
+        refusals.log(
+            log, logging.INFO, f"{what} refused ({exc.code.name})", "refused a %s: %s", what, exc
+        )
 
     @edge()
-    def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.RegisterReply:
+    def Register(
+        self, request: pb.RegisterRequest, context: grpc.ServicerContext
+    ) -> pb.RegisterReply:
         session = self._registry.register(Registration.from_proto(request))
         return pb.RegisterReply(
             session_id=session.session_id,
@@ -63,7 +69,9 @@ class NodeService(pb_grpc.NodeServicer, EdgeService):
         )
 
     @edge("Ops stream")
-    def Ops(self, request_iterator: Iterator[pb.OpRequest], context: grpc.ServicerContext) -> Iterator[pb.OpReply]:
+    def Ops(
+        self, request_iterator: Iterator[pb.OpRequest], context: grpc.ServicerContext
+    ) -> Iterator[pb.OpReply]:
         try:
             first = next(request_iterator)
         except StopIteration:
@@ -101,7 +109,9 @@ class NodeService(pb_grpc.NodeServicer, EdgeService):
             yield reply
 
     @edge()
-    def Deregister(self, request: pb.DeregisterRequest, context: grpc.ServicerContext) -> pb.DeregisterReply:
+    def Deregister(
+        self, request: pb.DeregisterRequest, context: grpc.ServicerContext
+    ) -> pb.DeregisterReply:
         session = self._registry.authenticate(request.session_id, request.session_secret)
         self._registry.deregister(session)
         return pb.DeregisterReply()
@@ -128,12 +138,16 @@ class NodeService(pb_grpc.NodeServicer, EdgeService):
         )
 
     @edge()
-    def Rendezvous(self, request: pb.RendezvousRequest, context: grpc.ServicerContext) -> pb.RendezvousReply:
+    def Rendezvous(
+        self, request: pb.RendezvousRequest, context: grpc.ServicerContext
+    ) -> pb.RendezvousReply:
         nodes = self._registry.meet(request, context.is_active)
         return pb.RendezvousReply(nodes=nodes)
 
     @edge()
-    def Topology(self, request: pb.TopologyRequest, context: grpc.ServicerContext) -> pb.TopologyReply:
+    def Topology(
+        self, request: pb.TopologyRequest, context: grpc.ServicerContext
+    ) -> pb.TopologyReply:
         network = self._registry.network
         reply = pb.TopologyReply(
             node_id=self._registry.config.node_id,
@@ -144,7 +158,9 @@ class NodeService(pb_grpc.NodeServicer, EdgeService):
             data_port=network.data_port if network is not None else 0,
         )
         for comm in self._registry.comms():
-            layout = reply.jobs.add(job_id=comm.job_id, comm_id=comm.comm_id, local_ranks=comm.local_ranks)
+            layout = reply.jobs.add(
+                job_id=comm.job_id, comm_id=comm.comm_id, local_ranks=comm.local_ranks
+            )
             ids = comm.peers.node_ids if comm.peers else [self._registry.config.node_id]
             addrs = comm.peers.addresses if comm.peers else [self._registry.peer_address]
             for node_id, addr, ranks in zip(ids, addrs, comm.nodes):

@@ -46,12 +46,18 @@ class TlsSocket:
     """
 
     def __init__(
-        self, sock: socket.socket, context: ssl.SSLContext, server_side: bool, server_hostname: str | None = None
+        self,
+        sock: socket.socket,
+        context: ssl.SSLContext,
+        server_side: bool,
+        server_hostname: str | None = None,
     ) -> None:
         self._sock = sock
         self._in = ssl.MemoryBIO()
         self._out = ssl.MemoryBIO()
-        self._tls = context.wrap_bio(self._in, self._out, server_side=server_side, server_hostname=server_hostname)
+        self._tls = context.wrap_bio(
+            self._in, self._out, server_side=server_side, server_hostname=server_hostname
+        )
         self._lock = threading.Lock()  # the TLS object and its BIOs
         self._flush_lock = threading.Lock()  # ciphertext leaves in the order it was made
 
@@ -76,9 +82,13 @@ class TlsSocket:
                     return
                 more = self._fill()
             except (ConnectionResetError, BrokenPipeError) as exc:
-                raise ssl.SSLEOFError(ssl.SSL_ERROR_EOF, f"the peer hung up during the TLS handshake ({exc})") from None
+                raise ssl.SSLEOFError(
+                    ssl.SSL_ERROR_EOF, f"the peer hung up during the TLS handshake ({exc})"
+                ) from None
             if not more:
-                raise ssl.SSLEOFError(ssl.SSL_ERROR_EOF, "the peer hung up during the TLS handshake")
+                raise ssl.SSLEOFError(
+                    ssl.SSL_ERROR_EOF, "the peer hung up during the TLS handshake"
+                )
 
     def _flush(self) -> None:
         with self._flush_lock:

@@ -12,7 +12,9 @@ from smddp.wire import outward_ip
 def local_devices() -> list[pb.Device]:
     """NUMA nodes (with their CPUs) and GPUs visible on this node, without importing CUDA."""
     devices: list[pb.Device] = []
-    for path in sorted(glob.glob("/sys/devices/system/node/node[0-9]*"), key=lambda p: int(p.rsplit("node", 1)[1])):
+    for path in sorted(
+        glob.glob("/sys/devices/system/node/node[0-9]*"), key=lambda p: int(p.rsplit("node", 1)[1])
+    ):
         index = int(path.rsplit("node", 1)[1])
         try:
             with open(os.path.join(path, "cpulist")) as f:

@@ -12,8 +12,18 @@ import re
 
 # Binary units are what memory sizes usually mean; the SI forms are accepted too, and mean
 # what they say, so that "4MB" is not silently 4 MiB.
-_BINARY = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20,
-           "g": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40}
+_BINARY = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kib": 1 << 10,
+    "m": 1 << 20,
+    "mib": 1 << 20,
+    "g": 1 << 30,
+    "gib": 1 << 30,
+    "t": 1 << 40,
+    "tib": 1 << 40,
+}
 _DECIMAL = {"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _UNITS = {**_BINARY, **_DECIMAL}
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*")

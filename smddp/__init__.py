@@ -54,7 +54,9 @@ def _register() -> None:
     if not dist.is_available():
         return
     if _BACKEND_NAME not in dist.Backend.backend_list:
-        dist.Backend.register_backend(_BACKEND_NAME, _create, extended_api=True, devices=["cpu", "cuda"])
+        dist.Backend.register_backend(
+            _BACKEND_NAME, _create, extended_api=True, devices=["cpu", "cuda"]
+        )
     _explain_env_rendezvous()
 
 
@@ -69,8 +71,11 @@ def _torch_autoload() -> None:
     except Exception as exc:
         import warnings
 
-        warnings.warn(f"smddp: could not register backend 'smddp' with torch: {exc!r}; "
-                      "add 'import smddp' to the script", stacklevel=2)
+        warnings.warn(
+            f"smddp: could not register backend 'smddp' with torch: {exc!r}; "
+            "add 'import smddp' to the script",
+            stacklevel=2,
+        )
 
 
 def _explain_env_rendezvous() -> None:
@@ -85,13 +90,17 @@ def _explain_env_rendezvous() -> None:
         return
 
     def env_handler(url: str, timeout: Any = None, **kwargs: Any) -> Iterator[Any]:
-        gen = original(url, **kwargs) if timeout is None else original(url, timeout=timeout, **kwargs)
+        gen = (
+            original(url, **kwargs) if timeout is None else original(url, timeout=timeout, **kwargs)
+        )
         try:
             first = next(gen)
         except ValueError as exc:
             if "expected, but not set" not in str(exc):
                 raise
-            raise ValueError(f"{exc}. {_launch_problem or 'smddp: ' + launch_env.HOW_TO_START}") from None
+            raise ValueError(
+                f"{exc}. {_launch_problem or 'smddp: ' + launch_env.HOW_TO_START}"
+            ) from None
         yield first
         yield from gen
 
@@ -102,7 +111,9 @@ def _explain_env_rendezvous() -> None:
 class _RegisterAfterImport(importlib.abc.MetaPathFinder):
     """Registers the backend right after ``torch`` (with torch.distributed) finishes importing."""
 
-    def find_spec(self, fullname: str, path: object, target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+    def find_spec(
+        self, fullname: str, path: object, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
         if fullname != _TRIGGER:
             return None
         sys.meta_path.remove(self)

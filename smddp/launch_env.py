@@ -113,7 +113,12 @@ def _open_mpi(env: MutableMapping[str, str]) -> Launch | None:
         return None
     local_rank = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK")
     local_size = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE")
-    job = env.get("PMIX_NAMESPACE") or env.get("OMPI_MCA_ess_base_jobid") or env.get("OMPI_MCA_orte_ess_jobid") or ""
+    job = (
+        env.get("PMIX_NAMESPACE")
+        or env.get("OMPI_MCA_ess_base_jobid")
+        or env.get("OMPI_MCA_orte_ess_jobid")
+        or ""
+    )
     return _launch("Open MPI", rank, size, local_rank, local_size, job)
 
 
@@ -132,7 +137,9 @@ def _slurm(env: MutableMapping[str, str]) -> Launch | None:
     if rank is None or size is None:
         return None
     local_rank = _int(env, "SLURM_LOCALID")
-    per_node = expand_tasks_per_node(env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or "")
+    per_node = expand_tasks_per_node(
+        env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or ""
+    )
     node = _int(env, "SLURM_NODEID") or 0
     local_size = per_node[node] if node < len(per_node) else _int(env, "SLURM_NTASKS_PER_NODE")
     nodes = _int(env, "SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES")
@@ -176,7 +183,9 @@ def _master_host(env: MutableMapping[str, str]) -> str | None:
             hosts = []
         if hosts:
             return str(hosts[0])
-    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    nodelist = (
+        env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    )
     if nodelist:
         hosts = expand_nodelist(nodelist)
         if hosts:

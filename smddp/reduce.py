@@ -47,7 +47,9 @@ _BOOL_UFUNCS = {
 }
 
 
-def parallel_ranges(n: int, itemsize: int, fn: Callable[[int, int], None], threads: int = _THREADS) -> None:
+def parallel_ranges(
+    n: int, itemsize: int, fn: Callable[[int, int], None], threads: int = _THREADS
+) -> None:
     """Calls ``fn(start, stop)`` over pieces covering ``range(n)``, in parallel when large."""
     pieces = min(threads, _THREADS, max(1, (n * itemsize) // PARALLEL_MIN_BYTES))
     if pieces <= 1:

@@ -67,7 +67,28 @@ STATE_FAILED = 2
 KINDS = 16
 DTYPES = 16
 # Must equal the daemon's histogram buckets (server/metrics.py) so that counts add up.
-LATENCY_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+LATENCY_BUCKETS = (
+    1e-5,
+    5e-5,
+    1e-4,
+    2.5e-4,
+    5e-4,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    1e-2,
+    2.5e-2,
+    5e-2,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+    60,
+)
 NBUCKETS = len(LATENCY_BUCKETS) + 1
 # Op table columns: ops, bytes, duration sum (ns), duration buckets.
 C_OPS, C_BYTES, C_DUR_SUM = 0, 1, 2
@@ -104,7 +125,13 @@ def init_header(buf: np.ndarray, world_size: int, data_bytes: int) -> None:
 
 def packed_signature(kind: int, dtype: int, count: int, root: int, reduce_op: int) -> int:
     """One int64 that differs whenever two ops' signatures differ (count below 2**35)."""
-    return (kind << 58) | (dtype << 53) | (reduce_op << 49) | ((root & 0x3FFF) << 35) | (count & ((1 << 35) - 1))
+    return (
+        (kind << 58)
+        | (dtype << 53)
+        | (reduce_op << 49)
+        | ((root & 0x3FFF) << 35)
+        | (count & ((1 << 35) - 1))
+    )
 
 
 class RegionView:
@@ -122,13 +149,21 @@ class RegionView:
         self.slot_words = self.slot_bytes // 8
         base = HEADER_BYTES // 8
         self.slot_base = [base + r * self.slot_words for r in range(self.world)]
-        self.slots = buf[HEADER_BYTES : HEADER_BYTES + self.world * self.slot_bytes].view(np.int64).reshape(self.world, -1)
+        self.slots = (
+            buf[HEADER_BYTES : HEADER_BYTES + self.world * self.slot_bytes]
+            .view(np.int64)
+            .reshape(self.world, -1)
+        )
         self.address = buf.ctypes.data
 
     def op_table(self, rank: int) -> np.ndarray:
         """Rank ``rank``'s op counters, shape (KINDS * DTYPES, OP_COLS)."""
         off = HEADER_BYTES + rank * self.slot_bytes + OP_TABLE_OFFSET
-        return self.buf[off : off + KINDS * DTYPES * OP_COLS * 8].view(np.int64).reshape(KINDS * DTYPES, OP_COLS)
+        return (
+            self.buf[off : off + KINDS * DTYPES * OP_COLS * 8]
+            .view(np.int64)
+            .reshape(KINDS * DTYPES, OP_COLS)
+        )
 
     def skew_table(self, rank: int) -> np.ndarray:
         """Rank ``rank``'s arrival-skew counters, shape (KINDS, SKEW_COLS)."""
@@ -166,7 +201,9 @@ class RegionView:
         b = self.slot_base[rank]
         n = int(self.words[b + S_ERR_LEN])
         off = HEADER_BYTES + rank * self.slot_bytes + ERR_MSG_OFFSET
-        return int(self.words[b + S_ERR_KIND]), bytes(self.buf[off : off + n]).decode("utf-8", "replace")
+        return int(self.words[b + S_ERR_KIND]), bytes(self.buf[off : off + n]).decode(
+            "utf-8", "replace"
+        )
 
     def set_slot_error(self, rank: int, kind: int, message: str) -> None:
         """Records an error in ``rank``'s slot (by that rank) and raises the alarm."""
@@ -184,7 +221,9 @@ class RegionView:
         if not self.header[H_FAILED]:
             return None
         n = int(self.header[H_FAIL_LEN])
-        return int(self.header[H_FAIL_KIND]), bytes(self.buf[FAIL_MSG_OFFSET : FAIL_MSG_OFFSET + n]).decode("utf-8", "replace")
+        return int(self.header[H_FAIL_KIND]), bytes(
+            self.buf[FAIL_MSG_OFFSET : FAIL_MSG_OFFSET + n]
+        ).decode("utf-8", "replace")
 
     def set_failure(self, kind: int, message: str) -> None:
         """The daemon fails the communicator: message first, then the flags, then wakes all."""
@@ -231,13 +270,23 @@ def futex_wait(address: int, expected: int, timeout_s: float) -> None:
         time.sleep(min(timeout_s, 0.001))
         return
     ts = _Timespec(int(timeout_s), int((timeout_s % 1) * 1e9))
-    _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(address), _FUTEX_WAIT, ctypes.c_int(_as_int32(expected)), ctypes.byref(ts), None, 0)
+    _libc.syscall(
+        _SYS_FUTEX,
+        ctypes.c_void_p(address),
+        _FUTEX_WAIT,
+        ctypes.c_int(_as_int32(expected)),
+        ctypes.byref(ts),
+        None,
+        0,
+    )
 
 
 def futex_wake(address: int) -> None:
     """Wakes every process sleeping on the word at ``address``."""
     if _SYS_FUTEX is not None:
-        _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(address), _FUTEX_WAKE, ctypes.c_int(1 << 30), None, None, 0)
+        _libc.syscall(
+            _SYS_FUTEX, ctypes.c_void_p(address), _FUTEX_WAKE, ctypes.c_int(1 << 30), None, None, 0
+        )
 
 
 def usable_cores() -> int:

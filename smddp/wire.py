@@ -30,6 +30,7 @@ MAX_MESSAGE_BYTES = 1 << 20
 
 DATA_SOCKET_SUFFIX = ".data"
 
+
 class _DtypeTable(dict):  # type: ignore[type-arg]
     """A dtype table whose bfloat16 entry appears at its first use (see the module docstring).
 
@@ -47,7 +48,9 @@ class _DtypeTable(dict):  # type: ignore[type-arg]
         raise KeyError(key)
 
     def __contains__(self, key: object) -> bool:
-        return dict.__contains__(self, key) or (self._is_bfloat16(key) and _load_bfloat16() and dict.__contains__(self, key))
+        return dict.__contains__(self, key) or (
+            self._is_bfloat16(key) and _load_bfloat16() and dict.__contains__(self, key)
+        )
 
     def get(self, key: object, default: object = None) -> object:
         try:
@@ -87,17 +90,20 @@ def _load_bfloat16() -> bool:
     return True
 
 
-NUMPY_DTYPES: dict[int, np.dtype] = _DtypeTable({
-    pb.FLOAT16: np.dtype(np.float16),
-    pb.FLOAT32: np.dtype(np.float32),
-    pb.FLOAT64: np.dtype(np.float64),
-    pb.INT8: np.dtype(np.int8),
-    pb.UINT8: np.dtype(np.uint8),
-    pb.INT16: np.dtype(np.int16),
-    pb.INT32: np.dtype(np.int32),
-    pb.INT64: np.dtype(np.int64),
-    pb.BOOL: np.dtype(np.bool_),
-}, lambda code: code == pb.BFLOAT16)
+NUMPY_DTYPES: dict[int, np.dtype] = _DtypeTable(
+    {
+        pb.FLOAT16: np.dtype(np.float16),
+        pb.FLOAT32: np.dtype(np.float32),
+        pb.FLOAT64: np.dtype(np.float64),
+        pb.INT8: np.dtype(np.int8),
+        pb.UINT8: np.dtype(np.uint8),
+        pb.INT16: np.dtype(np.int16),
+        pb.INT32: np.dtype(np.int32),
+        pb.INT64: np.dtype(np.int64),
+        pb.BOOL: np.dtype(np.bool_),
+    },
+    lambda code: code == pb.BFLOAT16,
+)
 # A numpy dtype named bfloat16 exists only once ml_dtypes is imported (by whoever made it).
 WIRE_DTYPES: dict[np.dtype, int] = _DtypeTable(
     {v: k for k, v in dict.items(NUMPY_DTYPES)}, lambda dt: getattr(dt, "name", None) == "bfloat16"

@@ -20,7 +20,7 @@ import pytest
 HERE = Path(__file__).resolve().parent
 
 SCRATCH = {
-    "tests/test_ways.py": '''
+    "tests/test_ways.py": """
 import pytest
 
 @pytest.fixture
@@ -50,24 +50,24 @@ def test_importorskip():
 @pytest.mark.xfail(reason="known", strict=True)
 def test_xfail():
     raise AssertionError
-''',
-    "tests/test_module_skip.py": '''
+""",
+    "tests/test_module_skip.py": """
 import pytest
 pytest.skip("the whole module", allow_module_level=True)
 def test_never():
     pass
-''',
-    "tests/test_module_importorskip.py": '''
+""",
+    "tests/test_module_importorskip.py": """
 import pytest
 pytest.importorskip("no_such_module_smddp_either")
 def test_never():
     pass
-''',
-    "tests/gpu/test_gpu_skip.py": '''
+""",
+    "tests/gpu/test_gpu_skip.py": """
 import pytest
 def test_needs_gpu():
     pytest.skip("no GPU here")
-''',
+""",
 }
 
 
@@ -111,7 +111,9 @@ def test_under_ci_every_skip_outside_tests_gpu_fails(tmp_path: Path) -> None:
     proc = _run(tmp_path, "true")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2 and "Interrupted: 2 errors during collection" in out, out
-    assert re.search(r"ERROR tests/test_module_skip\.py - skipped under CI=true.*the whole module", out), out
+    assert re.search(
+        r"ERROR tests/test_module_skip\.py - skipped under CI=true.*the whole module", out
+    ), out
 
     proc = _run(tmp_path, "true", "--continue-on-collection-errors")
     out = proc.stdout + proc.stderr

@@ -48,7 +48,9 @@ def _rounds(nbytes: int) -> tuple[int, int]:
     return 4, 3
 
 
-def _time_case(op: str, nbytes: int, groups: dict[str, Any], world: int, rank: int) -> dict[str, float]:
+def _time_case(
+    op: str, nbytes: int, groups: dict[str, Any], world: int, rank: int
+) -> dict[str, float]:
     import torch
     import torch.distributed as dist
 
@@ -133,7 +135,9 @@ def _ddp_step(groups: dict[str, Any], rank: int, steps: int) -> dict[str, dict[s
     return result
 
 
-def _rank_main(rank: int, world: int, init: str, ddp_steps: int, queue_path: str, cases: tuple = CASES) -> None:
+def _rank_main(
+    rank: int, world: int, init: str, ddp_steps: int, queue_path: str, cases: tuple = CASES
+) -> None:
     import torch
     import torch.distributed as dist
 
@@ -188,7 +192,10 @@ def run(world: int, ddp_steps: int, cases: tuple = CASES) -> dict[str, Any]:
         cases[key] = {b: max(r["cases"][key][b] for r in ranks) for b in ranks[0]["cases"][key]}
     out: dict[str, Any] = {"world": world, "cases": cases}
     if "ddp" in ranks[0]:
-        out["ddp"] = {b: {k: max(r["ddp"][b][k] for r in ranks) for k in ranks[0]["ddp"][b]} for b in ranks[0]["ddp"]}
+        out["ddp"] = {
+            b: {k: max(r["ddp"][b][k] for r in ranks) for k in ranks[0]["ddp"][b]}
+            for b in ranks[0]["ddp"]
+        }
     return out
 
 
@@ -201,14 +208,20 @@ def _busbw(op: str, nbytes: int, world: int, s: float) -> float:
     return factor * nbytes / s / 1e9
 
 
-def markdown(results: list[dict[str, Any]], ref: dict[int, dict[str, float]], cases: tuple = CASES) -> str:
+def markdown(
+    results: list[dict[str, Any]], ref: dict[int, dict[str, float]], cases: tuple = CASES
+) -> str:
     """The README's table: per case and world size, smddp, gloo and gloo/smddp."""
     worlds = [r["world"] for r in results]
     head = "| op | " + " | ".join(f"w={w} smddp | w={w} gloo | gloo/smddp" for w in worlds) + " |"
     lines = [head, "| --- |" + " --- | --- | --- |" * len(worlds)]
     for op, nbytes in cases:
         key = f"{op}:{nbytes}"
-        label = "barrier" if op == "barrier" else f"{op} {_size(nbytes)}" + (" out" if op == "all_gather" else "")
+        label = (
+            "barrier"
+            if op == "barrier"
+            else f"{op} {_size(nbytes)}" + (" out" if op == "all_gather" else "")
+        )
         cells = []
         for r in results:
             c = r["cases"][key]
@@ -217,9 +230,13 @@ def markdown(results: list[dict[str, Any]], ref: dict[int, dict[str, float]], ca
             cells.append(f"{_fmt_t(sm)}{bw} | {_fmt_t(gl)} | {gl / sm:.2f}")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines.append("")
-    lines.append("Single-core reference: " + ", ".join(
-        f"{_size(n)} copy {_fmt_t(v['copy'])} ({n / v['copy'] / 1e9:.1f} GB/s), add {_fmt_t(v['add'])}" for n, v in ref.items()
-    ))
+    lines.append(
+        "Single-core reference: "
+        + ", ".join(
+            f"{_size(n)} copy {_fmt_t(v['copy'])} ({n / v['copy'] / 1e9:.1f} GB/s), add {_fmt_t(v['add'])}"
+            for n, v in ref.items()
+        )
+    )
     for r in results:
         if "ddp" in r:
             d = r["ddp"]
@@ -229,8 +246,14 @@ def markdown(results: list[dict[str, Any]], ref: dict[int, dict[str, float]], ca
             lines.append("| backend | step | no_sync step | communication overhead |")
             lines.append("| --- | --- | --- | --- |")
             for b in ("smddp", "gloo"):
-                lines.append(f"| {b} | {_fmt_t(d[b]['step_s'])} | {_fmt_t(d[b]['no_sync_s'])} | {_fmt_t(d[b]['overhead_s'])} |")
-            ratio = d["smddp"]["overhead_s"] / d["gloo"]["overhead_s"] if d["gloo"]["overhead_s"] > 0 else float("nan")
+                lines.append(
+                    f"| {b} | {_fmt_t(d[b]['step_s'])} | {_fmt_t(d[b]['no_sync_s'])} | {_fmt_t(d[b]['overhead_s'])} |"
+                )
+            ratio = (
+                d["smddp"]["overhead_s"] / d["gloo"]["overhead_s"]
+                if d["gloo"]["overhead_s"] > 0
+                else float("nan")
+            )
             lines.append("")
             lines.append(f"smddp's overhead is {ratio:.2f} of gloo's.")
     return "\n".join(lines) + "\n"
@@ -245,10 +268,16 @@ def _size(n: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Runs the paired benchmark and prints the table."""
-    p = argparse.ArgumentParser(prog="python -m benchmarks.collectives.paired", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.collectives.paired", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--world-sizes", default="2,4")
-    p.add_argument("--ddp-steps", type=int, default=10, help="timed DDP steps per backend (w=2; 0: skip)")
-    p.add_argument("--cases", help="only these cases, e.g. all_reduce:4,broadcast:16777216 (default: all)")
+    p.add_argument(
+        "--ddp-steps", type=int, default=10, help="timed DDP steps per backend (w=2; 0: skip)"
+    )
+    p.add_argument(
+        "--cases", help="only these cases, e.g. all_reduce:4,broadcast:16777216 (default: all)"
+    )
     p.add_argument("--json", help="write the results here")
     p.add_argument("--markdown", help="write the table here")
     args = p.parse_args(argv)
@@ -257,14 +286,18 @@ def main(argv: list[str] | None = None) -> int:
         wanted = set(args.cases.split(","))
         cases = tuple(c for c in CASES if f"{c[0]}:{c[1]}" in wanted)
         if not cases:
-            p.error(f"--cases: none of {args.cases} is a case ({', '.join(f'{o}:{n}' for o, n in CASES)})")
+            p.error(
+                f"--cases: none of {args.cases} is a case ({', '.join(f'{o}:{n}' for o, n in CASES)})"
+            )
     results = [run(int(w), args.ddp_steps, cases) for w in args.world_sizes.split(",")]
     ref = {n: _reference(n) for n in (1 << 20, 16 << 20, 64 << 20)}
     table = markdown(results, ref, cases)
     print(table)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"results": results, "reference": {str(k): v for k, v in ref.items()}}, f, indent=1)
+            json.dump(
+                {"results": results, "reference": {str(k): v for k, v in ref.items()}}, f, indent=1
+            )
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(table)

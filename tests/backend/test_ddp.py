@@ -212,7 +212,8 @@ def futures(rank: int, world: int, init_file: str) -> dict:
         out[name] = {
             "pending": pending,
             "value": torch.equal(got, torch.full((n,), 3.0)) and got is t,
-            "copied_back": torch.equal(base[:, 0], torch.full((n,), 3.0)) and bool((base[:, 1] == rank + 1).all()),
+            "copied_back": torch.equal(base[:, 0], torch.full((n,), 3.0))
+            and bool((base[:, 1] == rank + 1).all()),
             "then": total.wait(),
         }
 
@@ -246,7 +247,9 @@ def futures(rank: int, world: int, init_file: str) -> dict:
         def backward(ctx, g):  # type: ignore[override]
             if rank == 1:
                 store.wait(["go-backward"])
-            ctx.fut = dist.all_reduce(mismatched(1 << 20), group=backward_group, async_op=True).get_future()
+            ctx.fut = dist.all_reduce(
+                mismatched(1 << 20), group=backward_group, async_op=True
+            ).get_future()
             if rank == 0:
                 store.set("go-backward", "1")
             return g
@@ -265,12 +268,16 @@ def futures(rank: int, world: int, init_file: str) -> dict:
 
 @pytest.mark.timeout(180)
 def test_futures_complete_later(daemon, spawn_ranks, tmp_path):
-    results = spawn_ranks(futures, WORLD, WORLD, str(tmp_path / "init"), env=rank_env(daemon)).join()
+    results = spawn_ranks(
+        futures, WORLD, WORLD, str(tmp_path / "init"), env=rank_env(daemon)
+    ).join()
     for rank, got in enumerate(results):
         for name in ("small", "large"):
             r = got[name]
             if rank == 0:
-                assert r["pending"], f"{name}: rank 0's Future was done before rank 1 started the op"
+                assert r["pending"], (
+                    f"{name}: rank 0's Future was done before rank 1 started the op"
+                )
             assert r["value"] and r["copied_back"], (rank, name, r)
             assert r["then"] == 3.0 * (16 if name == "small" else 1 << 20), (rank, name, r)
         errors = got["errors"]
@@ -278,4 +285,6 @@ def test_futures_complete_later(daemon, spawn_ranks, tmp_path):
         # A then callback's fut.value() raises it too, and its Future fails with the message.
         assert errors["then"] is not None and errors["wait"][1] in errors["then"][1], errors
         # Raised from backward() with its type, though nothing in backward waited for it.
-        assert errors["backward"] is not None and errors["backward"][0] == "SmddpMismatchError", errors
+        assert errors["backward"] is not None and errors["backward"][0] == "SmddpMismatchError", (
+            errors
+        )

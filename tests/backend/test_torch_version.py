@@ -22,10 +22,21 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_versions_inside_and_outside_the_range() -> None:
-    for ok in ("2.11.0+cu130", "2.12.1", "2.13.0", "2.13.0+cpu", "2.14.1+cu128", "2.16.0.dev20261201", "2.99.0"):
+    for ok in (
+        "2.11.0+cu130",
+        "2.12.1",
+        "2.13.0",
+        "2.13.0+cpu",
+        "2.14.1+cu128",
+        "2.16.0.dev20261201",
+        "2.99.0",
+    ):
         check_torch(ok)
     for old in ("2.10.1", "2.5.0+cu121", "1.13.1", "3.0.0"):
-        with pytest.raises(UnsupportedTorchError, match=rf"needs torch>=2\.11,<3; this process has torch {re.escape(old)}\."):
+        with pytest.raises(
+            UnsupportedTorchError,
+            match=rf"needs torch>=2\.11,<3; this process has torch {re.escape(old)}\.",
+        ):
             check_torch(old)
 
 
@@ -35,7 +46,9 @@ def test_the_torch_extra_declares_the_same_range() -> None:
 
 
 def _python(code: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
 
 
 @pytest.mark.timeout(240)
@@ -44,8 +57,10 @@ def test_an_old_torch_gets_one_clear_message() -> None:
     proc = _python(pretend + "import smddp.backend")
     assert proc.returncode == 1
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("smddp.backend.version.UnsupportedTorchError: smddp's torch backend needs torch>=2.11,<3; "
-                           "this process has torch 2.10.0+cpu. Install a torch in that range"), proc.stderr
+    assert last.startswith(
+        "smddp.backend.version.UnsupportedTorchError: smddp's torch backend needs torch>=2.11,<3; "
+        "this process has torch 2.10.0+cpu. Install a torch in that range"
+    ), proc.stderr
 
     # The SageMaker import path raises the same error.
     proc = _python(pretend + "import smdistributed.dataparallel.torch.torch_smddp")
@@ -54,13 +69,17 @@ def test_an_old_torch_gets_one_clear_message() -> None:
     # ``import smddp`` alone (as a numpy job or the daemon's tools do) keeps torch usable under
     # an unsupported torch: the backend's creator imports smddp.backend, so the same clear error
     # comes when a process group is first made.
-    proc = _python(pretend + "import smddp; print('torch usable:', torch.ones(2).sum().item()); "
-                   "smddp._create(None, None)")
+    proc = _python(
+        pretend + "import smddp; print('torch usable:', torch.ones(2).sum().item()); "
+        "smddp._create(None, None)"
+    )
     assert "torch usable: 2.0" in proc.stdout, proc.stderr
     assert proc.returncode == 1
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("smddp.backend.version.UnsupportedTorchError: smddp's torch backend needs "
-                           "torch>=2.11,<3; this process has torch 2.10.0+cpu."), proc.stderr
+    assert last.startswith(
+        "smddp.backend.version.UnsupportedTorchError: smddp's torch backend needs "
+        "torch>=2.11,<3; this process has torch 2.10.0+cpu."
+    ), proc.stderr
 
 
 @pytest.mark.timeout(240)
@@ -79,7 +98,7 @@ def test_a_torch_without_either_name_of_an_op_is_refused_naming_it() -> None:
     assert "lacks all_gather_single or _allgather_base (a development build" in last, proc.stderr
 
 
-PROBE = r'''
+PROBE = r"""
 import json, torch, torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 from smddp.backend.process_group import SmddpProcessGroup
@@ -147,7 +166,7 @@ for op, call in ops.items():
         reached[op] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
 print(json.dumps({"reached": reached,
                   "defined": [n for n in NAMES if n in vars(SmddpProcessGroup)]}))
-'''
+"""
 
 
 @pytest.mark.timeout(240)

@@ -128,5 +128,8 @@ def test_the_script_never_installs_from_the_network() -> None:
     checked = re.findall(r"^(?:DEPS=\")?([a-z][a-z0-9-]*) [0-9.]+\"?$", text, re.M)
     # What the script checks and may need from .whl/ is what gets downloaded, except what the
     # GPU image has in versions smddp takes (numpy, ml-dtypes, pytest, pytest-timeout).
-    assert set(checked) - set(pinned) == {"numpy", "ml-dtypes", "pytest", "pytest-timeout"}, (checked, pinned)
+    assert set(checked) - set(pinned) == {"numpy", "ml-dtypes", "pytest", "pytest-timeout"}, (
+        checked,
+        pinned,
+    )
     assert set(pinned) <= set(checked), (checked, pinned)

@@ -39,7 +39,9 @@ def _scrape(port: int) -> dict[tuple[str, frozenset], float]:
         name_labels, value = line.rsplit(" ", 1)
         if "{" in name_labels:
             name, rest = name_labels.split("{", 1)
-            labels = frozenset(tuple(kv.split("=", 1)) for kv in rest.rstrip("}").replace('"', "").split(",") if kv)
+            labels = frozenset(
+                tuple(kv.split("=", 1)) for kv in rest.rstrip("}").replace('"', "").split(",") if kv
+            )
         else:
             name, labels = name_labels, frozenset()
         out[(name, labels)] = float(value)
@@ -86,8 +88,12 @@ def test_metric_sums_equal_what_the_job_did_on_every_path(start_daemon) -> None:
             assert (a == 3).all()
         after = _scrape(port)
         labels = {"op": op, "dtype": dtype}
-        assert _v(after, "smddp_ops_total", **labels) - _v(before, "smddp_ops_total", **labels) == 1, name
-        grown = _v(after, "smddp_op_bytes_total", **labels) - _v(before, "smddp_op_bytes_total", **labels)
+        assert (
+            _v(after, "smddp_ops_total", **labels) - _v(before, "smddp_ops_total", **labels) == 1
+        ), name
+        grown = _v(after, "smddp_op_bytes_total", **labels) - _v(
+            before, "smddp_op_bytes_total", **labels
+        )
         assert grown == 2 * a.nbytes, (name, grown)
         count = "smddp_op_duration_seconds_count"
         assert _v(after, count, **labels) - _v(before, count, **labels) == 1, name
@@ -98,9 +104,15 @@ def test_metric_sums_equal_what_the_job_did_on_every_path(start_daemon) -> None:
     assert (x == y).all()
     _both(c0.barrier, c1.barrier)
     after = _scrape(port)
-    sent = _v(after, "smddp_op_bytes_total", op="send", dtype="int32") - _v(before, "smddp_op_bytes_total", op="send", dtype="int32")
+    sent = _v(after, "smddp_op_bytes_total", op="send", dtype="int32") - _v(
+        before, "smddp_op_bytes_total", op="send", dtype="int32"
+    )
     assert sent == x.nbytes
-    assert _v(after, "smddp_ops_total", op="barrier", dtype="none") - _v(before, "smddp_ops_total", op="barrier", dtype="none") == 1
+    assert (
+        _v(after, "smddp_ops_total", op="barrier", dtype="none")
+        - _v(before, "smddp_ops_total", op="barrier", dtype="none")
+        == 1
+    )
     c0.close()
     c1.close()
 
@@ -137,7 +149,9 @@ def test_daemon_killed_mid_op_fails_the_waiting_rank_fast(start_daemon) -> None:
     c1.session.close(deregister=False)
 
 
-def _spinning_victim(socket_path: str, job: str, token: bytes, ready: multiprocessing.Event) -> None:
+def _spinning_victim(
+    socket_path: str, job: str, token: bytes, ready: multiprocessing.Event
+) -> None:
     c = connect(job, token, 1, 2, socket_path=socket_path)
     x = np.ones(4, np.float32)
     c.all_reduce(x).wait()
@@ -192,7 +206,10 @@ def test_async_large_ops_from_one_thread(start_daemon) -> None:
     c1 = connect(job, token, 1, 2, socket_path=d.socket)
     a, b = np.ones(1 << 20, np.float32), np.full(1 << 20, 2.0, np.float32)
     handles = [c0.all_reduce(a), c1.all_reduce(b), c0.all_reduce(a), c1.all_reduce(b)]
-    small = [c0.all_reduce(np.ones(3, np.int64), pb.MAX), c1.all_reduce(np.full(3, 5, np.int64), pb.MAX)]
+    small = [
+        c0.all_reduce(np.ones(3, np.int64), pb.MAX),
+        c1.all_reduce(np.full(3, 5, np.int64), pb.MAX),
+    ]
     for h in handles + small:
         h.wait()
     assert (a == 6).all() and (b == 6).all()

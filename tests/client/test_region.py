@@ -25,7 +25,9 @@ def _ranks(region: ControlRegion, timeout_s: float = 60.0, alive=lambda: True) -
     def gone() -> DaemonLostError:
         return DaemonLostError("smddpd at test is gone (it stopped or restarted)")
 
-    return [ShmPath(NAME, r, region.view.buf, timeout_s, alive, gone) for r in range(region.view.world)]
+    return [
+        ShmPath(NAME, r, region.view.buf, timeout_s, alive, gone) for r in range(region.view.world)
+    ]
 
 
 def _in_threads(fns) -> list:
@@ -153,13 +155,18 @@ def test_a_rank_notices_the_daemon_gone() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_a_rank_times_out_on_its_own_when_the_daemon_cannot(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_rank_times_out_on_its_own_when_the_daemon_cannot(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setattr("smddp.client.shm.GRACE_S", 0.0)
     region = ControlRegion(3, data_bytes=4096)
     ranks = _ranks(region, timeout_s=0.3)
     ranks[1].publish(1, ranks[1].next_parity(), pb.BARRIER, 0, 0, 0, 0)
     target = ranks[0].publish(1, ranks[0].next_parity(), pb.BARRIER, 0, 0, 0, 0)
-    with pytest.raises(OpTimeoutError, match=r"op #1 barrier\(\) timed out: rank 2 never arrived while ranks 0-1 waited"):
+    with pytest.raises(
+        OpTimeoutError,
+        match=r"op #1 barrier\(\) timed out: rank 2 never arrived while ranks 0-1 waited",
+    ):
         ranks[0].wait(target, 1)
 
 
@@ -172,5 +179,10 @@ def test_pending_names_the_lagging_ranks_for_the_daemons_timeout() -> None:
     time.sleep(0.05)
     p = region.pending()
     assert p is not None
-    assert (p.seq, p.arrived, p.missing, p.description) == (1, [0, 2], [1], "broadcast(src=1, 4096 x float32)")
+    assert (p.seq, p.arrived, p.missing, p.description) == (
+        1,
+        [0, 2],
+        [1],
+        "broadcast(src=1, 4096 x float32)",
+    )
     assert p.waited_s >= 0.05

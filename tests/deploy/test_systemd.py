@@ -25,9 +25,13 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 
 def readme_exposure() -> float:
     """The exposure level the README states for the unit ("... --offline=yes` on it (exposure 1.9)")."""
-    found = re.findall(r"systemd-analyze\s+security\s+--offline=yes`\s+on\s+it\s+\(exposure\s+(\d+\.\d)\)", README.read_text())
+    found = re.findall(
+        r"systemd-analyze\s+security\s+--offline=yes`\s+on\s+it\s+\(exposure\s+(\d+\.\d)\)",
+        README.read_text(),
+    )
     assert len(found) == 1, "the README no longer states the unit's exposure level once"
     return float(found[0])
+
 
 SYSTEMD_ANALYZE = shutil.which("systemd-analyze") or "systemd-analyze"
 needs_systemd_analyze = pytest.mark.skipif(
@@ -95,7 +99,9 @@ def _verify(root: Path) -> str:
         cwd=root,
     )
     # Unknown keys and bad values are only warnings (exit status 0), so any output fails.
-    return (result.stdout + result.stderr).strip() or ("" if result.returncode == 0 else f"exit {result.returncode}")
+    return (result.stdout + result.stderr).strip() or (
+        "" if result.returncode == 0 else f"exit {result.returncode}"
+    )
 
 
 @needs_systemd_analyze
@@ -125,10 +131,16 @@ def test_install_puts_smddpd_where_the_unit_runs_it(tmp_path: Path) -> None:
 
     # The venv's smddpd (what the link names, inside the root) is a working daemon entry point.
     helped = subprocess.run(
-        [str(root / "opt/smddp/bin/smddpd"), "--help"], check=False, capture_output=True, text=True, timeout=120
+        [str(root / "opt/smddp/bin/smddpd"), "--help"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert helped.returncode == 0 and "--socket" in helped.stdout, helped.stderr
-    assert not list((root / "opt/smddp/lib").glob("python3*/site-packages/torch")), "the daemon's venv got torch"
+    assert not list((root / "opt/smddp/lib").glob("python3*/site-packages/torch")), (
+        "the daemon's venv got torch"
+    )
 
     # Without smddpd at ExecStart's path, the same check fails: it does look at the install.
     (root / "opt/smddp/bin/smddpd").unlink()
@@ -163,7 +175,9 @@ def test_unit_security_exposure_is_low(tmp_path: Path) -> None:
     print(f"\nsystemd-analyze security: {UNIT.name} exposure {score} ({version})")
     # Exactly what the README says (measured with systemd 252, Debian 12, as on CI): a dropped
     # hardening key raises it, and a newer systemd that scores differently must update the README.
-    assert score == readme_exposure(), f"{version}: exposure {score}, README says {readme_exposure()}"
+    assert score == readme_exposure(), (
+        f"{version}: exposure {score}, README says {readme_exposure()}"
+    )
     assert result.returncode == 0, output
 
 
@@ -254,7 +268,9 @@ def test_the_mps_drop_in_verifies_and_keeps_the_hardening(tmp_path: Path) -> Non
     )
     assert security.returncode == 0, security.stdout + security.stderr
     # The drop-in keeps the unit's exposure exactly (binding a path scores nothing).
-    match = re.search(r"Overall exposure level for \S+: (\d+(?:\.\d+)?)", security.stdout + security.stderr)
+    match = re.search(
+        r"Overall exposure level for \S+: (\d+(?:\.\d+)?)", security.stdout + security.stderr
+    )
     assert match and float(match.group(1)) == readme_exposure(), security.stdout + security.stderr
     bad = _with_drop_ins(
         tmp_path / "bad", ("mps.conf", text), ("zz-bad.conf", "[Service]\nFrobnicate=1\n")

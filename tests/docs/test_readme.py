@@ -92,7 +92,12 @@ def _run(script: str, cwd: Path, env: dict[str, str], prefix: list[str] | None =
     path.write_text(script)
     proc = subprocess.run(
         [*(prefix or []), "bash", "-euo", "pipefail", str(path)],
-        cwd=cwd, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False,
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+        check=False,
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"exit {proc.returncode}:\n{script}\n{out[-6000:]}"
@@ -104,7 +109,15 @@ def copy(tmp_path: Path) -> Path:
     """A copy of the checkout (without .git or the venv), whose .venv is the checkout's."""
     dest = tmp_path / "smddp"
     ignore = shutil.ignore_patterns(
-        ".git", ".venv", "model", "build", "dist", "__pycache__", ".pytest_cache", ".ruff_cache", "*.egg-info"
+        ".git",
+        ".venv",
+        "model",
+        "build",
+        "dist",
+        "__pycache__",
+        ".pytest_cache",
+        ".ruff_cache",
+        "*.egg-info",
     )
     shutil.copytree(REPO, dest, ignore=ignore, symlinks=True)
     (dest / ".venv").symlink_to(REPO / ".venv")
@@ -144,12 +157,23 @@ def test_numpy_example(copy: Path, tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(RUN_TIMEOUT_S + 60)
-@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare")
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare"
+)
 def test_system_daemon(copy: Path, tmp_path: Path) -> None:
     # Its own /run (the socket) and network (default ports), so that nothing else on this
     # machine is touched or in the way.
-    isolate = ["unshare", "--mount", "--net", "--propagation", "private", "sh", "-c",
-               'ip link set lo up && mount -t tmpfs tmpfs /run && exec "$@"', "isolate"]
+    isolate = [
+        "unshare",
+        "--mount",
+        "--net",
+        "--propagation",
+        "private",
+        "sh",
+        "-c",
+        'ip link set lo up && mount -t tmpfs tmpfs /run && exec "$@"',
+        "isolate",
+    ]
     out = _run(_marked("/run/smddp/smddpd.sock"), copy, _env(tmp_path), prefix=isolate)
     assert "smddpd serving on /run/smddp/smddpd.sock" in out, out[-3000:]
     assert "smddp: using the smddpd that answers at /run/smddp/smddpd.sock" in out, out[-3000:]

@@ -70,14 +70,20 @@ def smddpctl_status(socket_path: str) -> dict[str, Any]:
     env = dict(os.environ, SMDDP_SOCKET=socket_path)
     proc = subprocess.run(
         [sys.executable, "-m", "smddp.server.ctl", "--json", "status"],
-        env=env, capture_output=True, text=True, timeout=30, check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
     )
     assert proc.returncode == 0, f"smddpctl status failed ({proc.returncode}): {proc.stderr}"
     return json.loads(proc.stdout)
 
 
 @pytest.fixture
-def launch_failure_world(launch_world: Callable[..., Any], monkeypatch: pytest.MonkeyPatch) -> Callable[..., Any]:
+def launch_failure_world(
+    launch_world: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> Callable[..., Any]:
     """``launch_world`` with this folder's ``failure_rank.py`` as the ranks' program."""
     monkeypatch.setattr(multinode, "RANK_MAIN", HERE / "failure_rank.py")
     return launch_world
@@ -138,7 +144,9 @@ def daemon_at(tmp_path: Path) -> Iterator[Callable[..., Any]]:
 def module_daemon() -> Iterator[Any]:
     """An smddpd on a private socket for a whole module; SIGTERM at the end must make it exit 0."""
     folder = Path(tempfile.mkdtemp(prefix="smddp-test-"))
-    d = shared._launch(str(folder / "smddpd.sock"), (), shared.DAEMON_COMMAND, None, folder / "smddpd.log")
+    d = shared._launch(
+        str(folder / "smddpd.sock"), (), shared.DAEMON_COMMAND, None, folder / "smddpd.log"
+    )
     yield d
     try:
         if d.proc.poll() is None:

@@ -64,8 +64,15 @@ class Proc:
 
 
 def start(cmd: list[str], env: dict[str, str]) -> Proc:
-    proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     p = Proc(proc)
     threading.Thread(target=p.pump, daemon=True).start()
     return p
@@ -80,9 +87,17 @@ def launch_direct(env: dict[str, str], out: Path, **spec: Any) -> list[Proc]:
     port = str(free_port())
     arg = spec_arg(out, **spec)
     return [
-        start([sys.executable, str(RANK_MAIN), arg],
-              dict(env, RANK=str(r), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=port))
+        start(
+            [sys.executable, str(RANK_MAIN), arg],
+            dict(
+                env,
+                RANK=str(r),
+                WORLD_SIZE=str(WORLD),
+                LOCAL_RANK=str(r),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=port,
+            ),
+        )
         for r in range(WORLD)
     ]
 
@@ -114,8 +129,17 @@ def wait_exit(p: Proc, what: str, timeout_s: float = 60.0) -> int:
 def launch_torchrun(env: dict[str, str], out: Path, *extra: str, **spec: Any) -> Proc:
     """torchrun --standalone with WORLD local ranks of ``ddp_rank.py`` (``extra``: more
     torchrun flags, such as ``--max-restarts 1``)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD),
-           *extra, str(RANK_MAIN), spec_arg(out, **spec)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(WORLD),
+        *extra,
+        str(RANK_MAIN),
+        spec_arg(out, **spec),
+    ]
     return start(cmd, env)
 
 
@@ -145,6 +169,8 @@ def root_cause(output: str) -> dict[str, str]:
 def failures(output: str) -> dict[int, str]:
     """Rank -> exit code text of every failure torchrun's summary lists (root cause included)."""
     got = {}
-    for rank, code in re.findall(r"rank\s+: (\d+) \(local_rank: \d+\)\n\s+exitcode\s+: (.+)", output):
+    for rank, code in re.findall(
+        r"rank\s+: (\d+) \(local_rank: \d+\)\n\s+exitcode\s+: (.+)", output
+    ):
         got[int(rank)] = code
     return got

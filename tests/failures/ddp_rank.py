@@ -70,7 +70,9 @@ def _model(rank: int, spec: dict[str, Any]) -> nn.Module:
                 return self.last(self.body(x).unsqueeze(-1)).squeeze(-1)
 
         return Net()
-    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1))
+    return nn.Sequential(
+        nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1)
+    )
 
 
 def _ddp(model: nn.Module, rank: int, spec: dict[str, Any]) -> DDP:
@@ -90,7 +92,10 @@ def _ddp(model: nn.Module, rank: int, spec: dict[str, Any]) -> DDP:
 def _fails_now(rank: int, step: int, spec: dict[str, Any]) -> bool:
     if spec.get("fail") != "raise" or rank != spec["victim"] or step != spec.get("fail_step", 3):
         return False
-    return not spec.get("first_attempt_only") or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    return (
+        not spec.get("first_attempt_only")
+        or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    )
 
 
 def train(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
@@ -109,7 +114,9 @@ def train(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
         F.mse_loss(ddp(x), x.sum(dim=1, keepdim=True).sin()).backward()
         opt.step()
         if step == 0:
-            say(f"ready {rank} {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')} {time.time():.3f}")
+            say(
+                f"ready {rank} {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')} {time.time():.3f}"
+            )
         else:
             say(f"step {step}")
         step += 1
@@ -136,7 +143,9 @@ def fsdp_loop(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
     """FSDP training (``program`` "fsdp1": FullyShardedDataParallel; "fsdp2": fully_shard)
     until the group fails: its all_gathers and reduce_scatters run in forward and backward."""
     torch.manual_seed(0)
-    model: nn.Module = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1))
+    model: nn.Module = nn.Sequential(
+        nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1)
+    )
     if spec["program"] == "fsdp1":
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
@@ -169,16 +178,25 @@ def main() -> None:
     spec = json.loads(sys.argv[1])
     rank = int(os.environ["RANK"])
     out = Path(spec["out"])
-    record: dict[str, Any] = {"rank": rank, "pid": os.getpid(),
-                              "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}
+    record: dict[str, Any] = {
+        "rank": rank,
+        "pid": os.getpid(),
+        "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+    }
     say(f"pid {rank} {os.getpid()}")
     torch.set_num_threads(1)
-    dist.init_process_group(spec.get("backend", "smddp"), timeout=timedelta(seconds=spec.get("pg_timeout_s", 60)))
+    dist.init_process_group(
+        spec.get("backend", "smddp"), timeout=timedelta(seconds=spec.get("pg_timeout_s", 60))
+    )
     try:
         record.update(PROGRAMS[spec.get("program", "ddp")](rank, spec))
     except dist.DistBackendError as exc:
-        record.update(type=type(exc).__name__, module=type(exc).__module__, message=str(exc),
-                      failed_at=time.time())
+        record.update(
+            type=type(exc).__name__,
+            module=type(exc).__module__,
+            message=str(exc),
+            failed_at=time.time(),
+        )
         try:
             dist.all_reduce(torch.ones(4))
         except dist.DistBackendError as later:

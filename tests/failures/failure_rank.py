@@ -52,8 +52,13 @@ def until_failure(spec: dict[str, Any]) -> dict[str, Any]:
             _checked_all_reduce(step)
             step += 1
     except SmddpBackendError as exc:
-        return {"type": type(exc).__name__, "message": str(exc), "failed_at": time.time(), "ops": step,
-                "dist_backend_error": isinstance(exc, dist.DistBackendError)}
+        return {
+            "type": type(exc).__name__,
+            "message": str(exc),
+            "failed_at": time.time(),
+            "ops": step,
+            "dist_backend_error": isinstance(exc, dist.DistBackendError),
+        }
     return {"type": None, "ops": step}
 
 
@@ -79,7 +84,9 @@ def checked_ops(spec: dict[str, Any]) -> dict[str, Any]:
     """all_reduces of a few sizes (one crossing several 512 KiB chunks) and dtypes, and a
     broadcast; every result checked."""
     sizes = [7, N, (1 << 20) + 3]
-    for step, (n, dtype) in enumerate((n, d) for n in sizes for d in (torch.float32, torch.bfloat16)):
+    for step, (n, dtype) in enumerate(
+        (n, d) for n in sizes for d in (torch.float32, torch.bfloat16)
+    ):
         _checked_all_reduce(step, n, dtype)
     t = torch.arange(1000, dtype=torch.float64) * (dist.get_rank() + 1)
     dist.broadcast(t, src=dist.get_world_size() - 1)

@@ -42,10 +42,13 @@ def old_job_rank(rank: int, world: int, init_file: str) -> dict[str, Any]:
             dist.all_reduce(torch.ones(4096))
             out[name] = {"type": None}
         except Exception as exc:
-            out[name] = {"type": type(exc).__name__, "message": str(exc),
-                         "daemon_lost": isinstance(exc, SmddpDaemonLostError),
-                         "dist_backend_error": isinstance(exc, dist.DistBackendError),
-                         "seconds": time.monotonic() - start}
+            out[name] = {
+                "type": type(exc).__name__,
+                "message": str(exc),
+                "daemon_lost": isinstance(exc, SmddpDaemonLostError),
+                "dist_backend_error": isinstance(exc, dist.DistBackendError),
+                "seconds": time.monotonic() - start,
+            }
 
     print("ready", flush=True)
     if rank == 0:
@@ -80,7 +83,9 @@ def _pending(socket_path: str) -> list[Any]:
 
 
 @pytest.mark.timeout(120)
-def test_daemon_restart_fails_the_old_job_and_serves_a_new_one(start_daemon, rank_env, spawn_ranks, tmp_path):
+def test_daemon_restart_fails_the_old_job_and_serves_a_new_one(
+    start_daemon, rank_env, spawn_ranks, tmp_path
+):
     old = start_daemon(name="system")
     env = rank_env(old.socket)
     ranks = spawn_ranks(old_job_rank, WORLD, WORLD, str(tmp_path / "old"), env=env)

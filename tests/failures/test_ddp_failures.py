@@ -39,6 +39,7 @@ from ddp_launch import (
 
 pytestmark = pytest.mark.slow  # every test starts three torch processes (and torchrun)
 
+
 def survivors(
     procs: list[Proc], ranks: list[int], out: Path, failed_at: float | None, same_after: bool = True
 ) -> list[dict[str, Any]]:
@@ -106,7 +107,9 @@ def test_raising_rank(hook: str, env: dict[str, str], tmp_path: Path) -> None:
         wait_ready(procs)
         rc = wait_exit(procs[VICTIM], "the raising rank")
         assert rc == 1 and "rank 2 fails on purpose at step 3" in procs[VICTIM].output()
-        failed_at = next(float(line.split()[2]) for line in procs[VICTIM].lines if line.startswith("failing "))
+        failed_at = next(
+            float(line.split()[2]) for line in procs[VICTIM].lines if line.startswith("failing ")
+        )
         # The survivors hear of it once its connection closes, as its interpreter shuts down.
         got = survivors(procs, [0, 1], tmp_path, failed_at)
     finally:
@@ -151,7 +154,9 @@ def test_mismatch(mismatch: str, env: dict[str, str], tmp_path: Path) -> None:
     for g in got:
         assert g["type"] == "SmddpMismatchError", g
         assert g["message"] == got[0]["message"]
-        assert re.fullmatch(rf"{JOB}: rank {VICTIM} called .+ as op #\d+ while ranks 0-1 called .+", g["message"]), g
+        assert re.fullmatch(
+            rf"{JOB}: rank {VICTIM} called .+ as op #\d+ while ranks 0-1 called .+", g["message"]
+        ), g
     spread = max(g["failed_at"] for g in got) - min(g["failed_at"] for g in got)
     assert spread < BOUND_S, spread
     print(got[0]["message"])
@@ -186,5 +191,7 @@ def test_under_torchrun(how: str, env: dict[str, str], tmp_path: Path) -> None:
             assert code.startswith(("1 ", "-15 ")), f"rank {rank}: {code}\n{out}"
             if code.startswith("1 "):
                 got = json.loads((tmp_path / f"rank{rank}-a0.json").read_text())
-                assert got["type"] == "SmddpRankFailedError" and re.fullmatch(DEAD_RANK, got["message"]), got
+                assert got["type"] == "SmddpRankFailedError" and re.fullmatch(
+                    DEAD_RANK, got["message"]
+                ), got
     print(how, {r: c for r, c in failures(out).items()})

@@ -50,7 +50,9 @@ from smddp.wire import (
 NODE = "/smddp.v1.Node/"
 PEER = "/smddp.v1.Peer/"
 EXAMPLES = 200
-FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+FUZZ = settings(
+    max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None
+)
 ACCESS_CODES = {
     grpc.StatusCode.INVALID_ARGUMENT,
     grpc.StatusCode.UNAUTHENTICATED,
@@ -115,8 +117,17 @@ class Target:
         job_id = f"{prefix}-{secrets.token_hex(4)}"
         token = secrets.token_bytes(16)
         reply = self.stub.Register(
-            pb.RegisterRequest(job_id=job_id, job_token=token, comm_id="0", rank=0, world_size=world_size,
-                               node_id="fuzz", pid=os.getpid(), arena_bytes=1 << 20, timeout_ms=2000),
+            pb.RegisterRequest(
+                job_id=job_id,
+                job_token=token,
+                comm_id="0",
+                rank=0,
+                world_size=world_size,
+                node_id="fuzz",
+                pid=os.getpid(),
+                arena_bytes=1 << 20,
+                timeout_ms=2000,
+            ),
             timeout=REPLY_TIMEOUT_S,
         )
         self.tokens = (self.tokens + [token])[-8:]
@@ -126,8 +137,12 @@ class Target:
 
     def deregister(self, reply: pb.RegisterReply) -> None:
         try:
-            self.stub.Deregister(pb.DeregisterRequest(session_id=reply.session_id, session_secret=reply.session_secret),
-                                 timeout=REPLY_TIMEOUT_S)
+            self.stub.Deregister(
+                pb.DeregisterRequest(
+                    session_id=reply.session_id, session_secret=reply.session_secret
+                ),
+                timeout=REPLY_TIMEOUT_S,
+            )
         except grpc.RpcError as exc:
             assert exc.code() == grpc.StatusCode.UNAUTHENTICATED, exc  # already dropped
 
@@ -142,14 +157,29 @@ def target(module_daemon: Any) -> Iterator[Target]:
     steady = []
     for r in range(2):
         with open(folder / f"rank{r}.err", "wb") as err:
-            steady.append(subprocess.Popen(
-                [sys.executable, "-c", STEADY, str(r), module_daemon.socket, token, str(stop_file)],
-                stdout=subprocess.PIPE, stderr=err, text=True, env=env,
-            ))
+            steady.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-c",
+                        STEADY,
+                        str(r),
+                        module_daemon.socket,
+                        token,
+                        str(stop_file),
+                    ],
+                    stdout=subprocess.PIPE,
+                    stderr=err,
+                    text=True,
+                    env=env,
+                )
+            )
     t = Target(module_daemon, steady, stop_file)
     try:
         for p in steady:
-            assert p.stdout is not None and p.stdout.readline().strip() == "ready", (folder / "rank0.err").read_text()
+            assert p.stdout is not None and p.stdout.readline().strip() == "ready", (
+                folder / "rank0.err"
+            ).read_text()
         yield t
     finally:
         stop_file.touch()
@@ -166,7 +196,9 @@ def _check_error(err: grpc.RpcError, what: str) -> None:
     assert err.code() in ACCESS_CODES, f"{what}: {err.code()} {err.details()}"
     details = err.details() or ""
     assert details.strip(), f"{what}: {err.code()} without a message"
-    assert "internal error" not in details.lower() and "Traceback" not in details, f"{what}: {details}"
+    assert "internal error" not in details.lower() and "Traceback" not in details, (
+        f"{what}: {details}"
+    )
 
 
 def _check_reply(reply: pb.OpReply, request_id: int, what: str) -> None:
@@ -185,14 +217,20 @@ def known(pool: list[Any]) -> st.SearchStrategy[Any]:
 
 
 texts = st.text(max_size=300)
-names = st.one_of(st.sampled_from(["steady", "fuzz", "0", "", "../etc", "a" * 129]), st.from_regex(r"[A-Za-z0-9._:-]{1,12}", fullmatch=True), texts)
+names = st.one_of(
+    st.sampled_from(["steady", "fuzz", "0", "", "../etc", "a" * 129]),
+    st.from_regex(r"[A-Za-z0-9._:-]{1,12}", fullmatch=True),
+    texts,
+)
 
 
 @st.composite
 def node_specs(draw: Any) -> pb.NodeSpec:
     return pb.NodeSpec(
         node_id=draw(st.one_of(st.sampled_from(["n0", "n1"]), texts)),
-        peer_address=draw(st.sampled_from(["127.0.0.1:9", "[::1]:9", "nohost", "", "1.2.3.4:99999", ":"])),
+        peer_address=draw(
+            st.sampled_from(["127.0.0.1:9", "[::1]:9", "nohost", "", "1.2.3.4:99999", ":"])
+        ),
         ranks=draw(st.lists(st.integers(0, U32), max_size=5)),
     )
 
@@ -208,7 +246,9 @@ def register_requests(draw: Any, t: Target) -> pb.RegisterRequest:
         global_rank=draw(st.integers(0, U32)),
         node_id=draw(texts),
         pid=draw(st.integers(0, U32)),
-        arena_bytes=draw(st.one_of(st.sampled_from([0, 1 << 16, 1 << 20, 1 << 40]), st.integers(0, U64))),
+        arena_bytes=draw(
+            st.one_of(st.sampled_from([0, 1 << 16, 1 << 20, 1 << 40]), st.integers(0, U64))
+        ),
         timeout_ms=draw(st.one_of(st.integers(0, 3000), st.integers(0, U64))),
         nodes=draw(st.one_of(st.just([]), st.lists(node_specs(), max_size=3))),
     )
@@ -222,12 +262,37 @@ regions = st.builds(
 # Regions in and around a 1 MiB arena: mostly inside, sometimes across its end or beyond.
 arena_regions = st.builds(
     pb.Region,
-    offset=st.one_of(st.integers(0, 1 << 20).map(lambda x: x // 8 * 8), st.integers((1 << 20) - 64, (1 << 20) + 64)),
+    offset=st.one_of(
+        st.integers(0, 1 << 20).map(lambda x: x // 8 * 8),
+        st.integers((1 << 20) - 64, (1 << 20) + 64),
+    ),
     nbytes=st.one_of(st.integers(0, 1 << 16).map(lambda x: x // 8 * 8), st.integers(0, 1 << 21)),
 )
-COLLECTIVES = [pb.ALL_REDUCE, pb.BROADCAST, pb.REDUCE, pb.ALL_GATHER, pb.REDUCE_SCATTER, pb.ALL_TO_ALL,
-               pb.GATHER, pb.SCATTER, pb.BARRIER, pb.SEND, pb.RECV]
-DTYPES = [pb.FLOAT16, pb.BFLOAT16, pb.FLOAT32, pb.FLOAT64, pb.INT8, pb.UINT8, pb.INT16, pb.INT32, pb.INT64, pb.BOOL]
+COLLECTIVES = [
+    pb.ALL_REDUCE,
+    pb.BROADCAST,
+    pb.REDUCE,
+    pb.ALL_GATHER,
+    pb.REDUCE_SCATTER,
+    pb.ALL_TO_ALL,
+    pb.GATHER,
+    pb.SCATTER,
+    pb.BARRIER,
+    pb.SEND,
+    pb.RECV,
+]
+DTYPES = [
+    pb.FLOAT16,
+    pb.BFLOAT16,
+    pb.FLOAT32,
+    pb.FLOAT64,
+    pb.INT8,
+    pb.UINT8,
+    pb.INT16,
+    pb.INT32,
+    pb.INT64,
+    pb.BOOL,
+]
 
 
 @st.composite
@@ -255,14 +320,18 @@ def op_requests(draw: Any, request_id: int, seq: int) -> pb.OpRequest:
     parts = draw(st.sampled_from([1, 1, 1, 2]))
     return pb.OpRequest(
         request_id=request_id,
-        seq=draw(st.one_of(st.just(seq), st.just(seq), st.integers(0, seq + 2))),  # sometimes out of order
+        seq=draw(
+            st.one_of(st.just(seq), st.just(seq), st.integers(0, seq + 2))
+        ),  # sometimes out of order
         part=draw(st.sampled_from([0, 0, 0, parts])),
         parts=parts,
         kind=draw(st.sampled_from(COLLECTIVES)),
         dtype=draw(st.sampled_from(DTYPES)),
         count=draw(st.one_of(st.integers(0, 1 << 17), st.sampled_from([U64, I64, 1 << 40]))),
         root=draw(st.sampled_from([0, 0, 0, 1, -1])),
-        reduce_op=draw(st.sampled_from([pb.SUM, pb.SUM, pb.MAX, pb.MIN, pb.PRODUCT, pb.AVG, pb.BAND])),
+        reduce_op=draw(
+            st.sampled_from([pb.SUM, pb.SUM, pb.MAX, pb.MIN, pb.PRODUCT, pb.AVG, pb.BAND])
+        ),
         input=draw(arena_regions),
         output=draw(arena_regions),
         send_blocks=draw(st.lists(arena_regions, max_size=2)),
@@ -277,7 +346,10 @@ def op_requests(draw: Any, request_id: int, seq: int) -> pb.OpRequest:
 @pytest.mark.timeout(120)
 def test_fuzz_unary_methods_with_random_bytes(target: Target) -> None:
     @FUZZ
-    @given(method=st.sampled_from(["Register", "Deregister", "Status", "Info", "Topology"]), data=st.binary(max_size=2000))
+    @given(
+        method=st.sampled_from(["Register", "Deregister", "Status", "Info", "Topology"]),
+        data=st.binary(max_size=2000),
+    )
     def run(method: str, data: bytes) -> None:
         call = target.channel.unary_unary(NODE + method)
         try:
@@ -305,11 +377,16 @@ def test_fuzz_register_and_deregister_fields(target: Target) -> None:
         session_id = data.draw(st.one_of(known(target.session_ids), texts))
         secret = data.draw(st.one_of(known(target.secrets), st.binary(max_size=64)))
         try:
-            target.stub.Deregister(pb.DeregisterRequest(session_id=session_id, session_secret=secret), timeout=REPLY_TIMEOUT_S)
+            target.stub.Deregister(
+                pb.DeregisterRequest(session_id=session_id, session_secret=secret),
+                timeout=REPLY_TIMEOUT_S,
+            )
         except grpc.RpcError as err:
             _check_error(err, "Deregister")
         else:
-            raise AssertionError(f"Deregister of {session_id!r} with a replayed or random secret succeeded")
+            raise AssertionError(
+                f"Deregister of {session_id!r} with a replayed or random secret succeeded"
+            )
         target.alive()
 
     run()
@@ -320,14 +397,20 @@ def test_fuzz_status_info_topology(target: Target) -> None:
     @FUZZ
     @given(method=st.sampled_from(["Status", "Info", "Topology"]), noise=st.binary(max_size=64))
     def run(method: str, noise: bytes) -> None:
-        request = {"Status": pb.StatusRequest, "Info": pb.InfoRequest, "Topology": pb.TopologyRequest}[method]()
+        request = {
+            "Status": pb.StatusRequest,
+            "Info": pb.InfoRequest,
+            "Topology": pb.TopologyRequest,
+        }[method]()
         # Unknown fields are part of protobuf: a request with them is still a request.
         reply = getattr(target.stub, method)(request, timeout=REPLY_TIMEOUT_S)
         if method == "Status":
             steady = [c for c in reply.comms if c.job_id == "steady"]
             assert len(steady) == 1 and steady[0].failed == "", steady
         try:
-            target.channel.unary_unary(NODE + method)(request.SerializeToString() + noise, timeout=REPLY_TIMEOUT_S)
+            target.channel.unary_unary(NODE + method)(
+                request.SerializeToString() + noise, timeout=REPLY_TIMEOUT_S
+            )
         except grpc.RpcError as err:
             _check_error(err, f"{method} with trailing bytes")
         target.alive()
@@ -347,16 +430,23 @@ def test_fuzz_ops_stream(target: Target) -> None:
             else:
                 session_id = data.draw(st.one_of(known(target.session_ids), texts))
                 secret = data.draw(st.one_of(known(target.secrets), st.binary(max_size=64)))
-            ops = [data.draw(op_requests(i + 1, i + 1)) for i in range(data.draw(st.integers(1, 4)))]
+            ops = [
+                data.draw(op_requests(i + 1, i + 1)) for i in range(data.draw(st.integers(1, 4)))
+            ]
             ops[0].session_id, ops[0].session_secret = session_id, secret
-            authentic = own is not None and (session_id, secret) == (own.session_id, own.session_secret)
+            authentic = own is not None and (session_id, secret) == (
+                own.session_id,
+                own.session_secret,
+            )
             try:
                 replies = list(target.stub.Ops(iter(ops), timeout=REPLY_TIMEOUT_S))
             except grpc.RpcError as err:
                 _check_error(err, "Ops")
                 assert not authentic or err.code() != grpc.StatusCode.UNAUTHENTICATED, err
             else:
-                assert authentic, f"an Ops stream of {session_id!r} with a replayed or random secret was served"
+                assert authentic, (
+                    f"an Ops stream of {session_id!r} with a replayed or random secret was served"
+                )
                 for op, reply in zip(ops, replies):
                     _check_reply(reply, op.request_id, f"Ops {op}")
         finally:
@@ -400,21 +490,36 @@ def test_fuzz_data_socket_attach(target: Target) -> None:
                 if shape == "bytes":
                     message = data.draw(st.binary(min_size=1, max_size=3000))
                 else:
-                    sid = own.session_id if shape == "other secret" else data.draw(st.one_of(known(target.session_ids), texts))
-                    secret = data.draw(known([x for x in target.secrets if x != own.session_secret]))
+                    sid = (
+                        own.session_id
+                        if shape == "other secret"
+                        else data.draw(st.one_of(known(target.session_ids), texts))
+                    )
+                    secret = data.draw(
+                        known([x for x in target.secrets if x != own.session_secret])
+                    )
                     if shape == "random fields":
                         secret = data.draw(st.one_of(st.just(secret), st.binary(max_size=64)))
-                    message = pack(MSG_ATTACH, pb.AttachRequest(session_id=sid, session_secret=secret).SerializeToString())
+                    message = pack(
+                        MSG_ATTACH,
+                        pb.AttachRequest(session_id=sid, session_secret=secret).SerializeToString(),
+                    )
                 fds = [arena.fd] if data.draw(st.booleans()) else []
                 socket.send_fds(s, [message], fds) if fds else s.send(message)
                 answer = _attach_answer(s)
                 if answer is not None:
                     assert not answer.ok, f"{shape}: attach accepted"
-                    assert answer.error.strip() and "internal error" not in answer.error.lower(), answer
-                    assert s.recv(MAX_MESSAGE_BYTES) == b"", "a refused attach left the connection open"
+                    assert answer.error.strip() and "internal error" not in answer.error.lower(), (
+                        answer
+                    )
+                    assert s.recv(MAX_MESSAGE_BYTES) == b"", (
+                        "a refused attach left the connection open"
+                    )
             # The session these attempts aimed at is untouched: it still attaches.
             with _data_conn(target) as s:
-                good = pb.AttachRequest(session_id=own.session_id, session_secret=own.session_secret)
+                good = pb.AttachRequest(
+                    session_id=own.session_id, session_secret=own.session_secret
+                )
                 socket.send_fds(s, [pack(MSG_ATTACH, good.SerializeToString())], [arena.fd])
                 answer = _attach_answer(s)
                 assert answer is not None and answer.ok, answer
@@ -435,7 +540,9 @@ def test_fuzz_data_socket_ops(target: Target) -> None:
         own = target.register("fuzz-data-ops")
         try:
             with _data_conn(target) as s:
-                good = pb.AttachRequest(session_id=own.session_id, session_secret=own.session_secret)
+                good = pb.AttachRequest(
+                    session_id=own.session_id, session_secret=own.session_secret
+                )
                 socket.send_fds(s, [pack(MSG_ATTACH, good.SerializeToString())], [arena.fd])
                 answer = _attach_answer(s)
                 assert answer is not None and answer.ok, answer
@@ -482,7 +589,9 @@ def peer_requests(draw: Any, job_id: str, token: bytes) -> pb.PeerRequest:
         job_id=draw(st.one_of(st.just(job_id), st.just("steady"), names)),
         comm_id=draw(st.one_of(st.just("0"), names)),
         node=draw(st.one_of(st.integers(0, 2), st.integers(0, U32))),
-        proof=draw(st.one_of(st.just(token), st.binary(max_size=64))),  # the token itself is no proof either
+        proof=draw(
+            st.one_of(st.just(token), st.binary(max_size=64))
+        ),  # the token itself is no proof either
     )
 
 
@@ -494,10 +603,19 @@ def test_fuzz_peer_service(target: Target) -> None:
     # waits for node b (which the fuzzer's forged calls pretend to be).
     reply = target.stub.Register(
         pb.RegisterRequest(
-            job_id=job_id, job_token=token, comm_id="0", rank=0, world_size=2, node_id="a", pid=os.getpid(),
-            arena_bytes=1 << 20, timeout_ms=600_000,
-            nodes=[pb.NodeSpec(node_id="a", peer_address=info.peer_address, ranks=[0]),
-                   pb.NodeSpec(node_id="b", peer_address="127.0.0.1:9", ranks=[1])],
+            job_id=job_id,
+            job_token=token,
+            comm_id="0",
+            rank=0,
+            world_size=2,
+            node_id="a",
+            pid=os.getpid(),
+            arena_bytes=1 << 20,
+            timeout_ms=600_000,
+            nodes=[
+                pb.NodeSpec(node_id="a", peer_address=info.peer_address, ranks=[0]),
+                pb.NodeSpec(node_id="b", peer_address="127.0.0.1:9", ranks=[1]),
+            ],
         ),
         timeout=REPLY_TIMEOUT_S,
     )
@@ -507,13 +625,18 @@ def test_fuzz_peer_service(target: Target) -> None:
         stub = pb_grpc.PeerStub(channel)
 
         @FUZZ
-        @given(method=st.sampled_from(["Join", "Abort", "PeerStatus", "Meet"]), data=st.binary(max_size=2000))
+        @given(
+            method=st.sampled_from(["Join", "Abort", "PeerStatus", "Meet"]),
+            data=st.binary(max_size=2000),
+        )
         def random_bytes(method: str, data: bytes) -> None:
             try:
                 channel.unary_unary(PEER + method)(data, timeout=REPLY_TIMEOUT_S)
             except grpc.RpcError as err:
                 assert err.code() in peer_codes, f"{method}: {err.code()} {err.details()}"
-                assert (err.details() or "").strip() and "Traceback" not in err.details(), err.details()
+                assert (err.details() or "").strip() and "Traceback" not in err.details(), (
+                    err.details()
+                )
             target.alive()
 
         @FUZZ
@@ -523,30 +646,43 @@ def test_fuzz_peer_service(target: Target) -> None:
             method = data.draw(st.sampled_from(["Join", "Abort", "PeerStatus", "Meet"]))
             request = {
                 "Join": lambda: pb.JoinRequest(
-                    peer=peer, node_ids=data.draw(st.lists(texts, max_size=3)), transport=data.draw(st.integers(0, 5))
+                    peer=peer,
+                    node_ids=data.draw(st.lists(texts, max_size=3)),
+                    transport=data.draw(st.integers(0, 5)),
                 ),
-                "Abort": lambda: pb.AbortRequest(peer=peer, kind=data.draw(st.integers(0, 20)), message=data.draw(texts)),
+                "Abort": lambda: pb.AbortRequest(
+                    peer=peer, kind=data.draw(st.integers(0, 20)), message=data.draw(texts)
+                ),
                 "PeerStatus": lambda: pb.PeerStatusRequest(peer=peer),
                 "Meet": lambda: pb.MeetRequest(
-                    job_id=peer.job_id, proof=peer.proof, rank=data.draw(st.integers(0, U32)),
+                    job_id=peer.job_id,
+                    proof=peer.proof,
+                    rank=data.draw(st.integers(0, U32)),
                     world_size=data.draw(st.one_of(st.integers(0, 3), st.integers(0, U32))),
-                    node_id=data.draw(texts), peer_address=data.draw(texts),
+                    node_id=data.draw(texts),
+                    peer_address=data.draw(texts),
                     timeout_ms=data.draw(st.integers(1, 200)),  # a meeting that waits gives up soon
                 ),
             }[method]()
             try:
                 reply = getattr(stub, method)(request, timeout=REPLY_TIMEOUT_S)
             except grpc.RpcError as refused:
-                assert refused.code() in peer_codes, f"{method}({peer}): {refused.code()} {refused.details()}"
+                assert refused.code() in peer_codes, (
+                    f"{method}({peer}): {refused.code()} {refused.details()}"
+                )
             else:
                 # Only a rendezvous of one rank completes alone; it tells the caller nothing new.
-                assert method == "Meet" and request.world_size == 1, f"{method}({request}) succeeded: {reply}"
+                assert method == "Meet" and request.world_size == 1, (
+                    f"{method}({request}) succeeded: {reply}"
+                )
             target.alive()
 
         random_bytes()
         fields()
     # No forged Abort got through: neither the fuzzer's job nor the steady one failed.
-    comms = {c.job_id: c for c in target.stub.Status(pb.StatusRequest(), timeout=REPLY_TIMEOUT_S).comms}
+    comms = {
+        c.job_id: c for c in target.stub.Status(pb.StatusRequest(), timeout=REPLY_TIMEOUT_S).comms
+    }
     assert comms[job_id].failed == "" and comms["steady"].failed == "", comms
     target.deregister(reply)
 

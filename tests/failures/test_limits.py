@@ -72,14 +72,20 @@ def stub(path: str) -> pb_grpc.NodeStub:
 
 def node_health(channel: grpc.Channel) -> int:
     """The readiness probe's answer: the Node service's status."""
-    return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=NODE_SERVICE), timeout=5).status
+    return (
+        health_pb2_grpc.HealthStub(channel)
+        .Check(health_pb2.HealthCheckRequest(service=NODE_SERVICE), timeout=5)
+        .status
+    )
 
 
 def wait_health(channel: grpc.Channel, want: int, timeout_s: float = 15.0) -> float:
     """Waits until the Node service's health is ``want``; returns how long that took."""
     start = time.monotonic()
     while node_health(channel) != want:
-        assert time.monotonic() - start < timeout_s, f"health did not turn {want} within {timeout_s} s"
+        assert time.monotonic() - start < timeout_s, (
+            f"health did not turn {want} within {timeout_s} s"
+        )
         time.sleep(0.05)
     return time.monotonic() - start
 
@@ -99,8 +105,16 @@ def readyz(port: int) -> tuple[int, str]:
 
 
 def register(path: str, **fields: object) -> pb.RegisterRequest:
-    req = pb.RegisterRequest(job_id="limits", job_token=b"t" * 32, comm_id="0", rank=0, world_size=1,
-                             node_id="limits", pid=os.getpid(), arena_bytes=1 << 20)
+    req = pb.RegisterRequest(
+        job_id="limits",
+        job_token=b"t" * 32,
+        comm_id="0",
+        rank=0,
+        world_size=1,
+        node_id="limits",
+        pid=os.getpid(),
+        arena_bytes=1 << 20,
+    )
     for name, value in fields.items():
         setattr(req, name, value)
     return req
@@ -110,7 +124,11 @@ def pair_all_reduce(path: str, job: str, n: int = 1000) -> None:
     """A real two-rank job beside the attack: connect, all_reduce, check, leave."""
     token = secrets.token_bytes(32)
     c1_box: list = []
-    t = threading.Thread(target=lambda: c1_box.append(connect(job, token, 1, 2, socket_path=path, arena_bytes=1 << 20)))
+    t = threading.Thread(
+        target=lambda: c1_box.append(
+            connect(job, token, 1, 2, socket_path=path, arena_bytes=1 << 20)
+        )
+    )
     t.start()
     c0 = connect(job, token, 0, 2, socket_path=path, arena_bytes=1 << 20)
     t.join(30)
@@ -136,8 +154,24 @@ def rss_mb(pid: int) -> float:
 def as_nobody(code: str, *args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SMDDP_")}
     return subprocess.run(
-        ["setpriv", "--reuid", str(NOBODY), "--regid", str(NOBODY), "--clear-groups", sys.executable, "-c", code, *args],
-        capture_output=True, text=True, timeout=timeout_s, cwd="/", env=env, check=False,
+        [
+            "setpriv",
+            "--reuid",
+            str(NOBODY),
+            "--regid",
+            str(NOBODY),
+            "--clear-groups",
+            sys.executable,
+            "-c",
+            code,
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        cwd="/",
+        env=env,
+        check=False,
     )
 
 
@@ -155,7 +189,9 @@ def other_user() -> None:
         pytest.skip(f"needs the group {GROUP}")
     probe = as_nobody("import smddp.client")
     if probe.returncode != 0:
-        pytest.skip(f"uid {NOBODY} cannot import smddp.client from {sys.executable}: {probe.stderr[-500:]}")
+        pytest.skip(
+            f"uid {NOBODY} cannot import smddp.client from {sys.executable}: {probe.stderr[-500:]}"
+        )
 
 
 @pytest.fixture
@@ -203,30 +239,71 @@ sys.stdin.readline()  # hold the attached jobs until told
 @pytest.mark.timeout(180)
 def test_registrations_expire_and_cannot_squat_or_fill_the_daemon(daemon_at, open_dir, other_user):
     path = str(open_dir / "run" / "smddpd.sock")
-    d = daemon_at(path, ("--socket-group", GROUP, "--max-jobs", "64", "--max-jobs-per-uid", "3",
-                         "--attach-timeout-s", "3", "--http-bind", "127.0.0.1:0"))
+    d = daemon_at(
+        path,
+        (
+            "--socket-group",
+            GROUP,
+            "--max-jobs",
+            "64",
+            "--max-jobs-per-uid",
+            "3",
+            "--attach-timeout-s",
+            "3",
+            "--http-bind",
+            "127.0.0.1:0",
+        ),
+    )
     port = http_port(d.log())
     channel = grpc.insecure_channel("unix:" + path)
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("SMDDP_")}
     squatter = subprocess.Popen(
-        ["setpriv", "--reuid", str(NOBODY), "--regid", str(NOBODY), "--clear-groups", sys.executable, "-c", SQUAT,
-         path, "hog", "numpy-demo", "4"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/", env=env,
+        [
+            "setpriv",
+            "--reuid",
+            str(NOBODY),
+            "--regid",
+            str(NOBODY),
+            "--clear-groups",
+            sys.executable,
+            "-c",
+            SQUAT,
+            path,
+            "hog",
+            "numpy-demo",
+            "4",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd="/",
+        env=env,
     )
     lines = []
     try:
         assert squatter.stdout is not None
-        while not any(line.startswith("ATTACH") and ("3" in line or "REFUSED" in line) for line in lines[-1:]):
+        while not any(
+            line.startswith("ATTACH") and ("3" in line or "REFUSED" in line) for line in lines[-1:]
+        ):
             line = squatter.stdout.readline()
-            assert line, f"the squatter ended early: {lines} {squatter.stderr.read() if squatter.stderr else ''}"
+            assert line, (
+                f"the squatter ended early: {lines} {squatter.stderr.read() if squatter.stderr else ''}"
+            )
             lines.append(line.strip())
         print("\n".join(lines))
         # 64 registrations went in; they hold nothing that blocks others.
         assert "REGISTERED 64" in lines, lines
-        assert [line for line in lines if line.startswith("ATTACHED")] == ["ATTACHED 0", "ATTACHED 1", "ATTACHED 2"]
+        assert [line for line in lines if line.startswith("ATTACHED")] == [
+            "ATTACHED 0",
+            "ATTACHED 1",
+            "ATTACHED 2",
+        ]
         (refused,) = [line for line in lines if line.startswith("ATTACH REFUSED")]
-        assert refused.endswith(f"job hog-own-3 comm 0: uid {NOBODY} already holds 3 jobs (--max-jobs-per-uid 3)"), refused
+        assert refused.endswith(
+            f"job hog-own-3 comm 0: uid {NOBODY} already holds 3 jobs (--max-jobs-per-uid 3)"
+        ), refused
 
         # The real owner of the squatted id runs its job, and so does everyone else; the
         # daemon is ready for more.
@@ -253,9 +330,14 @@ def test_registrations_expire_and_cannot_squat_or_fill_the_daemon(daemon_at, ope
     # timeout, named, instead of at the op timeout (30 min).
     token = secrets.token_bytes(32)
     c0 = connect("half", token, 0, 2, socket_path=path, arena_bytes=1 << 20)
-    stub(path).Register(register(path, job_id="half", job_token=token, rank=1, world_size=2), timeout=10)
+    stub(path).Register(
+        register(path, job_id="half", job_token=token, rank=1, world_size=2), timeout=10
+    )
     start = time.monotonic()
-    with pytest.raises(Exception, match=r"rank 1 \(pid \d+, node limits\) registered but did not attach its arena within 3 s") as info:
+    with pytest.raises(
+        Exception,
+        match=r"rank 1 \(pid \d+, node limits\) registered but did not attach its arena within 3 s",
+    ) as info:
         c0.all_reduce(np.ones(4)).wait()
     took = time.monotonic() - start
     print(f"{info.value} ({took:.1f} s)")
@@ -278,7 +360,9 @@ def _idle_connections(path: str, n: int) -> list[socket.socket]:
 
 @pytest.mark.timeout(120)
 def test_idle_data_connections_are_bounded_and_time_out(start_daemon):
-    d = start_daemon(args=("--attach-timeout-s", "3", "--max-handshakes-per-uid", "16"), name="idle")
+    d = start_daemon(
+        args=("--attach-timeout-s", "3", "--max-handshakes-per-uid", "16"), name="idle"
+    )
     conns = _idle_connections(d.socket, 40)
     try:
         # Beyond 16 waiting handshakes of this uid, a connection is refused at once, saying why.
@@ -287,7 +371,9 @@ def test_idle_data_connections_are_bounded_and_time_out(start_daemon):
             s.settimeout(5)
             kind, payload = unpack(s.recv(MAX_MESSAGE_BYTES))
             refused.append(pb.AttachReply.FromString(payload).error)
-        assert set(refused) == {f"uid {os.getuid()} already holds 16 data-socket connections that have not attached (--max-handshakes-per-uid 16)"}, refused
+        assert set(refused) == {
+            f"uid {os.getuid()} already holds 16 data-socket connections that have not attached (--max-handshakes-per-uid 16)"
+        }, refused
         print(refused[0])
         # A real job still connects and runs (its handshake is within its own bound... of
         # the same uid: the idle ones end first).
@@ -309,12 +395,22 @@ def test_idle_data_connections_are_bounded_and_time_out(start_daemon):
 def test_accept_loop_survives_emfile_and_health_tells(start_daemon):
     nofile = 160
     d = start_daemon(
-        args=("--attach-timeout-s", "4", "--max-handshakes-per-uid", "1000", "--max-handshakes", "1000",
-              "--http-bind", "127.0.0.1:0"),
+        args=(
+            "--attach-timeout-s",
+            "4",
+            "--max-handshakes-per-uid",
+            "1000",
+            "--max-handshakes",
+            "1000",
+            "--http-bind",
+            "127.0.0.1:0",
+        ),
         command=("prlimit", f"--nofile={nofile}:{nofile}", sys.executable, "-m", "smddp.server"),
         name="emfile",
     )
-    channel = grpc.insecure_channel("unix:" + d.socket)  # connected now, before the descriptors run out
+    channel = grpc.insecure_channel(
+        "unix:" + d.socket
+    )  # connected now, before the descriptors run out
     assert node_health(channel) == SERVING
     conns = _idle_connections(d.socket, nofile)  # more than the daemon can accept
     try:
@@ -330,7 +426,10 @@ def test_accept_loop_survives_emfile_and_health_tells(start_daemon):
     status, body = readyz(http_port(d.log()))
     assert (status, body) == (200, "ready\n")
     log = d.log()
-    assert "the data socket cannot accept a connection: [Errno 24] Too many open files; retrying" in log, log[-3000:]
+    assert (
+        "the data socket cannot accept a connection: [Errno 24] Too many open files; retrying"
+        in log
+    ), log[-3000:]
     assert "cannot take new jobs: " in log and "ready for new jobs again" in log
     channel.close()
 
@@ -346,7 +445,11 @@ def test_queued_sends_are_bounded(start_daemon):
     d = start_daemon(args=("--max-buffered-bytes-per-uid", str(budget)), name="sends")
     token = secrets.token_bytes(32)
     box: list = []
-    t = threading.Thread(target=lambda: box.append(connect("sends", token, 1, 2, socket_path=d.socket, arena_bytes=64 * MIB)))
+    t = threading.Thread(
+        target=lambda: box.append(
+            connect("sends", token, 1, 2, socket_path=d.socket, arena_bytes=64 * MIB)
+        )
+    )
     t.start()
     c0 = connect("sends", token, 0, 2, socket_path=d.socket, arena_bytes=64 * MIB)
     t.join(30)
@@ -374,7 +477,9 @@ def test_queued_sends_are_bounded(start_daemon):
         h.wait()
     for i in range(16):
         assert (got[i] == i).all(), i
-    print(f"daemon RSS {before:.0f} MB before, peak {peak:.0f} MB with 16 x 64 MiB sends waiting (budget {budget // MIB} MiB)")
+    print(
+        f"daemon RSS {before:.0f} MB before, peak {peak:.0f} MB with 16 x 64 MiB sends waiting (budget {budget // MIB} MiB)"
+    )
     assert peak - before < budget / MIB + 150, (before, peak)
     assert "waits for its receive: uid" in d.log() and "--max-buffered-bytes-per-uid" in d.log()
     c0.close()
@@ -391,7 +496,16 @@ def test_waiting_rendezvous_calls_cannot_hold_every_thread(start_daemon, ctl_sta
     node = pb_grpc.NodeStub(channel)
     token = b"r" * 32
     calls = [
-        node.Rendezvous.future(pb.RendezvousRequest(job_id=f"wait-{i % 3}", job_token=token, rank=i // 3, world_size=200, timeout_ms=600_000), timeout=120)
+        node.Rendezvous.future(
+            pb.RendezvousRequest(
+                job_id=f"wait-{i % 3}",
+                job_token=token,
+                rank=i // 3,
+                world_size=200,
+                timeout_ms=600_000,
+            ),
+            timeout=120,
+        )
         for i in range(300)
     ]
     refused: list[str] = []
@@ -415,7 +529,12 @@ def test_waiting_rendezvous_calls_cannot_hold_every_thread(start_daemon, ctl_sta
     for c in calls:
         c.cancel()
     time.sleep(1.5)
-    pair = [node.Rendezvous.future(pb.RendezvousRequest(job_id="late", job_token=token, rank=r, world_size=2), timeout=30) for r in (0, 1)]
+    pair = [
+        node.Rendezvous.future(
+            pb.RendezvousRequest(job_id="late", job_token=token, rank=r, world_size=2), timeout=30
+        )
+        for r in (0, 1)
+    ]
     assert [list(c.result().nodes) for c in pair] == [[], []]
     channel.close()
 
@@ -446,7 +565,12 @@ def test_node_ids_are_checked_and_logs_cannot_be_forged(start_daemon, ctl_status
         node.Register(bad_layout, timeout=10)
     assert "nodes[0].node_id 'a\\nb'" in info.value.details(), info.value.details()
     with pytest.raises(grpc.RpcError) as info:
-        node.Rendezvous(pb.RendezvousRequest(job_id="strings", job_token=b"t" * 32, world_size=1, root="x" * 1000), timeout=10)
+        node.Rendezvous(
+            pb.RendezvousRequest(
+                job_id="strings", job_token=b"t" * 32, world_size=1, root="x" * 1000
+            ),
+            timeout=10,
+        )
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "root" in info.value.details()
     # Status answers everyone, and no line of the log was forged.
     assert ctl_status(d.socket)["comms"] == []
@@ -474,13 +598,17 @@ def test_write_sealed_memfd_and_peer_arenas_of_an_unattached_rank(start_daemon):
     d = start_daemon(args=("--attach-timeout-s", "3"), name="memfd")
     node = stub(d.socket)
     token = secrets.token_bytes(32)
-    reg0 = node.Register(register(d.socket, job_id="sealed", job_token=token, world_size=2), timeout=10)
+    reg0 = node.Register(
+        register(d.socket, job_id="sealed", job_token=token, world_size=2), timeout=10
+    )
     sealed = os.memfd_create("smddp-arena-sealed", os.MFD_ALLOW_SEALING)
     os.ftruncate(sealed, 1 << 20)
     fcntl.fcntl(sealed, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_WRITE)
     s, reply = _attach(d.socket, reg0, sealed)
     assert not reply.ok
-    assert reply.error.endswith("the arena memfd is sealed against writing (F_SEAL_WRITE): the daemon writes results into it; seal it with F_SEAL_SHRINK only"), reply.error
+    assert reply.error.endswith(
+        "the arena memfd is sealed against writing (F_SEAL_WRITE): the daemon writes results into it; seal it with F_SEAL_SHRINK only"
+    ), reply.error
     print(reply.error)
     s.close()
     os.close(sealed)
@@ -492,7 +620,9 @@ def test_write_sealed_memfd_and_peer_arenas_of_an_unattached_rank(start_daemon):
 
     # Rank 1 registers but never attaches; rank 0 asks for the peer arenas. The answer comes
     # when the attach timeout drops rank 1 (3 s), not at the job timeout (30 min).
-    node.Register(register(d.socket, job_id="sealed", job_token=token, rank=1, world_size=2), timeout=10)
+    node.Register(
+        register(d.socket, job_id="sealed", job_token=token, rank=1, world_size=2), timeout=10
+    )
     start = time.monotonic()
     s0.sendall(pack(MSG_PEER_ARENAS, b""))
     s0.settimeout(20)
@@ -500,7 +630,9 @@ def test_write_sealed_memfd_and_peer_arenas_of_an_unattached_rank(start_daemon):
     took = time.monotonic() - start
     answer = pb.AttachReply.FromString(unpack(msg)[1])
     assert not answer.ok and fds == []
-    assert "rank 1" in answer.error and "did not attach its arena within 3 s" in answer.error, answer.error
+    assert "rank 1" in answer.error and "did not attach its arena within 3 s" in answer.error, (
+        answer.error
+    )
     print(f"{answer.error} ({took:.1f} s)")
     assert took < 10
     s0.close()
@@ -523,7 +655,11 @@ def test_sigterm_with_a_killed_rank_in_a_root_rendezvous(start_daemon):
     root = start_daemon(args=("--node-id", "root"), name="root")
     other = start_daemon(args=("--node-id", "other"), name="other")
     info = stub(root.socket).Info(pb.InfoRequest(), timeout=10)
-    rank = subprocess.Popen([sys.executable, "-c", ROOT_WAITER, other.socket, info.peer_address], stdout=subprocess.PIPE, text=True)
+    rank = subprocess.Popen(
+        [sys.executable, "-c", ROOT_WAITER, other.socket, info.peer_address],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert rank.stdout is not None and rank.stdout.readline().strip() == "WAITING"
     time.sleep(1.0)  # the call reached the root
     rank.kill()
@@ -540,11 +676,15 @@ def test_sigterm_with_a_killed_rank_in_a_root_rendezvous(start_daemon):
 @pytest.mark.timeout(60)
 def test_ranks_between_ops_hear_that_the_daemon_stops(start_daemon):
     d = start_daemon(name="notice")
-    comm = connect("notice", secrets.token_bytes(32), 0, 1, socket_path=d.socket, arena_bytes=1 << 20)
+    comm = connect(
+        "notice", secrets.token_bytes(32), 0, 1, socket_path=d.socket, arena_bytes=1 << 20
+    )
     x = np.ones(8)
     comm.all_reduce(x).wait()
     assert d.stop(signal.SIGTERM) == 0
-    with pytest.raises(DaemonStoppingError, match=r"^job notice comm 0: smddpd is shutting down$") as info:
+    with pytest.raises(
+        DaemonStoppingError, match=r"^job notice comm 0: smddpd is shutting down$"
+    ) as info:
         comm.all_reduce(x).wait()
     print(info.value)
 
@@ -584,12 +724,18 @@ def _tcp_listeners(pid: int) -> list[tuple[str, int]]:
 
 
 @pytest.mark.timeout(90)
-def test_peer_listeners_are_off_unless_configured_and_the_startup_line_lists_all(start_daemon, tmp_path):
+def test_peer_listeners_are_off_unless_configured_and_the_startup_line_lists_all(
+    start_daemon, tmp_path
+):
     sock = str(tmp_path / "plain.sock")
     log_path = tmp_path / "plain.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "smddp.server", "--socket", sock, "--http-bind", "off"],
-                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "smddp.server", "--socket", sock, "--http-bind", "off"],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+        )
     try:
         channel = grpc.insecure_channel("unix:" + sock)
         grpc.channel_ready_future(channel).result(timeout=60)
@@ -597,7 +743,11 @@ def test_peer_listeners_are_off_unless_configured_and_the_startup_line_lists_all
         assert _tcp_listeners(proc.pid) == [], _tcp_listeners(proc.pid)
         line = next(x for x in log_path.read_text().splitlines() if "smddpd serving" in x)
         print(line)
-        assert "peers off (--peer-bind off)" in line and f"gRPC {sock}" in line and f"data {sock}.data" in line
+        assert (
+            "peers off (--peer-bind off)" in line
+            and f"gRPC {sock}" in line
+            and f"data {sock}.data" in line
+        )
         assert stub(sock).Info(pb.InfoRequest(), timeout=10).peer_address == ""
         channel.close()
     finally:
@@ -612,7 +762,14 @@ def test_peer_listeners_are_off_unless_configured_and_the_startup_line_lists_all
     d = start_daemon(args=("--grpc-bind", "127.0.0.1:0", "--http-bind", "127.0.0.1:0"), name="all")
     line = next(x for x in d.log().splitlines() if "smddpd serving" in x)
     print(line)
-    for what in ("gRPC /", "gRPC health 127.0.0.1:", "data /", "HTTP 127.0.0.1:", "peer control 127.0.0.1:", "peer data tcp 127.0.0.1:"):
+    for what in (
+        "gRPC /",
+        "gRPC health 127.0.0.1:",
+        "data /",
+        "HTTP 127.0.0.1:",
+        "peer control 127.0.0.1:",
+        "peer data tcp 127.0.0.1:",
+    ):
         assert what in line, (what, line)
     ports = {port for _addr, port in _tcp_listeners(d.proc.pid)}
     listed = {int(p) for p in re.findall(r"127\.0\.0\.1:(\d+)", line)}
@@ -624,15 +781,40 @@ def test_queued_sends_from_another_node_are_bounded(loopback_daemons):
     budget = 128 * MIB
     a, b = loopback_daemons([(), ("--max-buffered-bytes-per-uid", str(budget))])
     layout = [
-        pb.NodeSpec(node_id=n.node_id, peer_address=stub(n.daemon.socket).Info(pb.InfoRequest(), timeout=10).peer_address, ranks=[r])
+        pb.NodeSpec(
+            node_id=n.node_id,
+            peer_address=stub(n.daemon.socket).Info(pb.InfoRequest(), timeout=10).peer_address,
+            ranks=[r],
+        )
         for r, n in enumerate((a, b))
     ]
     token = secrets.token_bytes(32)
     box: list = []
-    t = threading.Thread(target=lambda: box.append(
-        connect("remote-sends", token, 1, 2, socket_path=b.daemon.socket, nodes=layout, arena_bytes=64 * MIB, timeout_s=60)))
+    t = threading.Thread(
+        target=lambda: box.append(
+            connect(
+                "remote-sends",
+                token,
+                1,
+                2,
+                socket_path=b.daemon.socket,
+                nodes=layout,
+                arena_bytes=64 * MIB,
+                timeout_s=60,
+            )
+        )
+    )
     t.start()
-    c0 = connect("remote-sends", token, 0, 2, socket_path=a.daemon.socket, nodes=layout, arena_bytes=64 * MIB, timeout_s=60)
+    c0 = connect(
+        "remote-sends",
+        token,
+        0,
+        2,
+        socket_path=a.daemon.socket,
+        nodes=layout,
+        arena_bytes=64 * MIB,
+        timeout_s=60,
+    )
     t.join(60)
     c1 = box[0]
     before = rss_mb(b.daemon.proc.pid)
@@ -657,10 +839,15 @@ def test_queued_sends_from_another_node_are_bounded(loopback_daemons):
     sender.join(60)
     # The receiving daemon failed the communicator at its budget instead of holding 512 MiB,
     # naming the limit, on both nodes.
-    with pytest.raises(Exception, match=r"before it posted the receive, and this daemon may hold no more: uid 0 holds \d+ bytes of sends waiting for their receives \(--max-buffered-bytes-per-uid 134217728\)") as info:
+    with pytest.raises(
+        Exception,
+        match=r"before it posted the receive, and this daemon may hold no more: uid 0 holds \d+ bytes of sends waiting for their receives \(--max-buffered-bytes-per-uid 134217728\)",
+    ) as info:
         c1.recv(np.empty(n, dtype=np.float32), 0).wait()
     print(info.value)
-    print(f"receiving daemon RSS {before:.0f} MB before, peak {peak:.0f} MB (budget {budget // MIB} MiB, 512 MiB sent)")
+    print(
+        f"receiving daemon RSS {before:.0f} MB before, peak {peak:.0f} MB (budget {budget // MIB} MiB, 512 MiB sent)"
+    )
     assert peak - before < budget / MIB + 150, (before, peak)
     assert errors and "may hold no more" in str(errors[0]), errors
     c0.close()

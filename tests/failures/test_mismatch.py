@@ -15,7 +15,9 @@ import pytest
 
 WORLD = 3
 N = 4096
-DIRECT_N = 1 << 18  # 1 MiB of float32: all_reduce runs "direct" (ranks reduce from each other's arenas)
+DIRECT_N = (
+    1 << 18
+)  # 1 MiB of float32: all_reduce runs "direct" (ranks reduce from each other's arenas)
 JOB = r"job j[0-9a-f]{16} comm [^:]+"
 
 # case: (what each rank calls as op #3, the message after "job J comm C: ")
@@ -49,7 +51,9 @@ def mismatch_rank(rank: int, world: int, init_file: str) -> dict[str, Any]:
         elif case == "root":
             dist.broadcast(t, src=0 if rank == 0 else 2, group=group)
         elif case == "reduce op":
-            dist.all_reduce(t, op=dist.ReduceOp.MAX if rank == 2 else dist.ReduceOp.SUM, group=group)
+            dist.all_reduce(
+                t, op=dist.ReduceOp.MAX if rank == 2 else dist.ReduceOp.SUM, group=group
+            )
         elif case == "direct count":
             dist.all_reduce(t, group=group)
 
@@ -95,7 +99,9 @@ def mismatch_rank(rank: int, world: int, init_file: str) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(120)
-def test_mismatched_ops_fail_every_rank_naming_each_call(system_daemon, rank_env, spawn_ranks, tmp_path):
+def test_mismatched_ops_fail_every_rank_naming_each_call(
+    system_daemon, rank_env, spawn_ranks, tmp_path
+):
     env = rank_env(system_daemon.socket)
     results = spawn_ranks(mismatch_rank, WORLD, WORLD, str(tmp_path / "init"), env=env).join()
 

@@ -37,7 +37,9 @@ def _lost(node: str, address: str) -> str:
 @pytest.mark.netns
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_lost_node_fails_its_peers_and_spares_other_jobs(peer_transport, netns_nodes, launch_failure_world):
+def test_lost_node_fails_its_peers_and_spares_other_jobs(
+    peer_transport, netns_nodes, launch_failure_world
+):
     ns0, ns1 = netns_nodes(2, peer_transport.args, peer_transport.env)
     job_a = launch_failure_world("until_failure", [ns0, ns1], [0, 0, 1, 1], {"run_s": 90})
     job_b = launch_failure_world("until_stopped", [ns0], [0, 0], {})
@@ -52,8 +54,12 @@ def test_lost_node_fails_its_peers_and_spares_other_jobs(peer_transport, netns_n
 
     for rank, got in enumerate(results):
         lost = ns1 if rank < 2 else ns0
-        assert got["type"] == "SmddpRankFailedError" and got["dist_backend_error"], f"rank {rank}: {got}"
-        assert re.fullmatch(_lost(lost.node_id, lost.address), got["message"]), f"rank {rank}: {got['message']!r}"
+        assert got["type"] == "SmddpRankFailedError" and got["dist_backend_error"], (
+            f"rank {rank}: {got}"
+        )
+        assert re.fullmatch(_lost(lost.node_id, lost.address), got["message"]), (
+            f"rank {rank}: {got['message']!r}"
+        )
         took = got["failed_at"] - down_at
         assert took < BOUND_S, f"rank {rank} heard of the lost node after {took:.1f} s"
         assert got["destroy_s"] < 10, got

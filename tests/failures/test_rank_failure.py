@@ -57,8 +57,13 @@ def survivor_rank(rank: int, world: int, init_file: str, mode: str) -> dict[str,
                 raise AssertionError("the all_reduce completed without the victim")
     except SmddpRankFailedError as exc:
         failed_at = time.time()
-        error = {"type": type(exc).__name__, "message": str(exc), "failed_at": failed_at,
-                 "dist_backend_error": isinstance(exc, dist.DistBackendError), "ops": ops}
+        error = {
+            "type": type(exc).__name__,
+            "message": str(exc),
+            "failed_at": failed_at,
+            "dist_backend_error": isinstance(exc, dist.DistBackendError),
+            "ops": ops,
+        }
     # Later ops fail at once with the same cause.
     start = time.monotonic()
     try:
@@ -84,7 +89,9 @@ def status(path: str) -> pb.StatusReply:
         return pb_grpc.NodeStub(ch).Status(pb.StatusRequest(), timeout=10)
 
 
-def survivors_results(ranks: Any, survivors: list[int], timeout_s: float = 30.0) -> list[dict[str, Any]]:
+def survivors_results(
+    ranks: Any, survivors: list[int], timeout_s: float = 30.0
+) -> list[dict[str, Any]]:
     """Waits for the survivors to exit 0 and returns their results."""
     results = []
     for r in (ranks.ranks[i] for i in survivors):
@@ -92,7 +99,9 @@ def survivors_results(ranks: Any, survivors: list[int], timeout_s: float = 30.0)
             r.proc.wait(timeout=timeout_s)
         except Exception:
             ranks.kill()
-            pytest.fail(f"rank {r.rank} did not end within {timeout_s} s of the kill:\n{r.stderr()[-4000:]}")
+            pytest.fail(
+                f"rank {r.rank} did not end within {timeout_s} s of the kill:\n{r.stderr()[-4000:]}"
+            )
         assert r.proc.returncode == 0, r.failure()
         with open(r.folder / "result", "rb") as f:
             results.append(pickle.load(f))
@@ -115,7 +124,9 @@ def _wait_pending(socket_path: str, arrived: list[int], deadline_s: float = 30.0
 @pytest.mark.parametrize("mode", ["waiting", "looping"])
 def test_killed_rank_fails_the_others_fast(mode, system_daemon, rank_env, spawn_ranks, tmp_path):
     env = rank_env(system_daemon.socket)
-    ranks = spawn_ranks(survivor_rank, WORLD, WORLD, str(tmp_path / "init"), mode, env=env, timeout_s=90)
+    ranks = spawn_ranks(
+        survivor_rank, WORLD, WORLD, str(tmp_path / "init"), mode, env=env, timeout_s=90
+    )
     ranks.wait_for("ready")
     victim = ranks.ranks[VICTIM]
     pid = _pid(victim)

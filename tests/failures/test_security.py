@@ -60,8 +60,24 @@ def as_nobody(code: str, *args: str) -> subprocess.CompletedProcess[str]:
     """Runs ``python -c code args`` as uid/gid 65534 with no supplementary groups."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SMDDP_")}
     return subprocess.run(
-        ["setpriv", "--reuid", str(NOBODY), "--regid", str(NOBODY), "--clear-groups", sys.executable, "-c", code, *args],
-        capture_output=True, text=True, timeout=60, cwd="/", env=env, check=False,
+        [
+            "setpriv",
+            "--reuid",
+            str(NOBODY),
+            "--regid",
+            str(NOBODY),
+            "--clear-groups",
+            sys.executable,
+            "-c",
+            code,
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd="/",
+        env=env,
+        check=False,
     )
 
 
@@ -94,7 +110,10 @@ def other_user() -> None:
     if probe.returncode != 0:
         blocked = [
             f"{p} (mode {stat.S_IMODE(os.stat(p).st_mode):o})"
-            for p in {_blocked_for_others(Path(x)) for x in (sys.prefix, os.path.realpath(sys.executable), REPO)}
+            for p in {
+                _blocked_for_others(Path(x))
+                for x in (sys.prefix, os.path.realpath(sys.executable), REPO)
+            }
             if p is not None
         ]
         hint = f"; others cannot enter {', '.join(sorted(blocked))}" if blocked else ""
@@ -163,8 +182,16 @@ def stub(path: str) -> pb_grpc.NodeStub:
 
 
 def register_request(**fields: object) -> pb.RegisterRequest:
-    req = pb.RegisterRequest(job_id="rootjob", job_token=b"t" * 32, comm_id="0", rank=0, world_size=1,
-                             node_id="sec", pid=os.getpid(), arena_bytes=1 << 20)
+    req = pb.RegisterRequest(
+        job_id="rootjob",
+        job_token=b"t" * 32,
+        comm_id="0",
+        rank=0,
+        world_size=1,
+        node_id="sec",
+        pid=os.getpid(),
+        arena_bytes=1 << 20,
+    )
     for name, value in fields.items():
         setattr(req, name, value)
     return req
@@ -224,7 +251,9 @@ def test_sockets_are_owner_only_and_arenas_are_memfds(daemon_at, open_dir, other
     assert joined.stdout.startswith("REFUSED"), joined
     assert "Permission denied" in joined.stdout, joined.stdout
     attached = as_nobody(ATTACH, c0.session.session_id, "00" * 32, path + DATA_SOCKET_SUFFIX)
-    assert attached.stdout.startswith("CONNECT") and "Permission denied" in attached.stdout, attached
+    assert attached.stdout.startswith("CONNECT") and "Permission denied" in attached.stdout, (
+        attached
+    )
     pair_all_reduce(c0, c1)
     c0.close()
     c1.close()
@@ -245,7 +274,9 @@ def test_socket_group_may_connect_but_not_join_roots_job(daemon_at, open_dir, ot
     joined = as_nobody(JOIN, "rootjob", token.hex(), "1", "2", path)
     assert joined.returncode == 0, joined.stderr
     refusal = "job rootjob comm 0: uid 65534 may not join job rootjob, which belongs to uid 0"
-    assert joined.stdout.strip() == f"REFUSED smddpd at {path} refused the arena: {refusal}", joined.stdout
+    assert joined.stdout.strip() == f"REFUSED smddpd at {path} refused the arena: {refusal}", (
+        joined.stdout
+    )
     print(joined.stdout.strip().removeprefix("REFUSED "))
     # ...and root's job did not notice: healthy, rank 1's slot free for root's own rank.
     (comm,) = status(path).comms
@@ -255,9 +286,14 @@ def test_socket_group_may_connect_but_not_join_roots_job(daemon_at, open_dir, ot
     # either; the refused session is forgotten (whoever holds its secret could deregister it
     # anyway), and the job's other ranks still do not notice.
     reg = stub(path).Register(register_request(job_token=token, rank=1, world_size=2), timeout=10)
-    attached = as_nobody(ATTACH, reg.session_id, reg.session_secret.hex(), path + DATA_SOCKET_SUFFIX)
+    attached = as_nobody(
+        ATTACH, reg.session_id, reg.session_secret.hex(), path + DATA_SOCKET_SUFFIX
+    )
     assert attached.stdout.splitlines() == [f"REFUSED {refusal}", "CLOSED"], attached
-    err = rpc_error(stub(path).Deregister, pb.DeregisterRequest(session_id=reg.session_id, session_secret=reg.session_secret))
+    err = rpc_error(
+        stub(path).Deregister,
+        pb.DeregisterRequest(session_id=reg.session_id, session_secret=reg.session_secret),
+    )
     assert err.code() == grpc.StatusCode.UNAUTHENTICATED, err
     (comm,) = status(path).comms
     assert comm.failed == "" and [r.rank for r in comm.ranks] == [0], comm
@@ -275,7 +311,9 @@ def test_socket_group_may_connect_but_not_join_roots_job(daemon_at, open_dir, ot
 
 
 def _ops_refused(path: str, session_id: str, secret: bytes) -> grpc.RpcError:
-    first = pb.OpRequest(request_id=1, session_id=session_id, session_secret=secret, seq=1, parts=1, kind=pb.BARRIER)
+    first = pb.OpRequest(
+        request_id=1, session_id=session_id, session_secret=secret, seq=1, parts=1, kind=pb.BARRIER
+    )
     return rpc_error(lambda timeout: list(stub(path).Ops(iter([first]), timeout=timeout)))
 
 
@@ -304,7 +342,10 @@ def test_wrong_token_and_replayed_secrets_are_refused(system_daemon):
     a0 = connect("job-a", token_a, 0, 2, socket_path=path, arena_bytes=1 << 20)
 
     # A wrong job token.
-    err = rpc_error(stub(path).Register, register_request(job_id="job-a", job_token=token_b, rank=1, world_size=2))
+    err = rpc_error(
+        stub(path).Register,
+        register_request(job_id="job-a", job_token=token_b, rank=1, world_size=2),
+    )
     assert err.code() == grpc.StatusCode.UNAUTHENTICATED
     assert err.details() == "job job-a comm 0 rank 1: wrong job token"
     with pytest.raises(ConnectError, match="wrong job token") as info:
@@ -318,7 +359,9 @@ def test_wrong_token_and_replayed_secrets_are_refused(system_daemon):
     refusal = f"unknown session {a_id!r} or wrong session secret"
     err = _ops_refused(path, a_id, b_secret)
     assert (err.code(), err.details()) == (grpc.StatusCode.UNAUTHENTICATED, refusal)
-    err = rpc_error(stub(path).Deregister, pb.DeregisterRequest(session_id=a_id, session_secret=b_secret))
+    err = rpc_error(
+        stub(path).Deregister, pb.DeregisterRequest(session_id=a_id, session_secret=b_secret)
+    )
     assert (err.code(), err.details()) == (grpc.StatusCode.UNAUTHENTICATED, refusal)
     assert _attach_reply(path, a_id, b_secret) == refusal
 
@@ -332,7 +375,9 @@ def test_wrong_token_and_replayed_secrets_are_refused(system_daemon):
     refusal = f"unknown session {a_id!r} or wrong session secret"
     err = _ops_refused(path, a_id, a_secret)
     assert (err.code(), err.details()) == (grpc.StatusCode.UNAUTHENTICATED, refusal)
-    err = rpc_error(stub(path).Deregister, pb.DeregisterRequest(session_id=a_id, session_secret=a_secret))
+    err = rpc_error(
+        stub(path).Deregister, pb.DeregisterRequest(session_id=a_id, session_secret=a_secret)
+    )
     assert (err.code(), err.details()) == (grpc.StatusCode.UNAUTHENTICATED, refusal)
     assert _attach_reply(path, a_id, a_secret) == refusal
 
@@ -348,21 +393,36 @@ def test_wrong_token_and_replayed_secrets_are_refused(system_daemon):
 
 @pytest.mark.timeout(60)
 def test_limits_give_errors_that_name_them(start_daemon):
-    d = start_daemon(args=("--max-jobs", "1", "--max-ranks-per-job", "2", "--max-arena-bytes", str(1 << 20)), name="limits")
+    d = start_daemon(
+        args=("--max-jobs", "1", "--max-ranks-per-job", "2", "--max-arena-bytes", str(1 << 20)),
+        name="limits",
+    )
     path = d.socket
     token = secrets.token_bytes(32)
     first = connect("first", token, 0, 1, socket_path=path, arena_bytes=1 << 20)
     exhausted = grpc.StatusCode.RESOURCE_EXHAUSTED
 
     cases = [
-        (register_request(job_id="second", job_token=token), exhausted,
-         "job second comm 0: the daemon already serves 1 jobs (--max-jobs)"),
-        (register_request(job_id="first", job_token=token, comm_id="wide", world_size=3), exhausted,
-         "job first comm wide: world_size 3 is outside 1..2 (--max-ranks-per-job)"),
-        (register_request(job_id="first", job_token=token, comm_id="big", arena_bytes=2 << 20), exhausted,
-         "job first comm big rank 0: arena_bytes 2097152 is outside 65536..1048576 (--max-arena-bytes)"),
-        (register_request(job_id="first", job_token=b"t" * 2000, comm_id="1"), grpc.StatusCode.INVALID_ARGUMENT,
-         "job first comm 1: job_token must have 16-1024 bytes"),
+        (
+            register_request(job_id="second", job_token=token),
+            exhausted,
+            "job second comm 0: the daemon already serves 1 jobs (--max-jobs)",
+        ),
+        (
+            register_request(job_id="first", job_token=token, comm_id="wide", world_size=3),
+            exhausted,
+            "job first comm wide: world_size 3 is outside 1..2 (--max-ranks-per-job)",
+        ),
+        (
+            register_request(job_id="first", job_token=token, comm_id="big", arena_bytes=2 << 20),
+            exhausted,
+            "job first comm big rank 0: arena_bytes 2097152 is outside 65536..1048576 (--max-arena-bytes)",
+        ),
+        (
+            register_request(job_id="first", job_token=b"t" * 2000, comm_id="1"),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "job first comm 1: job_token must have 16-1024 bytes",
+        ),
     ]
     for req, code, message in cases:
         err = rpc_error(stub(path).Register, req)

@@ -35,7 +35,10 @@ def timeout_rank(rank: int, world: int, init_file: str) -> dict[str, Any]:
     from smddp.backend.errors import SmddpTimeoutError
 
     dist.init_process_group(
-        "smddp", init_method=f"file://{init_file}", rank=rank, world_size=world,
+        "smddp",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world,
         timeout=timedelta(seconds=TIMEOUT_S),
     )
     out: dict[str, Any] = {}
@@ -61,8 +64,11 @@ def timeout_rank(rank: int, world: int, init_file: str) -> dict[str, Any]:
         dist.all_reduce(t)
         out["error"] = None
     except SmddpTimeoutError as exc:
-        out.update(message=str(exc), seconds=time.monotonic() - start,
-                   dist_backend_error=isinstance(exc, dist.DistBackendError))
+        out.update(
+            message=str(exc),
+            seconds=time.monotonic() - start,
+            dist_backend_error=isinstance(exc, dist.DistBackendError),
+        )
     print("failed", flush=True)
     assert sys.stdin.readline().strip() == "leave"
     dist.destroy_process_group()
@@ -70,8 +76,12 @@ def timeout_rank(rank: int, world: int, init_file: str) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(120)
-def test_timeout_names_who_never_arrived(system_daemon, rank_env, ctl_status, spawn_ranks, tmp_path):
-    ranks = spawn_ranks(timeout_rank, WORLD, WORLD, str(tmp_path / "init"), env=rank_env(system_daemon.socket))
+def test_timeout_names_who_never_arrived(
+    system_daemon, rank_env, ctl_status, spawn_ranks, tmp_path
+):
+    ranks = spawn_ranks(
+        timeout_rank, WORLD, WORLD, str(tmp_path / "init"), env=rank_env(system_daemon.socket)
+    )
     pids = [r.proc.pid for r in ranks.ranks]
     late = ranks.ranks[LATE]
 
@@ -120,17 +130,24 @@ def test_timeout_names_who_never_arrived(system_daemon, rank_env, ctl_status, sp
         assert got["message"] == message, f"rank {rank}: {got['message']!r}"
         assert got["dist_backend_error"], got
         if rank != LATE:
-            assert TIMEOUT_S <= got["seconds"] < TIMEOUT_S + 1.0, f"rank {rank} waited {got['seconds']:.2f} s"
+            assert TIMEOUT_S <= got["seconds"] < TIMEOUT_S + 1.0, (
+                f"rank {rank} waited {got['seconds']:.2f} s"
+            )
     assert len(failed) == 1 and failed[0]["failed"] == message, failed
     assert failed[0]["pending"] == [], failed
 
 
 @pytest.mark.timeout(120)
-def test_timeout_across_nodes_names_the_rank_on_the_silent_node(loopback_daemons, launch_failure_world):
+def test_timeout_across_nodes_names_the_rank_on_the_silent_node(
+    loopback_daemons, launch_failure_world
+):
     nodes = loopback_daemons([(), ()])
     # Ranks 0 and 1 on node0, rank 2 alone on node1, late: node1 has no op in flight.
     results = launch_failure_world(
-        "late_rank", nodes, [0, 0, 1], {"late": 2, "late_s": 3 * TIMEOUT_S, "pg_timeout_s": TIMEOUT_S}
+        "late_rank",
+        nodes,
+        [0, 0, 1],
+        {"late": 2, "late_s": 3 * TIMEOUT_S, "pg_timeout_s": TIMEOUT_S},
     ).join()
     message = results[0]["message"]
     print(message)

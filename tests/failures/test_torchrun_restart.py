@@ -49,8 +49,16 @@ def test_restart_recovers(tmp_path: Path) -> None:
     for run_no in range(RUNS):
         out = tmp_path / f"run{run_no}"
         out.mkdir()
-        run = launch_torchrun(env, out, "--max-restarts", "1", fail="raise", fail_step=3,
-                              first_attempt_only=True, steps=STEPS)
+        run = launch_torchrun(
+            env,
+            out,
+            "--max-restarts",
+            "1",
+            fail="raise",
+            fail_step=3,
+            first_attempt_only=True,
+            steps=STEPS,
+        )
         try:
             rc = wait_exit(run, f"run {run_no}", timeout_s=170)
         finally:
@@ -60,7 +68,9 @@ def test_restart_recovers(tmp_path: Path) -> None:
         # Attempt 0 failed on purpose; attempt 1 trained every step on every rank, in step.
         failed_at = [float(m[1]) for m in re.finditer(rf"^failing {VICTIM} ([\d.]+)$", text, re.M)]
         assert len(failed_at) == 1, text
-        ready = {int(m[1]): float(m[2]) for m in re.finditer(r"^ready (\d+) 1 ([\d.]+)$", text, re.M)}
+        ready = {
+            int(m[1]): float(m[2]) for m in re.finditer(r"^ready (\d+) 1 ([\d.]+)$", text, re.M)
+        }
         assert sorted(ready) == list(range(WORLD)), text
         records = [json.loads((out / f"rank{r}-a1.json").read_text()) for r in range(WORLD)]
         for got in records:
@@ -70,12 +80,16 @@ def test_restart_recovers(tmp_path: Path) -> None:
         daemons = STARTED.findall(text)
         assert len(daemons) == 2 and daemons[0][0] != daemons[1][0], text
         deadline = time.monotonic() + 30
-        while not all(_gone(int(pid)) and not os.path.exists(os.path.dirname(path)) for path, pid in daemons):
+        while not all(
+            _gone(int(pid)) and not os.path.exists(os.path.dirname(path)) for path, pid in daemons
+        ):
             assert time.monotonic() < deadline, f"an embedded daemon outlived its job: {daemons}"
             time.sleep(0.2)
         recovered.append(max(ready.values()) - failed_at[0])
-    print(f"recovered {len(recovered)}/{RUNS}; failure to every rank's first step of attempt 1: "
-          + ", ".join(f"{s:.1f} s" for s in recovered))
+    print(
+        f"recovered {len(recovered)}/{RUNS}; failure to every rank's first step of attempt 1: "
+        + ", ".join(f"{s:.1f} s" for s in recovered)
+    )
 
 
 def _dead_socket(path: Path) -> None:
@@ -144,12 +158,20 @@ def test_sigkilled_embedded_daemon_folder_removed(tmp_path: Path) -> None:
     )
     env = dict(os.environ)
     env.pop("SMDDP_SOCKET", None)
-    owner = subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    owner = subprocess.Popen(
+        [sys.executable, "-c", code],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert owner.stdout is not None
         path = owner.stdout.readline().strip()
-        assert path.endswith("/smddpd.sock"), owner.stderr.read() if owner.poll() is not None else path
+        assert path.endswith("/smddpd.sock"), (
+            owner.stderr.read() if owner.poll() is not None else path
+        )
         m = re.search(rf"on {re.escape(path)} \(pid (\d+)\)", owner.stderr.readline())
         assert m, "the embedded daemon's start was not logged"
         os.kill(int(m[1]), signal.SIGKILL)

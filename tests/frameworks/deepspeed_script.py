@@ -58,7 +58,9 @@ for stage in (1, 2, 3):
         flat = torch.cat([p.detach().reshape(-1).clone() for p in engine.module.parameters()])
     everyone = [torch.empty_like(flat) for _ in range(world)]
     dist.all_gather(everyone, flat)
-    assert all(torch.equal(e, flat) for e in everyone), f"stage {stage}: ranks hold different parameters"
+    assert all(torch.equal(e, flat) for e in everyone), (
+        f"stage {stage}: ranks hold different parameters"
+    )
     results[stage] = losses
     engine.destroy()
 

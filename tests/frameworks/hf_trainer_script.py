@@ -30,15 +30,28 @@ g = torch.Generator().manual_seed(1)
 xs, ys = torch.randn(48, 8, generator=g), torch.randn(48, 1, generator=g)
 data = [{"x": xs[i], "labels": ys[i]} for i in range(48)]
 args = TrainingArguments(
-    output_dir=tempfile.mkdtemp(), per_device_train_batch_size=4, max_steps=4, learning_rate=0.1,
-    use_cpu=True, report_to=[], save_strategy="no", logging_strategy="no",
-    dataloader_num_workers=0, disable_tqdm=True,
+    output_dir=tempfile.mkdtemp(),
+    per_device_train_batch_size=4,
+    max_steps=4,
+    learning_rate=0.1,
+    use_cpu=True,
+    report_to=[],
+    save_strategy="no",
+    logging_strategy="no",
+    dataloader_num_workers=0,
+    disable_tqdm=True,
 )
 trainer = Trainer(model=Model(), args=args, train_dataset=data)
 trainer.train()
-assert dist.is_initialized() and dist.get_backend() == "smddp", dist.get_backend() if dist.is_initialized() else None
+assert dist.is_initialized() and dist.get_backend() == "smddp", (
+    dist.get_backend() if dist.is_initialized() else None
+)
 assert args.world_size == 3, args.world_size
-w = trainer.model.net.weight.detach().clone() if hasattr(trainer.model, "net") else trainer.model.module.net.weight.detach().clone()
+w = (
+    trainer.model.net.weight.detach().clone()
+    if hasattr(trainer.model, "net")
+    else trainer.model.module.net.weight.detach().clone()
+)
 everyone = [torch.empty_like(w) for _ in range(dist.get_world_size())]
 dist.all_gather(everyone, w)
 assert all(torch.equal(e, w) for e in everyone), "ranks diverged"

@@ -28,8 +28,15 @@ g = torch.Generator().manual_seed(1)
 data = TensorDataset(torch.randn(48, 8, generator=g), torch.randn(48, 1, generator=g))
 model = Model()
 trainer = L.Trainer(
-    accelerator="cpu", devices=3, num_nodes=1, strategy=DDPStrategy(process_group_backend="smddp"),
-    max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    accelerator="cpu",
+    devices=3,
+    num_nodes=1,
+    strategy=DDPStrategy(process_group_backend="smddp"),
+    max_epochs=2,
+    logger=False,
+    enable_checkpointing=False,
+    enable_progress_bar=False,
+    enable_model_summary=False,
 )
 trainer.fit(model, DataLoader(data, batch_size=4))
 assert dist.get_backend() == "smddp", dist.get_backend()

@@ -42,5 +42,7 @@ dist.all_gather(weights, model.module.weight.detach().clone())
 assert all(torch.equal(w, weights[0]) for w in weights), "DDP ranks diverged"
 dist.destroy_process_group()
 # One write, newline included: a launcher that forwards output may split a print in two.
-sys.stdout.write(f"pre14 ok rank={rank} world={world} local_rank={local_rank} local_size={local_size}\n")
+sys.stdout.write(
+    f"pre14 ok rank={rank} world={world} local_rank={local_rank} local_size={local_size}\n"
+)
 sys.stdout.flush()

@@ -34,7 +34,9 @@ def dtensor_rank(rank: int, world: int) -> list[str]:
     db = distribute_tensor(b, mesh, [Replicate()])
     torch.testing.assert_close((da @ db).full_tensor(), a @ b)
     # Partial -> Replicate is an all_reduce, Partial -> Shard a reduce_scatter.
-    part = torch.distributed.tensor.DTensor.from_local(torch.full((3, 6), float(rank + 1)), mesh, [Partial()])
+    part = torch.distributed.tensor.DTensor.from_local(
+        torch.full((3, 6), float(rank + 1)), mesh, [Partial()]
+    )
     total = float(sum(range(1, world + 1)))
     assert torch.equal(part.redistribute(mesh, [Replicate()]).to_local(), torch.full((3, 6), total))
     assert torch.equal(part.redistribute(mesh, [Shard(1)]).to_local(), torch.full((3, 2), total))
@@ -56,13 +58,19 @@ def funcol_rank(rank: int, world: int, compiled: str | None) -> list[str]:
     import torch.distributed as dist
 
     group = dist.group.WORLD
-    fn = _funcol_ops if compiled is None else torch.compile(_funcol_ops, backend=compiled, fullgraph=True)
+    fn = (
+        _funcol_ops
+        if compiled is None
+        else torch.compile(_funcol_ops, backend=compiled, fullgraph=True)
+    )
     x = torch.arange(4, dtype=torch.float32) + 10 * rank
     gathered, scattered, reduced = fn(x, group)
     everyone = torch.cat([torch.arange(4, dtype=torch.float32) + 10 * r for r in range(world)])
     assert torch.equal(gathered, everyone), gathered
     assert torch.equal(scattered, everyone.reshape(world, 4)[rank] * 2 * world), scattered
-    assert torch.equal(reduced, sum(torch.arange(4, dtype=torch.float32) + 10 * r + 1 for r in range(world))), reduced
+    assert torch.equal(
+        reduced, sum(torch.arange(4, dtype=torch.float32) + 10 * r + 1 for r in range(world))
+    ), reduced
     return ["ok"]
 
 
@@ -99,7 +107,9 @@ def coalesced_rank(rank: int, world: int) -> list[str]:
         for s, d in zip(src, dst):
             dist.all_gather_into_tensor(d, s)
     for i in range(2):
-        assert torch.equal(dst[i], torch.cat([torch.full((2,), float(r + i)) for r in range(world)]))
+        assert torch.equal(
+            dst[i], torch.cat([torch.full((2,), float(r + i)) for r in range(world)])
+        )
     big = [torch.arange(3 * world, dtype=torch.float32) * (i + 1) for i in range(2)]
     small = [torch.empty(3) for _ in range(2)]
     with dist._coalescing_manager():

@@ -24,8 +24,18 @@ RUN_TIMEOUT_S = 900
 def _torchrun(script: str, tmp_path: Path, extra_env: dict[str, str] | None = None) -> str:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMI", "SLURM_"))}
     env.update(SMDDP_SOCKET=str(tmp_path / "absent.sock"), OMP_NUM_THREADS="1", **(extra_env or {}))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD), str(HERE / script)]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(WORLD),
+        str(HERE / script),
+    ]
+    proc = subprocess.run(
+        cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     return out
@@ -33,7 +43,9 @@ def _torchrun(script: str, tmp_path: Path, extra_env: dict[str, str] | None = No
 
 def _need(module: str) -> None:
     if importlib.util.find_spec(module) is None:
-        pytest.skip(f"{module} is not installed (scripts/setup.sh installs tests/frameworks/requirements.txt)")
+        pytest.skip(
+            f"{module} is not installed (scripts/setup.sh installs tests/frameworks/requirements.txt)"
+        )
 
 
 @pytest.mark.slow
@@ -42,7 +54,9 @@ def test_deepspeed_zero_1_2_3(tmp_path: Path) -> None:
     _need("deepspeed")
     losses = {}
     for backend in ("gloo", "smddp"):
-        out = _torchrun("deepspeed_script.py", tmp_path, {"DS_ACCELERATOR": "cpu", "DS_TEST_BACKEND": backend})
+        out = _torchrun(
+            "deepspeed_script.py", tmp_path, {"DS_ACCELERATOR": "cpu", "DS_TEST_BACKEND": backend}
+        )
         found = re.findall(r"^deepspeed ok (.*)$", out, re.MULTILINE)
         assert len(found) == 1, out
         losses[backend] = json.loads(found[0])

@@ -18,7 +18,11 @@ BATCH = 2  # per rank; the global batch is WORLD * BATCH rows
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(
-        torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)
+        torch.nn.Linear(8, 16),
+        torch.nn.ReLU(),
+        torch.nn.Linear(16, 16),
+        torch.nn.ReLU(),
+        torch.nn.Linear(16, 1),
     )
 
 
@@ -67,9 +71,13 @@ def fsdp1_rank(rank: int, world: int) -> dict[str, torch.Tensor]:
     from torch.distributed.fsdp import FullStateDictConfig, ShardingStrategy, StateDictType
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    model = FSDP(_model(), sharding_strategy=ShardingStrategy.FULL_SHARD, device_id=torch.device("cpu"))
+    model = FSDP(
+        _model(), sharding_strategy=ShardingStrategy.FULL_SHARD, device_id=torch.device("cpu")
+    )
     _train(model, slice(rank * BATCH, (rank + 1) * BATCH))
-    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=False)):
+    with FSDP.state_dict_type(
+        model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=False)
+    ):
         return _plain(model.state_dict())
 
 
@@ -85,9 +93,13 @@ def _check(results: list[dict[str, np.ndarray]]) -> None:
         got = {k: torch.from_numpy(v) for k, v in arrays.items()}
         assert got.keys() == ref.keys()
         for k in ref:
-            assert np.array_equal(arrays[k], results[0][k]), f"rank {rank} differs from rank 0 in {k}"
+            assert np.array_equal(arrays[k], results[0][k]), (
+                f"rank {rank} differs from rank 0 in {k}"
+            )
             # Sums over ranks and over the global batch round differently; nothing more.
-            torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-6, msg=f"{k} vs one process")
+            torch.testing.assert_close(
+                got[k], ref[k], rtol=1e-5, atol=1e-6, msg=f"{k} vs one process"
+            )
 
 
 @pytest.mark.timeout(300)

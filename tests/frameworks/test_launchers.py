@@ -25,12 +25,25 @@ WORLD = 3
 RUN_TIMEOUT_S = 400
 
 # Not torchrun's: a launcher's processes start with none of these.
-TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                 "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")
+TORCHRUN_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "TORCHELASTIC_RUN_ID",
+)
 
 
 def _clean_env(tmp_path: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS and not k.startswith(("SLURM_", "OMPI_", "PMI"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in TORCHRUN_VARS and not k.startswith(("SLURM_", "OMPI_", "PMI"))
+    }
     # No daemon answers here: rank 0 starts the job's embedded one.
     env["SMDDP_SOCKET"] = str(tmp_path / "absent.sock")
     env["OMP_NUM_THREADS"] = "1"
@@ -46,23 +59,51 @@ def _mpirun(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]
     env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     # --tag-output: mpirun forwards each rank's output line by line, "[job,rank]<stdout>:" before
     # each; without it two ranks' lines can interleave within a line. The tags are taken off here.
-    cmd = [mpirun, "--oversubscribe", "--bind-to", "none", "--tag-output", "-np", str(WORLD), sys.executable, *args]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    cmd = [
+        mpirun,
+        "--oversubscribe",
+        "--bind-to",
+        "none",
+        "--tag-output",
+        "-np",
+        str(WORLD),
+        sys.executable,
+        *args,
+    ]
+    proc = subprocess.run(
+        cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S
+    )
     untag = re.compile(r"^\[\d+,\d+\]<std(?:out|err)>:", re.MULTILINE)
-    return subprocess.CompletedProcess(cmd, proc.returncode, untag.sub("", proc.stdout), untag.sub("", proc.stderr))
+    return subprocess.CompletedProcess(
+        cmd, proc.returncode, untag.sub("", proc.stdout), untag.sub("", proc.stderr)
+    )
 
 
 def _slurm_step(args: list[str], tmp_path: Path) -> list[subprocess.CompletedProcess[str]]:
     """3 processes with the variables srun gives the tasks of a one-node step."""
     env = _clean_env(tmp_path)
     env.update(
-        SLURM_JOB_ID=str(free_port()), SLURM_STEP_ID="0", SLURM_NTASKS=str(WORLD), SLURM_STEP_NUM_TASKS=str(WORLD),
-        SLURM_NNODES="1", SLURM_STEP_NUM_NODES="1", SLURM_NODEID="0", SLURM_JOB_NODELIST="node[01]",
-        SLURM_STEP_NODELIST="node01", SLURM_TASKS_PER_NODE=str(WORLD), SLURM_STEP_TASKS_PER_NODE=str(WORLD),
+        SLURM_JOB_ID=str(free_port()),
+        SLURM_STEP_ID="0",
+        SLURM_NTASKS=str(WORLD),
+        SLURM_STEP_NUM_TASKS=str(WORLD),
+        SLURM_NNODES="1",
+        SLURM_STEP_NUM_NODES="1",
+        SLURM_NODEID="0",
+        SLURM_JOB_NODELIST="node[01]",
+        SLURM_STEP_NODELIST="node01",
+        SLURM_TASKS_PER_NODE=str(WORLD),
+        SLURM_STEP_TASKS_PER_NODE=str(WORLD),
     )
     procs = [
-        subprocess.Popen([sys.executable, *args], cwd=tmp_path, env={**env, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)},
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        subprocess.Popen(
+            [sys.executable, *args],
+            cwd=tmp_path,
+            env={**env, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         for r in range(WORLD)
     ]
     done = []
@@ -83,7 +124,9 @@ def _example_args(tmp_path: Path) -> list[str]:
 
 def _check_example(out: str) -> None:
     assert re.search(rf"^backend=smddp world_size={WORLD} ", out, re.MULTILINE), out
-    assert len(re.findall(r"^final accuracy: ([0-9.]+)$", out, re.MULTILINE)) == 1, out  # rank 0 only
+    assert len(re.findall(r"^final accuracy: ([0-9.]+)$", out, re.MULTILINE)) == 1, (
+        out
+    )  # rank 0 only
 
 
 @pytest.mark.slow
@@ -112,7 +155,9 @@ def test_pre14_api_script_under_mpirun(tmp_path: Path) -> None:
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     lines = sorted(re.findall(r"^pre14 ok .*$", out, re.MULTILINE))
-    assert lines == [f"pre14 ok rank={r} world={WORLD} local_rank={r} local_size={WORLD}" for r in range(WORLD)], out
+    assert lines == [
+        f"pre14 ok rank={r} world={WORLD} local_rank={r} local_size={WORLD}" for r in range(WORLD)
+    ], out
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 60)
@@ -121,16 +166,25 @@ def test_backend_without_import_through_entry_point(tmp_path: Path) -> None:
     out = "".join(p.stdout for p in procs)
     assert [p.returncode for p in procs] == [0] * WORLD, out
     lines = sorted(re.findall(r"^no-import ok .*$", out, re.MULTILINE))
-    assert lines == [f"no-import ok rank={r} sum=6 backend_loaded_with_torch=False" for r in range(WORLD)], out
+    assert lines == [
+        f"no-import ok rank={r} sum=6 backend_loaded_with_torch=False" for r in range(WORLD)
+    ], out
 
 
 @pytest.mark.timeout(120)
 def test_no_launcher_says_how_to_start(tmp_path: Path) -> None:
     script = "import torch.distributed as dist\ndist.init_process_group(backend='smddp')\n"
-    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=_clean_env(tmp_path),
-                          capture_output=True, text=True, timeout=110)
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=tmp_path,
+        env=_clean_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
     assert proc.returncode != 0
     assert "environment variable RANK expected, but not set" in proc.stderr, proc.stderr
-    assert "start the script with a launcher: torchrun --nproc-per-node N script.py, mpirun -np N" in proc.stderr, proc.stderr
-
-
+    assert (
+        "start the script with a launcher: torchrun --nproc-per-node N script.py, mpirun -np N"
+        in proc.stderr
+    ), proc.stderr

@@ -75,7 +75,7 @@ NOT_IN_SMDDP = {
 
 
 class GlooStandIn(str):
-    """"smddp" that the suite's gates take for "gloo" (equal to both, hashed as "gloo")."""
+    """ "smddp" that the suite's gates take for "gloo" (equal to both, hashed as "gloo")."""
 
     def __eq__(self, other: object) -> bool:
         return str.__eq__(self, other) or other == "gloo"
@@ -111,8 +111,19 @@ def _start_daemon() -> None:
         return  # a rank: the parent already started it
     path = os.path.join(tempfile.mkdtemp(prefix="smddp-suite-daemon-"), "smddpd.sock")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "smddp.server", "--socket", path, "--http-bind", "off",
-         "--peer-bind", "off", "--log-level", "WARNING"],
+        [
+            sys.executable,
+            "-m",
+            "smddp.server",
+            "--socket",
+            path,
+            "--http-bind",
+            "off",
+            "--peer-bind",
+            "off",
+            "--log-level",
+            "WARNING",
+        ],
         stdin=subprocess.DEVNULL,
     )
     deadline = time.monotonic() + 120
@@ -180,6 +191,10 @@ class TestDistBackendWithSpawnSMDDP(_suite.TestDistBackend, _suite.DistributedTe
 
 for _name, _reason in {**ONLY_TORCH_GLOO, **NOT_IN_SMDDP}.items():
     if hasattr(TestDistBackendWithSpawnSMDDP, _name):
-        setattr(TestDistBackendWithSpawnSMDDP, _name, unittest.skip(_reason)(getattr(TestDistBackendWithSpawnSMDDP, _name)))
+        setattr(
+            TestDistBackendWithSpawnSMDDP,
+            _name,
+            unittest.skip(_reason)(getattr(TestDistBackendWithSpawnSMDDP, _name)),
+        )
 
 assert dist.is_available() and torch.__version__  # the suite needs torch.distributed

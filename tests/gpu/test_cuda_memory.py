@@ -23,7 +23,12 @@ def test_memory_returns_after_del_and_empty_cache(daemon, spawn_ranks, tmp_path)
 
     world = 2
     results = spawn_ranks(
-        memory_rank, world, world, str(tmp_path / "init"), 0, env=rank_env(daemon.socket),
+        memory_rank,
+        world,
+        world,
+        str(tmp_path / "init"),
+        0,
+        env=rank_env(daemon.socket),
         timeout_s=240,
     ).join()
     r0 = results[0]

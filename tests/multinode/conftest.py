@@ -117,7 +117,9 @@ def loopback_nodes(start_daemon) -> Iterator[Callable[[int], list[Node]]]:
         nodes = []
         for i in range(n):
             d = start_daemon(
-                args=("--node-id", f"node{i}", *args), name=f"node{i}", env={**os.environ, **(env or {})}
+                args=("--node-id", f"node{i}", *args),
+                name=f"node{i}",
+                env={**os.environ, **(env or {})},
             )
             nodes.append(Node(f"node{i}", "127.0.0.1", [], d))
         started.extend(nodes)

@@ -74,19 +74,40 @@ def _peer_service_refusals(address: str) -> None:
             return info.value.code(), info.value.details()
 
         wrong_token = (grpc.StatusCode.PERMISSION_DENIED, f"wrong job token for job {JOB}")
-        assert refused(stub.Join, pb.JoinRequest(peer=forged, node_ids=["a", "b"], transport=pb.TCP)) == wrong_token
-        assert refused(stub.Abort, pb.AbortRequest(peer=forged, kind=pb.ABORTED, message="forged")) == wrong_token
+        assert (
+            refused(stub.Join, pb.JoinRequest(peer=forged, node_ids=["a", "b"], transport=pb.TCP))
+            == wrong_token
+        )
+        assert (
+            refused(stub.Abort, pb.AbortRequest(peer=forged, kind=pb.ABORTED, message="forged"))
+            == wrong_token
+        )
         assert refused(stub.PeerStatus, pb.PeerStatusRequest(peer=forged)) == wrong_token
-        code, message = refused(stub.Join, pb.JoinRequest(peer=good, node_ids=["a", "c"], transport=pb.TCP))
+        code, message = refused(
+            stub.Join, pb.JoinRequest(peer=good, node_ids=["a", "c"], transport=pb.TCP)
+        )
         assert code == grpc.StatusCode.FAILED_PRECONDITION
-        assert message == f"job {JOB} comm {COMM}: node b lists the nodes ['a', 'c'] where node a lists ['a', 'b']"
-        code, message = refused(stub.Join, pb.JoinRequest(peer=good, node_ids=["a", "b"], transport=pb.UCX))
+        assert (
+            message
+            == f"job {JOB} comm {COMM}: node b lists the nodes ['a', 'c'] where node a lists ['a', 'b']"
+        )
+        code, message = refused(
+            stub.Join, pb.JoinRequest(peer=good, node_ids=["a", "b"], transport=pb.UCX)
+        )
         assert code == grpc.StatusCode.FAILED_PRECONDITION
         assert message.startswith("node b carries data over ucx and node a over tcp")
-        code, message = refused(stub.Join, pb.JoinRequest(peer=good, node_ids=["a", "b"], transport=pb.TCP))
-        assert (code, message) == (grpc.StatusCode.INVALID_ARGUMENT, f"job {JOB} comm {COMM}: the node of lower index joins the higher, not node b")
+        code, message = refused(
+            stub.Join, pb.JoinRequest(peer=good, node_ids=["a", "b"], transport=pb.TCP)
+        )
+        assert (code, message) == (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"job {JOB} comm {COMM}: the node of lower index joins the higher, not node b",
+        )
         stranger = pb.PeerRequest(job_id=JOB, comm_id=COMM, node=7, proof=good.proof)
-        assert refused(stub.PeerStatus, pb.PeerStatusRequest(peer=stranger))[0] == grpc.StatusCode.INVALID_ARGUMENT
+        assert (
+            refused(stub.PeerStatus, pb.PeerStatusRequest(peer=stranger))[0]
+            == grpc.StatusCode.INVALID_ARGUMENT
+        )
         unknown = pb.PeerRequest(job_id="nojob", comm_id=COMM, node=1, proof=good.proof)
         assert refused(stub.Join, pb.JoinRequest(peer=unknown))[0] == grpc.StatusCode.NOT_FOUND
         # The Peer service tells what node a waits for: none of its own ranks. Its only rank,
@@ -94,7 +115,12 @@ def _peer_service_refusals(address: str) -> None:
         # once (every local rank arrived) and waits for node b's data, which PeerStatus does
         # not list (pending ops are the node's own ranks' arrivals).
         status = stub.PeerStatus(pb.PeerStatusRequest(peer=good), timeout=10)
-        assert (status.node_id, status.comm.job_id, status.comm.comm_id, status.comm.world_size) == ("a", JOB, COMM, 2)
+        assert (
+            status.node_id,
+            status.comm.job_id,
+            status.comm.comm_id,
+            status.comm.world_size,
+        ) == ("a", JOB, COMM, 2)
         assert (status.comm.failed, status.comm.ops_completed) == ("", 0)
         assert [r.rank for r in status.comm.ranks] == [0]
         assert list(status.comm.pending) == []
@@ -129,12 +155,19 @@ def test_peer_without_token_garbage_and_wrong_size_are_refused(start_daemon) -> 
         # Every answer of the Peer service is counted by method and status.
         metrics = urllib.request.urlopen(f"http://{http}/metrics", timeout=10).read().decode()
         for method, code, count in [
-            ("Join", "PERMISSION_DENIED", 1), ("Abort", "PERMISSION_DENIED", 1), ("PeerStatus", "PERMISSION_DENIED", 1),
-            ("Join", "FAILED_PRECONDITION", 2), ("Join", "INVALID_ARGUMENT", 1), ("Join", "NOT_FOUND", 1),
-            ("PeerStatus", "INVALID_ARGUMENT", 1), ("PeerStatus", "OK", 1),
+            ("Join", "PERMISSION_DENIED", 1),
+            ("Abort", "PERMISSION_DENIED", 1),
+            ("PeerStatus", "PERMISSION_DENIED", 1),
+            ("Join", "FAILED_PRECONDITION", 2),
+            ("Join", "INVALID_ARGUMENT", 1),
+            ("Join", "NOT_FOUND", 1),
+            ("PeerStatus", "INVALID_ARGUMENT", 1),
+            ("PeerStatus", "OK", 1),
         ]:
             line = f'smddp_peer_calls_total{{code="{code}",method="{method}"}} {float(count)}'
-            assert line in metrics, f"{line!r} not in:\n" + "\n".join(m for m in metrics.splitlines() if "peer_calls" in m)
+            assert line in metrics, f"{line!r} not in:\n" + "\n".join(
+                m for m in metrics.splitlines() if "peer_calls" in m
+            )
 
         # Garbage instead of a handshake: the daemon closes the connection.
         junk = socket.create_connection(("127.0.0.1", port), timeout=10)
@@ -155,12 +188,22 @@ def test_peer_without_token_garbage_and_wrong_size_are_refused(start_daemon) -> 
         # With the token, but a chunk of the wrong size for the op: the job fails, naming it.
         sock, status, message = _hello(port, token_proof(TOKEN, JOB, COMM))
         assert (status, message) == (HELLO_OK, "")
-        req = pb.OpRequest(seq=1, part=0, parts=1, kind=pb.ALL_REDUCE, dtype=pb.FLOAT32, count=8, reduce_op=pb.SUM)
+        req = pb.OpRequest(
+            seq=1, part=0, parts=1, kind=pb.ALL_REDUCE, dtype=pb.FLOAT32, count=8, reduce_op=pb.SUM
+        )
         wrong = np.full(3, 100.0, dtype=np.float32)  # node a expects its 4-element segment
         sock.sendall(
             pack_header(
-                FRAME_DATA, 1, wrong.nbytes, kind=req.kind, dtype=req.dtype, seq=req.seq, part=req.part,
-                parts=req.parts, count=req.count, reduce_op=req.reduce_op,
+                FRAME_DATA,
+                1,
+                wrong.nbytes,
+                kind=req.kind,
+                dtype=req.dtype,
+                seq=req.seq,
+                part=req.part,
+                parts=req.parts,
+                count=req.count,
+                reduce_op=req.reduce_op,
             )
             + wrong.tobytes()
         )

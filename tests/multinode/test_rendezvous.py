@@ -40,7 +40,11 @@ def _run_example(nodes: list[Any], node_of_rank: list[int], root: str) -> list[s
             "--socket", nodes[n].daemon.socket, "--root", root,
         ]  # fmt: skip
         env = {**os.environ, "PYTHONPATH": str(REPO)}
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs.append(
+            subprocess.Popen(
+                cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        )
     outputs = []
     try:
         for p in procs:
@@ -78,7 +82,13 @@ def test_rendezvous_refusals_name_the_cause(loopback_nodes):
     nodes = loopback_nodes(2)
     root = daemon_info(nodes[0].daemon.socket).peer_address
     token = secrets.token_bytes(16)
-    job = {"job_id": "rdzv-bad", "job_token": token, "world_size": 3, "root": root, "timeout_s": 3.0}
+    job = {
+        "job_id": "rdzv-bad",
+        "job_token": token,
+        "world_size": 3,
+        "root": root,
+        "timeout_s": 3.0,
+    }
 
     # Rank 0 waits at the root; a rank with another token is refused at once and rank 0 keeps
     # waiting; ranks 1 and 2 never come, and rank 0 is told so, by name.
@@ -86,18 +96,27 @@ def test_rendezvous_refusals_name_the_cause(loopback_nodes):
     waiting = threading.Thread(target=_meet, args=(results, nodes[0].daemon.socket, 0), kwargs=job)
     waiting.start()
     with pytest.raises(ConnectError, match="rank 1 has the wrong job token"):
-        rendezvous(**{**job, "job_token": secrets.token_bytes(16)}, rank=1, socket_path=nodes[1].daemon.socket)
+        rendezvous(
+            **{**job, "job_token": secrets.token_bytes(16)},
+            rank=1,
+            socket_path=nodes[1].daemon.socket,
+        )
     waiting.join(30)
     error = results[0]
     assert isinstance(error, ConnectError), error
-    assert re.search(r"rendezvous of job rdzv-bad: ranks 1-2 did not arrive within 3 s \(1 of 3 ranks came\)", str(error)), error
+    assert re.search(
+        r"rendezvous of job rdzv-bad: ranks 1-2 did not arrive within 3 s \(1 of 3 ranks came\)",
+        str(error),
+    ), error
 
     # A rank with another world size: the meeting cannot complete, so the rank already waiting
     # (with a 60 s timeout) is told at once, with the same message, and so is a rank that comes
     # later; the job's next attempt, after the failed meeting's timeout, would meet afresh.
     sizes = {**job, "job_id": "rdzv-sizes", "timeout_s": 60.0}
     results = {}
-    waiting = threading.Thread(target=_meet, args=(results, nodes[0].daemon.socket, 0), kwargs=sizes)
+    waiting = threading.Thread(
+        target=_meet, args=(results, nodes[0].daemon.socket, 0), kwargs=sizes
+    )
     waiting.start()
     # Let rank 0 reach the root first; should rank 2 get there before it, both are still told
     # at once (the message then names rank 0), which the pattern allows.
@@ -115,7 +134,15 @@ def test_rendezvous_refusals_name_the_cause(loopback_nodes):
 
     # A root where no daemon answers: the forwarding daemon says which address it tried.
     with pytest.raises(ConnectError, match=r"the root's daemon at 127\.0\.0\.1:9: "):
-        rendezvous("rdzv-noroot", token, 0, 2, root="127.0.0.1:9", socket_path=nodes[1].daemon.socket, timeout_s=2.0)
+        rendezvous(
+            "rdzv-noroot",
+            token,
+            0,
+            2,
+            root="127.0.0.1:9",
+            socket_path=nodes[1].daemon.socket,
+            timeout_s=2.0,
+        )
     # A bad token length and a job id with a slash never reach the root.
     with pytest.raises(ConnectError, match="job_token must have 16-1024 bytes"):
         rendezvous("rdzv-short", b"x", 0, 2, root=root, socket_path=nodes[1].daemon.socket)
@@ -123,10 +150,17 @@ def test_rendezvous_refusals_name_the_cause(loopback_nodes):
         rendezvous("a/b", token, 0, 2, root=root, socket_path=nodes[1].daemon.socket)
 
     # After all that, a job meets normally on the same daemons.
-    good = {"job_id": "rdzv-good", "job_token": token, "world_size": 2, "root": root, "timeout_s": 30.0}
+    good = {
+        "job_id": "rdzv-good",
+        "job_token": token,
+        "world_size": 2,
+        "root": root,
+        "timeout_s": 30.0,
+    }
     results = {}
     threads = [
-        threading.Thread(target=_meet, args=(results, nodes[r].daemon.socket, r), kwargs=good) for r in range(2)
+        threading.Thread(target=_meet, args=(results, nodes[r].daemon.socket, r), kwargs=good)
+        for r in range(2)
     ]
     for t in threads:
         t.start()

@@ -28,7 +28,11 @@ def _ctl(*args: str, socket: str | None = None) -> subprocess.CompletedProcess[s
         env["SMDDP_SOCKET"] = socket
     return subprocess.run(
         [sys.executable, "-m", "smddp.server.ctl", *args],
-        env=env, capture_output=True, text=True, timeout=30, check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
     )
 
 
@@ -71,7 +75,9 @@ def test_every_command_reads_the_daemon_it_names(start_daemon) -> None:
         text = _ctl("metrics", "--socket", busy.socket)
         assert text.returncode == 0, text.stderr
         # bytes: each rank's 16 KiB, summed over the 2 ranks, 3 times
-        assert re.search(r"^all_reduce\s+float32\s+3\s+96\.0 KiB\s+\d", text.stdout, re.M), text.stdout
+        assert re.search(r"^all_reduce\s+float32\s+3\s+96\.0 KiB\s+\d", text.stdout, re.M), (
+            text.stdout
+        )
         assert re.search(rf"^  job {job}: rank [01] \d", text.stdout, re.M), text.stdout
         assert "p50" in text.stdout and "p99" in text.stdout
 

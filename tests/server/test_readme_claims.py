@@ -58,7 +58,15 @@ README = (REPO / "README.md").read_text()
 DAEMONSET = REPO / "deploy" / "kubernetes" / "base" / "daemonset.yaml"
 UNIT = REPO / "deploy" / "systemd" / "smddpd.service"
 MIB = 1 << 20
-ERROR_KINDS = ("invalid", "mismatch", "rank_failed", "timeout", "unauthenticated", "shutdown", "aborted")
+ERROR_KINDS = (
+    "invalid",
+    "mismatch",
+    "rank_failed",
+    "timeout",
+    "unauthenticated",
+    "shutdown",
+    "aborted",
+)
 
 
 def stated(pattern: str) -> list[tuple[str, ...]]:
@@ -79,18 +87,22 @@ def port_of(address: str) -> int:
 def test_stated_ports_are_the_daemons_and_the_daemonsets() -> None:
     cfg = DaemonConfig()
     # No peer listener unless told; the flags of the peer planes given alone imply one.
-    assert stated(r"`--peer-bind HOST:PORT` \(default `([^`]+)`; `--data-port`, `--advertise`, `--peer-transport` or "
-                  r"`--ucx-port` set alone imply `([^`]+)`\)") == [(cfg.peer_bind, config.IMPLIED_PEER_BIND)]
+    assert stated(
+        r"`--peer-bind HOST:PORT` \(default `([^`]+)`; `--data-port`, `--advertise`, `--peer-transport` or "
+        r"`--ucx-port` set alone imply `([^`]+)`\)"
+    ) == [(cfg.peer_bind, config.IMPLIED_PEER_BIND)]
     assert (cfg.peer_bind, config.IMPLIED_PEER_BIND) == ("off", "0.0.0.0:7470")
     assert config.load(["--data-port", "7472"], {}).peer_bind == config.IMPLIED_PEER_BIND
     peer_port = port_of(config.IMPLIED_PEER_BIND)
     assert stated(r"`--data-port` \(default (\d+)\)") == [(str(cfg.data_port),)]
     assert stated(r"`--ucx-port` \(default (\d+)\)") == [(str(cfg.ucx_port),)]
-    assert stated(r"`--http-bind` \(default `([^`]+)`") == [(cfg.http_bind,)] == [("127.0.0.1:9464",)]
+    assert (
+        stated(r"`--http-bind` \(default `([^`]+)`") == [(cfg.http_bind,)] == [("127.0.0.1:9464",)]
+    )
     # "When things go wrong": the firewall hint repeats them.
-    assert stated(r"\(`--peer-bind`, default (\d+), and `--data-port`, default (\d+); `--ucx-port` (\d+) with UCX\)") == [
-        (str(peer_port), str(cfg.data_port), str(cfg.ucx_port))
-    ]
+    assert stated(
+        r"\(`--peer-bind`, default (\d+), and `--data-port`, default (\d+); `--ucx-port` (\d+) with UCX\)"
+    ) == [(str(peer_port), str(cfg.data_port), str(cfg.ucx_port))]
     # Kubernetes: the named ports, as the DaemonSet has them and as the daemon is told.
     ((sentence,),) = stated(r"(port `grpc` \d+, `peer` \d+, `data` \d+, `ucx` \d+, `metrics` \d+)")
     readme_ports = {name: int(port) for name, port in re.findall(r"`(\w+)` (\d+)", sentence)}
@@ -109,7 +121,9 @@ _UNITS = {None: 1, " s": 1, " MiB": MIB, " GiB": 1 << 30}
 
 def test_stated_limits_are_the_daemons() -> None:
     cfg = DaemonConfig()
-    found = stated(r"`--([a-z][a-z-]*)`,?\s+\(?(\d+)( MiB| GiB| s)?\b")  # "`--max-handshakes` 128 in all"
+    found = stated(
+        r"`--([a-z][a-z-]*)`,?\s+\(?(\d+)( MiB| GiB| s)?\b"
+    )  # "`--max-handshakes` 128 in all"
     got = {flag: int(n) * _UNITS[unit] for flag, n, unit in found}
     assert got == {flag: getattr(cfg, flag.replace("-", "_")) for flag in got}
     # Every limit of the daemon's own bounds is stated (a new one must be documented).
@@ -124,8 +138,12 @@ def test_stated_sizes_and_times_are_the_codes() -> None:
     cfg = DaemonConfig()
     assert stated(r"`SMDDP_ARENA_BYTES` \(default (\d+) MiB per rank and group") == [("64",)]
     assert client_communicator.DEFAULT_ARENA_BYTES == 64 * MIB
-    assert inspect.signature(connect).parameters["arena_bytes"].default is None  # then the env or 64 MiB
-    assert stated(r"`--gpu-chunk-bytes` \(`SMDDP_GPU_CHUNK_BYTES`, default (\d+) MiB\)") == [("256",)]
+    assert (
+        inspect.signature(connect).parameters["arena_bytes"].default is None
+    )  # then the env or 64 MiB
+    assert stated(r"`--gpu-chunk-bytes` \(`SMDDP_GPU_CHUNK_BYTES`, default (\d+) MiB\)") == [
+        ("256",)
+    ]
     assert cfg.gpu_chunk_bytes == 256 * MIB
     # The timeout: torch's default for a group, the daemon's for a client that sets none, and
     # the numpy client's.
@@ -134,11 +152,13 @@ def test_stated_sizes_and_times_are_the_codes() -> None:
     assert cfg.default_timeout_s == 30 * 60
     assert inspect.signature(connect).parameters["timeout_s"].default == 30 * 60
     # Heartbeats.
-    assert stated(r"Heartbeats every (second) on the data connections detect a node that vanishes within (\d+) s") == [
-        ("second", "5")
-    ]
+    assert stated(
+        r"Heartbeats every (second) on the data connections detect a node that vanishes within (\d+) s"
+    ) == [("second", "5")]
     assert (peer_transport.HEARTBEAT_PERIOD_S, peer_transport.HEARTBEAT_TIMEOUT_S) == (1.0, 5.0)
-    assert stated(r"jobs of up to (\d+) ranks; larger ones pass their layout themselves") == [("200",)]
+    assert stated(r"jobs of up to (\d+) ranks; larger ones pass their layout themselves") == [
+        ("200",)
+    ]
     assert server_rendezvous.MAX_WORLD == 200
     assert stated(r"\(WatchdogSec=(\d+)s\)") == [("30",)]
     assert "WatchdogSec=30s" in UNIT.read_text().splitlines()
@@ -225,7 +245,9 @@ def test_errors_total_counts_each_kind_once(start_daemon) -> None:
     d, port = metered(start_daemon)
 
     def errors() -> dict[str, float]:
-        return {dict(labels)["kind"]: v for labels, v in samples(port, "smddp_errors_total").items()}
+        return {
+            dict(labels)["kind"]: v for labels, v in samples(port, "smddp_errors_total").items()
+        }
 
     counts = dict.fromkeys(ERROR_KINDS, 0.0)
     assert errors() == counts  # every kind is there from the start, at zero
@@ -257,7 +279,11 @@ def test_errors_total_counts_each_kind_once(start_daemon) -> None:
             h.wait()
     # The ranks find the mismatch among themselves (in their shared control region); the daemon
     # fails the group when its watchdog next looks, and counts it then.
-    wait_for(d.socket, "the group failed", lambda comms: any(c.job_id == name and c.failed for c in comms))
+    wait_for(
+        d.socket,
+        "the group failed",
+        lambda comms: any(c.job_id == name and c.failed for c in comms),
+    )
     counted("mismatch")
     # Later ops of the failed group fail with the same cause and are not counted again.
     with pytest.raises(SmddpError, match="rank 1 called broadcast"):
@@ -279,7 +305,10 @@ def test_errors_total_counts_each_kind_once(start_daemon) -> None:
 
     # timeout: the other rank never arrives.
     name, token = job()
-    c0, c1 = (connect(name, token, r, 2, socket_path=d.socket, arena_bytes=MIB, timeout_s=0.5) for r in range(2))
+    c0, c1 = (
+        connect(name, token, r, 2, socket_path=d.socket, arena_bytes=MIB, timeout_s=0.5)
+        for r in range(2)
+    )
     with pytest.raises(SmddpError, match="rank 1 never arrived"):
         c0.all_reduce(np.ones(8, np.float32)).wait()
     counted("timeout")
@@ -293,12 +322,17 @@ def test_errors_total_counts_each_kind_once(start_daemon) -> None:
         pb.NodeSpec(node_id="a", peer_address=daemon_info(d.socket).peer_address, ranks=[0, 1]),
         pb.NodeSpec(node_id="b", peer_address="127.0.0.1:9", ranks=[2]),
     ]
-    c0, c1 = (connect(name, token, r, 3, socket_path=d.socket, arena_bytes=MIB, nodes=nodes, timeout_s=60) for r in range(2))
+    c0, c1 = (
+        connect(name, token, r, 3, socket_path=d.socket, arena_bytes=MIB, nodes=nodes, timeout_s=60)
+        for r in range(2)
+    )
     waiting = c0.all_reduce(np.ones(8, np.float32))
     wait_for(d.socket, "rank 0's all_reduce", pending_in(name))
     peer = pb.PeerRequest(job_id=name, comm_id="0", node=1, proof=token_proof(token, name, "0"))
     with grpc.insecure_channel(daemon_info(d.socket).peer_address) as channel:
-        pb_grpc.PeerStub(channel).Abort(pb.AbortRequest(peer=peer, kind=pb.ABORTED, message="node b gave up"), timeout=10)
+        pb_grpc.PeerStub(channel).Abort(
+            pb.AbortRequest(peer=peer, kind=pb.ABORTED, message="node b gave up"), timeout=10
+        )
     with pytest.raises(SmddpError, match="^node b gave up$"):
         waiting.wait()
     counted("aborted")
@@ -312,7 +346,9 @@ def test_errors_total_counts_each_kind_once(start_daemon) -> None:
     waiting = c0.all_reduce(np.ones(8, np.float32))
     wait_for(d.socket, "rank 0's all_reduce", pending_in(name))
     with grpc.insecure_channel("unix:" + d.socket) as channel:
-        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""), timeout=30)
+        watch = health_pb2_grpc.HealthStub(channel).Watch(
+            health_pb2.HealthCheckRequest(service=""), timeout=30
+        )
         assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
         d.proc.send_signal(signal.SIGTERM)
         assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
@@ -326,7 +362,9 @@ def test_errors_total_counts_each_kind_once(start_daemon) -> None:
 
 
 def two_nodes(start_daemon) -> tuple[list[Any], list[int], list[pb.NodeSpec]]:
-    daemons, ports = zip(*(metered(start_daemon, f"node{i}", ("--node-id", f"node{i}")) for i in range(2)))
+    daemons, ports = zip(
+        *(metered(start_daemon, f"node{i}", ("--node-id", f"node{i}")) for i in range(2))
+    )
     nodes = [
         pb.NodeSpec(node_id=f"node{i}", peer_address=daemon_info(d.socket).peer_address, ranks=[i])
         for i, d in enumerate(daemons)
@@ -338,7 +376,10 @@ def two_nodes(start_daemon) -> tuple[list[Any], list[int], list[pb.NodeSpec]]:
 def test_peer_bytes_count_the_data_exchanged_with_each_node(start_daemon) -> None:
     daemons, ports, nodes = two_nodes(start_daemon)
     name, token = job()
-    comms = [connect(name, token, r, 2, socket_path=daemons[r].socket, nodes=nodes, arena_bytes=MIB) for r in range(2)]
+    comms = [
+        connect(name, token, r, 2, socket_path=daemons[r].socket, nodes=nodes, arena_bytes=MIB)
+        for r in range(2)
+    ]
     # all_reduce of S bytes across 2 nodes: each node sends the other half of its partial sum
     # and then its reduced half, S in all, and receives as much (README, "Speed"). An odd
     # count splits unevenly; the sum is S either way.
@@ -364,7 +405,9 @@ def test_peer_bytes_count_the_data_exchanged_with_each_node(start_daemon) -> Non
         got = {
             way: samples(ports[i], f"smddp_peer_bytes_{way}_total") for way in ("sent", "received")
         }
-        assert got == {way: {frozenset({("peer", other)}): float(n)} for way, n in expected[i].items()}, i
+        assert got == {
+            way: {frozenset({("peer", other)}): float(n)} for way, n in expected[i].items()
+        }, i
         assert samples(ports[i], "smddp_peer_connection_errors_total") == {}
     for c in comms:
         c.close()
@@ -382,7 +425,11 @@ def test_a_node_that_never_answers_is_one_connection_error(start_daemon) -> None
     ]
     c0 = connect(name, token, 0, 2, socket_path=d.socket, nodes=nodes, arena_bytes=MIB, timeout_s=2)
     # node0 is the lower node: it calls dead's Join until the group's timeout, then gives up.
-    failed = wait_for(d.socket, "the group failed", lambda comms: [c.failed for c in comms if c.job_id == name and c.failed])
+    failed = wait_for(
+        d.socket,
+        "the group failed",
+        lambda comms: [c.failed for c in comms if c.job_id == name and c.failed],
+    )
     (message,) = failed
     assert re.fullmatch(
         rf"job {name} comm 0: lost node dead \(daemon at 127\.0\.0\.1:9\): did not let this node join within 2 s "
@@ -390,7 +437,9 @@ def test_a_node_that_never_answers_is_one_connection_error(start_daemon) -> None
         message,
     ), message
     assert "Connection refused" in message, message
-    assert samples(port, "smddp_peer_connection_errors_total") == {frozenset({("peer", "dead")}): 1.0}
+    assert samples(port, "smddp_peer_connection_errors_total") == {
+        frozenset({("peer", "dead")}): 1.0
+    }
     # The rank's op fails with the same message; no op was pending, so no error was counted.
     with pytest.raises(SmddpError) as info:
         c0.all_reduce(np.ones(4, np.float32)).wait()
@@ -404,11 +453,17 @@ def test_a_node_that_never_answers_is_one_connection_error(start_daemon) -> None
 def test_a_mismatch_across_nodes_is_counted_on_each_node(start_daemon) -> None:
     daemons, ports, nodes = two_nodes(start_daemon)
     name, token = job()
-    comms = [connect(name, token, r, 2, socket_path=daemons[r].socket, nodes=nodes, arena_bytes=MIB) for r in range(2)]
+    comms = [
+        connect(name, token, r, 2, socket_path=daemons[r].socket, nodes=nodes, arena_bytes=MIB)
+        for r in range(2)
+    ]
     # Each node's only rank arrived, so neither daemon holds the op as pending: the exchange
     # finds the mismatch while the op runs.
     # (Both nodes must need the other's data to see it: a broadcast's root node receives nothing.)
-    handles = [comms[0].all_reduce(np.ones(8, np.float32)), comms[1].all_reduce(np.ones(8, np.float32), pb.MAX)]
+    handles = [
+        comms[0].all_reduce(np.ones(8, np.float32)),
+        comms[1].all_reduce(np.ones(8, np.float32), pb.MAX),
+    ]
     messages = []
     for h in handles:
         with pytest.raises(SmddpError) as info:
@@ -424,7 +479,9 @@ def test_a_mismatch_across_nodes_is_counted_on_each_node(start_daemon) -> None:
     }
     assert set(messages) <= views, messages
     for port in ports:
-        errors = {dict(labels)["kind"]: v for labels, v in samples(port, "smddp_errors_total").items()}
+        errors = {
+            dict(labels)["kind"]: v for labels, v in samples(port, "smddp_errors_total").items()
+        }
         assert errors == {**dict.fromkeys(ERROR_KINDS, 0.0), "mismatch": 1.0}, errors
     for c in comms:
         c.close()
@@ -436,7 +493,10 @@ def test_a_mismatch_across_nodes_is_counted_on_each_node(start_daemon) -> None:
 def test_a_hung_node_is_named_by_the_heartbeat(start_daemon) -> None:
     daemons, _, nodes = two_nodes(start_daemon)
     name, token = job()
-    comms = [connect(name, token, r, 2, socket_path=daemons[r].socket, nodes=nodes, arena_bytes=MIB) for r in range(2)]
+    comms = [
+        connect(name, token, r, 2, socket_path=daemons[r].socket, nodes=nodes, arena_bytes=MIB)
+        for r in range(2)
+    ]
     for h in [c.all_reduce(np.ones(16, np.float32)) for c in comms]:
         h.wait()  # the data connections are up
     daemons[1].proc.send_signal(signal.SIGSTOP)  # hung: its connections stay open, silent
@@ -464,7 +524,14 @@ def test_a_hung_node_is_named_by_the_heartbeat(start_daemon) -> None:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("how", ["flags", "environment"])
 def test_ucx_with_tls_is_refused_at_start(tmp_path: Path, how: str) -> None:
-    tls = ["--tls-cert", str(tmp_path / "c.pem"), "--tls-key", str(tmp_path / "k.pem"), "--tls-ca", str(tmp_path / "ca.pem")]
+    tls = [
+        "--tls-cert",
+        str(tmp_path / "c.pem"),
+        "--tls-key",
+        str(tmp_path / "k.pem"),
+        "--tls-ca",
+        str(tmp_path / "ca.pem"),
+    ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("SMDDP_")}
     args = ["--peer-transport", "ucx"]
     if how == "environment":  # as an embedded daemon reads it from the job's environment
@@ -484,7 +551,9 @@ def test_ucx_with_tls_is_refused_at_start(tmp_path: Path, how: str) -> None:
 
 
 @pytest.mark.timeout(90)
-def test_readyz_is_503_while_the_daemon_is_full(start_daemon, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_readyz_is_503_while_the_daemon_is_full(
+    start_daemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delenv("SMDDP_ARENA_BYTES", raising=False)
     d, port = metered(start_daemon, args=("--max-jobs", "1"))
     assert http_get(port, "/readyz") == (200, "ready\n")
@@ -496,7 +565,9 @@ def test_readyz_is_503_while_the_daemon_is_full(start_daemon, monkeypatch: pytes
     other, other_token = job()
     with pytest.raises(ConnectError) as info:
         connect(other, other_token, 0, 1, socket_path=d.socket, arena_bytes=MIB)
-    assert str(info.value).endswith(f"job {other} comm 0: the daemon already serves 1 jobs (--max-jobs)"), info.value
+    assert str(info.value).endswith(
+        f"job {other} comm 0: the daemon already serves 1 jobs (--max-jobs)"
+    ), info.value
     c.close()
     assert http_get(port, "/readyz") == (200, "ready\n")
     assert d.stop() == 0, d.log()
@@ -519,7 +590,15 @@ def test_the_daemons_rendezvous_takes_up_to_200_ranks(start_daemon) -> None:
 
     def meet(rank: int) -> None:
         try:
-            results[rank] = rendezvous(name, token, rank, 200, root=root, socket_path=daemons[rank % 2].socket, timeout_s=120)
+            results[rank] = rendezvous(
+                name,
+                token,
+                rank,
+                200,
+                root=root,
+                socket_path=daemons[rank % 2].socket,
+                timeout_s=120,
+            )
         except ConnectError as exc:
             results[rank] = exc
 
@@ -528,8 +607,14 @@ def test_the_daemons_rendezvous_takes_up_to_200_ranks(start_daemon) -> None:
         t.start()
     for t in threads:
         t.join(150)
-    layouts = {r: [(n.node_id, n.peer_address, list(n.ranks)) for n in v] for r, v in results.items() if isinstance(v, list)}
-    assert len(results) == 200 and len(layouts) == 200, {r: v for r, v in results.items() if r not in layouts}
+    layouts = {
+        r: [(n.node_id, n.peer_address, list(n.ranks)) for n in v]
+        for r, v in results.items()
+        if isinstance(v, list)
+    }
+    assert len(results) == 200 and len(layouts) == 200, {
+        r: v for r, v in results.items() if r not in layouts
+    }
     want = [("node0", root, list(range(0, 200, 2))), ("node1", other, list(range(1, 200, 2)))]
     assert all(v == want for v in layouts.values()), layouts[0]
     for d in daemons:
@@ -724,7 +809,11 @@ def test_where_daemons_and_clients_find_each_other() -> None:
     # (folder too) once the job has ended.
     socket_path = seen["job"]["socket"]
     assert re.fullmatch(r"/tmp/smddp-job-[^/]+/smddpd\.sock", socket_path), seen["job"]
-    assert (seen["job"]["folder_mode"], seen["job"]["folder_uid"], seen["job"]["sum"]) == ("0o700", 0, [1.0] * 4)
+    assert (seen["job"]["folder_mode"], seen["job"]["folder_uid"], seen["job"]["sum"]) == (
+        "0o700",
+        0,
+        [1.0] * 4,
+    )
     (line,) = seen["job_log"]
     assert re.fullmatch(
         rf"smddp: no smddpd answers at /run/smddp/smddpd\.sock, /tmp/smddp-0/smddpd\.sock; started an embedded "

@@ -23,9 +23,22 @@ ReduceOp = _dist.ReduceOp
 group = _dist.group  # group.WORLD, as in torch.distributed
 
 __all__ = [
-    "ReduceOp", "all_gather", "all_reduce", "all_to_all_single", "barrier", "broadcast",
-    "destroy_process_group", "get_local_rank", "get_local_size", "get_rank", "get_world_size",
-    "group", "init_process_group", "is_available", "is_initialized", "reduce",
+    "ReduceOp",
+    "all_gather",
+    "all_reduce",
+    "all_to_all_single",
+    "barrier",
+    "broadcast",
+    "destroy_process_group",
+    "get_local_rank",
+    "get_local_size",
+    "get_rank",
+    "get_world_size",
+    "group",
+    "init_process_group",
+    "is_available",
+    "is_initialized",
+    "reduce",
 ]
 
 
@@ -43,7 +56,9 @@ def init_process_group(*args: Any, **kwargs: Any) -> None:
     backend = kwargs.pop("backend", args[0] if args else BACKEND_NAME)
     args = args[1:] if args else args
     if str(backend).lower() != BACKEND_NAME:
-        raise ValueError(f"smdistributed.dataparallel runs on backend {BACKEND_NAME!r}, not {backend!r}")
+        raise ValueError(
+            f"smdistributed.dataparallel runs on backend {BACKEND_NAME!r}, not {backend!r}"
+        )
     _dist.init_process_group(BACKEND_NAME, *args, **kwargs)
 
 
@@ -77,12 +92,20 @@ def get_local_size() -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
-def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False) -> Any:
+def all_reduce(
+    tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False
+) -> Any:
     """torch.distributed.all_reduce."""
     return _dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
-def reduce(tensor: torch.Tensor, dst: int, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False) -> Any:
+def reduce(
+    tensor: torch.Tensor,
+    dst: int,
+    op: Any = ReduceOp.SUM,
+    group: Any = None,
+    async_op: bool = False,
+) -> Any:
     """torch.distributed.reduce."""
     return _dist.reduce(tensor, dst, op=op, group=group, async_op=async_op)
 
@@ -92,7 +115,9 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group: Any = None, async_op: b
     return _dist.broadcast(tensor, src, group=group, async_op=async_op)
 
 
-def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any = None, async_op: bool = False) -> Any:
+def all_gather(
+    tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any = None, async_op: bool = False
+) -> Any:
     """torch.distributed.all_gather."""
     return _dist.all_gather(tensor_list, tensor, group=group, async_op=async_op)
 
@@ -106,7 +131,9 @@ def all_to_all_single(
     async_op: bool = False,
 ) -> Any:
     """torch.distributed.all_to_all_single."""
-    return _dist.all_to_all_single(output_t, input_t, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+    return _dist.all_to_all_single(
+        output_t, input_t, output_split_sizes, input_split_sizes, group=group, async_op=async_op
+    )
 
 
 def barrier(group: Any = None, async_op: bool = False) -> Any:
