@@ -23,7 +23,9 @@ import pytest
 from smddp_world import WorldFailure, free_port, run_world
 
 WORLD_SIZES = (1, 2, 3, 4)
-WORLD_TIMEOUT_S = 150
+# Bounds a hang only. With other work on the machine the world of 2 alone took 136 s, and in
+# a run of tests/backend the world of 2 overran 150 s (every w2 section failed with it).
+WORLD_TIMEOUT_S = 300
 
 
 def _sections(world_size: int) -> list[str]:
