@@ -163,18 +163,35 @@ def build_hook() -> ctypes.CDLL:
     import torch
     from torch.utils import cpp_extension
 
-    if not torch.version.cuda or cpp_extension.CUDA_HOME is None:
+    if not torch.version.cuda:
+        raise RuntimeError(f"torch {torch.__version__} is not a CUDA build")
+    cuda_include = _cuda_headers(cpp_extension.CUDA_HOME)
+    if cuda_include is None:
         raise RuntimeError(
-            f"torch {torch.__version__} has no CUDA build or no CUDA toolkit was found "
-            "(CUDA_HOME): the hook needs the toolkit's headers"
+            "no CUDA headers (cuda_runtime_api.h) under CUDA_HOME or the nvidia-* wheels of "
+            "this Python: the hook needs them (install the CUDA toolkit, or set CUDA_HOME)"
         )
-    includes = [
-        *cpp_extension.include_paths("cuda"),
-        os.path.join(cpp_extension.CUDA_HOME, "include"),
-    ]
+    includes = [*cpp_extension.include_paths(), cuda_include]
     lib_dirs = [os.path.join(os.path.dirname(torch.__file__), "lib")]
     path = compile_library(HOOK_SOURCES, cache_dir(), includes, lib_dirs, ["c10_cuda", "c10"])
     return ctypes.CDLL(str(path))
+
+
+def _cuda_headers(cuda_home: str | None) -> str | None:
+    """A folder holding cuda_runtime_api.h: the toolkit's, else that of the nvidia-* wheels
+    a CUDA torch brings (nvidia/cuda_runtime/include, nvidia/cu13/include)."""
+    folders = [Path(cuda_home) / "include"] if cuda_home else []
+    try:
+        import nvidia  # the namespace package of NVIDIA's wheels
+
+        for root in nvidia.__path__:
+            folders += sorted(Path(root).glob("*/include"))
+    except ImportError:
+        pass
+    for folder in folders:
+        if (folder / "cuda_runtime_api.h").exists():
+            return str(folder)
+    return None
 
 
 _lock = threading.Lock()

@@ -568,7 +568,9 @@ def memory_rank(rank: int, world: int, init_file: str, device: int) -> dict[str,
     2. A forced allocator retry, on rank 0: a 1 GiB tensor the daemon has mapped is deleted
        (cached by torch's allocator, not freed), ballast leaves 0.5 GiB free, and 1.25 GiB is
        asked for: cudaMalloc fails, the allocator frees its cached segments and retries,
-       which succeeds only if the daemon's mapping no longer pins the freed segment.
+       which succeeds only if the daemon's mapping no longer pins the freed segment: with
+       close before free (backend/cuda_free_hook.py) the allocator's hook has smddpd unmap
+       it inside the retry, before cudaFree.
     """
     dev = init(rank, world, init_file, device)
     gib = 1 << 30
@@ -620,6 +622,10 @@ def memory_rank(rank: int, world: int, init_file: str, device: int) -> dict[str,
     dist.barrier()
     dist.all_reduce(small)
     out["small_ok"] = bool((small == float(world) ** 3).all())  # three all_reduces of ones
+    from smddp.backend import cuda_free_hook
+
+    channel = cuda_free_hook.installed()
+    out["hook"] = channel.stats() if channel is not None else None
     dist.destroy_process_group()
     return out
 
