@@ -244,3 +244,61 @@ def test_without_a_cuda_torch_install_logs_once_and_keeps_the_old_path(
     assert "no close before free (torch" in record.getMessage()
     assert "is not a CUDA build" in record.getMessage()
     assert exporter.on_export is None
+
+
+_FOREIGN_ATTACH = """
+import socket, sys
+from smddp.v1 import smddp_pb2 as pb
+from smddp.wire import MSG_FREE_ATTACH, pack, unpack
+s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+s.connect(sys.argv[1])
+s.sendall(pack(MSG_FREE_ATTACH, pb.AttachRequest(session_id=sys.argv[2],
+          session_secret=bytes.fromhex(sys.argv[3])).SerializeToString()))
+s.settimeout(30)
+kind, payload = unpack(s.recv(1 << 20))
+print(pb.AttachReply.FromString(payload).error)
+"""
+
+
+def test_the_free_channel_belongs_to_its_process_and_its_loss_fails_nothing(daemon) -> None:
+    """smddpd answers a SegmentFree on the channel (nothing mapped: closes none), refuses a
+    channel claimed by another process with a session's secret, and the communicator goes
+    on when the channel closes."""
+    import sys
+
+    import numpy as np
+
+    from smddp.client import connect
+    from smddp.wire import DATA_SOCKET_SUFFIX, unpack
+
+    comm = connect("free-channel", b"t" * 16, 0, 1, socket_path=daemon.socket, timeout_s=30)
+    try:
+        sock = comm.session.open_free_channel()
+        req = pb.SegmentFree(alloc_base=BASE, nbytes=4096, seq=7, wait_ms=1000)
+        sock.sendall(pack(MSG_FREE, req.SerializeToString()))
+        sock.settimeout(30)
+        kind, payload = unpack(sock.recv(4096))
+        assert kind == MSG_FREE_REPLY
+        assert pb.SegmentFreeReply.FromString(payload) == pb.SegmentFreeReply(seq=7)
+        foreign = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                _FOREIGN_ATTACH,
+                daemon.socket + DATA_SOCKET_SUFFIX,
+                comm.session.session_id,
+                comm.session._secret.hex(),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert "a free channel must come from the process of an attached session" in (
+            foreign.stdout
+        ), foreign
+        sock.close()
+        x = np.arange(8, dtype=np.float32)
+        comm.all_reduce(x).wait()
+        assert (x == np.arange(8, dtype=np.float32)).all()
+    finally:
+        comm.close()
