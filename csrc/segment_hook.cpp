@@ -14,9 +14,13 @@
 // traced after cuMemUnmap, but such memory cannot be exported by CUDA IPC and smddp refuses
 // it, so it is ignored here. ProcessGroupNCCL does the same for its buffer registration:
 // cacheAllocatorDeregisterHook ("deregister before SEGMENT_FREE") calls ncclCommDeregister
-// synchronously from this callback. torch's header (CUDACachingAllocator.h, "Attached
-// AllocatorTraceTracker callbacks will be called while the per-device allocator lock is
-// held ... it is unsafe to try to acquire the GIL in this callback"): hence no Python here.
+// synchronously from this callback. torch's header (torch 2.13's CUDACachingAllocator.h
+// lines 243-249: "Attached AllocatorTraceTracker callbacks will be called while the
+// per-device allocator lock is held ... it is unsafe to try to acquire the GIL in this
+// callback"): hence no Python here. TraceEntry and AllocatorTraceTracker are declared in
+// c10/core/CachingDeviceAllocator.h (lines 117-206 there); addr_ and size_ are the segment's.
+// (Character offsets, not line numbers, are what the stored pytorch source gave: v2.11.0
+// itself was not available to read; the installed 2.13 headers agree with the above.)
 //
 // Trackers attach to the device allocators that exist, so install only after torch's CUDA
 // lazy init (backend/cuda_free_hook.py calls torch.cuda.init() first). There is no detach:

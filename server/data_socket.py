@@ -66,10 +66,11 @@ class SocketChannel:
 
 
 class _FreeChannel:
-    """What ``_attach`` returns for a rank's free channel rather than its op channel."""
+    """What ``_attach`` returns for a rank's free channel rather than its op channel: the
+    label of the session it attached with (not the session, which it must not outlive)."""
 
-    def __init__(self, session: Session) -> None:
-        self.session = session
+    def __init__(self, label: str) -> None:
+        self.label = label
 
 
 class DataSocketServer:
@@ -232,7 +233,7 @@ class DataSocketServer:
                 self._handshakes.give(uid)  # attached or not, its handshake is over
             if isinstance(attached, _FreeChannel):
                 # Not the rank's op channel: its loss fails nothing (session stays None).
-                gpu_free.serve(conn, pid, attached.session)
+                gpu_free.serve(conn, pid, attached.label)
                 return
             session = attached
             if session is None:
@@ -353,7 +354,7 @@ class DataSocketServer:
                 f"(pid {pid}, the session's {session.peer_pid or 'not attached'})"
             )
         self._send_attach_reply(conn, pb.AttachReply(ok=True))
-        return _FreeChannel(session)
+        return _FreeChannel(session.label())
 
     @staticmethod
     def _send_peer_arenas(conn: socket.socket, session: Session) -> None:

@@ -15,16 +15,12 @@ from __future__ import annotations
 
 import logging
 import socket
-from typing import TYPE_CHECKING
 
 from google.protobuf.message import DecodeError
 
 from smddp.server import gpu
 from smddp.v1 import smddp_pb2 as pb
 from smddp.wire import MSG_FREE, MSG_FREE_REPLY, pack
-
-if TYPE_CHECKING:
-    from smddp.server.communicator import Session
 
 log = logging.getLogger(__name__)
 
@@ -55,13 +51,14 @@ def answer(pid: int, req: pb.SegmentFree) -> pb.SegmentFreeReply:
     return reply
 
 
-def serve(conn: socket.socket, pid: int, session: Session) -> None:
+def serve(conn: socket.socket, pid: int, label: str) -> None:
     """Answers ``conn``'s SegmentFree requests until it closes (in the connection's thread).
 
     Args:
         conn: the attached free channel.
         pid: its process, as the kernel names it (SO_PEERCRED).
-        session: the session it attached with (for messages).
+        label: the session it attached with, for messages (not the session: the channel
+            must not keep a departed one alive).
     """
     buf = bytearray(MAX_REQUEST_BYTES)
     while True:
@@ -74,7 +71,7 @@ def serve(conn: socket.socket, pid: int, session: Session) -> None:
         if flags & socket.MSG_TRUNC or buf[0] != MSG_FREE:
             log.warning(
                 "%s: closed its free channel: unexpected message (type %d, %d bytes)",
-                session.label(),
+                label,
                 buf[0],
                 n,
             )
@@ -82,7 +79,7 @@ def serve(conn: socket.socket, pid: int, session: Session) -> None:
         try:
             req = pb.SegmentFree.FromString(bytes(buf[1:n]))
         except DecodeError:
-            log.warning("%s: closed its free channel: undecodable SegmentFree", session.label())
+            log.warning("%s: closed its free channel: undecodable SegmentFree", label)
             return
         reply = answer(pid, req)
         try:
