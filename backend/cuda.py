@@ -254,7 +254,12 @@ class CudaCollectives:
         counter = getattr(device_api(), "free_count", None)
         if counter is not None and comm.cuda.exporter.free_counter is None:
             comm.cuda.exporter.free_counter = counter
-        if isinstance(device_api(), TorchCuda) and hasattr(comm.session, "open_free_channel"):
+        api = device_api()
+        if (
+            isinstance(api, TorchCuda)
+            and api.available()
+            and hasattr(comm.session, "open_free_channel")
+        ):
             # Close before free: the allocator hook (built on the first GPU group of the
             # process; never raises, logs once if it cannot be had).
             cuda_free_hook.install(comm.session, comm.cuda.exporter)
