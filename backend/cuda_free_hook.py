@@ -3,9 +3,9 @@
 torch's caching allocator returns segments to the driver (``empty_cache()``, its retry after
 an out-of-memory) while smddpd may have them mapped by CUDA IPC, which the driver calls
 undefined and which in practice pins the memory, so the retry still fails. The hook in
-``csrc/`` (``segment_hook.cpp``) is a trace tracker on the allocator: for a segment about to
+``backend/csrc/`` (``segment_hook.cpp``) is a trace tracker on the allocator: for a segment about to
 be freed that was exported to smddpd, it asks smddpd over this process's free channel
-(``csrc/free_channel.cpp``; ``smddp.server.gpu_free`` answers) to unmap it, and the free
+(``backend/csrc/free_channel.cpp``; ``smddp.server.gpu_free`` answers) to unmap it, and the free
 proceeds once smddpd has, or after ``SMDDP_FREE_WAIT_MS`` at most (logged). It runs inside
 the allocator's lock with the GIL possibly held by the freeing thread, so it is C++ through
 and through; this module only builds it, connects it and tells it which segments are
@@ -15,7 +15,7 @@ The hook is compiled on the first GPU op of a process with a CUDA build of torch
 system C++ compiler against torch's headers and libc10_cuda (``torch.utils.cpp_extension``
 finds them), and cached under ``TORCH_EXTENSIONS_DIR`` (or ``~/.cache/torch_extensions``)
 by a hash of the sources and the torch build. If anything fails (no compiler, no CUDA
-headers, an installed package without ``csrc/``, a daemon without the channel) the rank
+headers, an installed package without ``backend/csrc/``, a daemon without the channel) the rank
 logs it once and keeps the after-the-fact path: frees are found before each op and
 smddpd unmaps them then (``client/cuda_ipc.py``). ``SMDDP_FREE_HOOK=0`` turns the hook off.
 """
@@ -47,7 +47,7 @@ ENV_HOOK = "SMDDP_FREE_HOOK"  # "0": no hook (frees are reported after the fact)
 ENV_WAIT_MS = "SMDDP_FREE_WAIT_MS"  # longest a free waits for smddpd, in milliseconds
 DEFAULT_WAIT_MS = 2000
 # The C++ sources: beside the Python folders of a source checkout (editable install).
-CSRC = Path(__file__).resolve().parent.parent / "csrc"
+CSRC = Path(__file__).resolve().parent / "csrc"
 CHANNEL_SOURCES = ("free_channel.cpp",)
 HOOK_SOURCES = ("segment_hook.cpp", "free_channel.cpp")
 HEADERS = ("free_channel.h",)
@@ -55,7 +55,7 @@ LIBRARY_NAME = "libsmddp_free_hook.so"
 
 
 class FreeChannel:
-    """The C entry points of ``csrc/free_channel.h`` in a loaded library (ctypes releases
+    """The C entry points of ``backend/csrc/free_channel.h`` in a loaded library (ctypes releases
     the GIL around each call)."""
 
     NOT_MAPPED, CLOSED, DEFERRED, TIMEOUT, NO_CHANNEL = range(5)
@@ -106,7 +106,7 @@ def compile_library(
     libraries: Sequence[str] = (),
     defines: Sequence[str] = (),
 ) -> Path:
-    """Compiles ``csrc/`` ``sources`` into a shared library in ``out_dir`` (reused when the
+    """Compiles ``backend/csrc/`` ``sources`` into a shared library in ``out_dir`` (reused when the
     sources, flags and compiler are unchanged); returns its path.
 
     Raises:

@@ -194,7 +194,7 @@ first = rt.warm(0, gpu_runtime.COMMON_KERNELS[:1])
 one = time.monotonic() - start
 rt.warm(0, gpu_runtime.COMMON_KERNELS)
 print(f"first kernel compile {one:.2f} s; {len(gpu_runtime.COMMON_KERNELS)} common kernels warm in {time.monotonic() - start:.1f} s (cache {__import__('os').environ['CUPY_CACHE_DIR']})")
-# Close before free: the ranks' allocator hook (csrc/), built here once so the tests find it
+# Close before free: the ranks' allocator hook (backend/csrc/), built here once so the tests find it
 # cached; a failure is printed, and tests/gpu/test_cuda_memory.py then fails on it.
 from smddp.backend import cuda_free_hook
 start = time.monotonic()

@@ -1,4 +1,4 @@
-"""Close before free, the rank's C++ side (csrc/), without a GPU.
+"""Close before free, the rank's C++ side (backend/csrc/), without a GPU.
 
 The allocator hook (``segment_hook.cpp``) is compiled for real against the installed torch's
 headers (a CPU wheel ships c10/cuda's headers; the CUDA toolkit's come from nvcc's folder),

@@ -635,7 +635,7 @@ def free_hook_rank(
 ) -> dict[str, Any]:
     """Close before free on the fake GPU, through the allocator hook's own entry point.
 
-    The hook's C library (``csrc/free_channel.cpp``, built by the test; torch's tracker part
+    The hook's C library (``backend/csrc/free_channel.cpp``, built by the test; torch's tracker part
     needs a CUDA torch) is installed on the rank's free channel. A mapped allocation's free
     is announced by the call the tracker makes (``smddp_fc_segment_free``): the daemon must
     have unmapped it when the call returns, and the next op on it maps it afresh with the

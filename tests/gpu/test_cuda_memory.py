@@ -1,7 +1,7 @@
 """On a GPU only: memory the ranks free goes back to the driver although the daemon had it
 mapped (issue 17, item 1), and what a forced allocator retry does.
 
-Close before free (backend/cuda_free_hook.py, csrc/): torch's allocator calls the hook just
+Close before free (backend/cuda_free_hook.py, backend/csrc/): torch's allocator calls the hook just
 before each cudaFree of a segment, and the hook has smddpd unmap the segment first. So the
 memory is back at once after ``del`` + ``empty_cache()``, and the forced retry, which frees
 cached segments and reallocates inside one allocation, must succeed: both are asserted.
