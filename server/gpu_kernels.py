@@ -92,7 +92,7 @@ SPECS: dict[int, DtypeSpec] = {
 
 # int32 and int64 overflow in one step: signed overflow is undefined in C, so + and * go
 # through the unsigned type, which wraps as numpy does.
-_UNSIGNED = {pb.INT32: "unsigned int", pb.INT64: "unsigned long long"}
+_UNSIGNED: dict[int, str] = {pb.INT32: "unsigned int", pb.INT64: "unsigned long long"}
 
 
 def combine_expr(dtype: int, reduce_op: int) -> str:
@@ -116,9 +116,15 @@ def combine_expr(dtype: int, reduce_op: int) -> str:
         return "(a <= b || a != a) ? a : b" if spec.kind == "float" else "a <= b ? a : b"
     if reduce_op == pb.MAX:
         return "(a >= b || a != a) ? a : b" if spec.kind == "float" else "a >= b ? a : b"
-    symbol = {pb.SUM: "+", pb.AVG: "+", pb.PRODUCT: "*", pb.BAND: "&", pb.BOR: "|", pb.BXOR: "^"}[
-        reduce_op
-    ]
+    symbols: dict[int, str] = {
+        pb.SUM: "+",
+        pb.AVG: "+",
+        pb.PRODUCT: "*",
+        pb.BAND: "&",
+        pb.BOR: "|",
+        pb.BXOR: "^",
+    }
+    symbol = symbols[reduce_op]
     wide = _UNSIGNED.get(dtype)
     if wide is not None and symbol in "+*":
         return f"({spec.compute})(({wide})a {symbol} ({wide})b)"

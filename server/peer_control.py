@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import cast
 
 import grpc
 
@@ -66,7 +67,10 @@ class PeerControl:
         Raises:
             grpc.RpcError: it refused, or did not answer within ``timeout`` seconds.
         """
-        request = pb.JoinRequest(peer=peer, node_ids=node_ids, transport=transport)
+        # cast: protoc's stubs type an enum field as its enum class alone; an int is what it holds.
+        request = pb.JoinRequest(
+            peer=peer, node_ids=node_ids, transport=cast("pb.Transport", transport)
+        )
         reply: pb.JoinReply = self.stub(address, node_id).Join(request, timeout=timeout)
         return reply.data_port
 
@@ -84,7 +88,9 @@ class PeerControl:
         Raises:
             grpc.RpcError: it did not take the news.
         """
-        request = pb.AbortRequest(peer=peer, kind=kind, message=message[:65536])
+        request = pb.AbortRequest(
+            peer=peer, kind=cast("pb.ErrorKind", kind), message=message[:65536]
+        )
         self.stub(address, node_id).Abort(request, timeout=timeout)
 
     def status(
@@ -102,7 +108,7 @@ class PeerControl:
 
     def meet_future(
         self, address: str, node_id: str, request: pb.MeetRequest, timeout: float
-    ) -> grpc.Future:
+    ) -> grpc.Future[pb.RendezvousReply]:
         """Starts a Meet call at the rendezvous root ``address``; the call's future."""
         return self.stub(address, node_id).Meet.future(request, timeout=timeout)
 

@@ -59,6 +59,7 @@ def parse_size(value: str | int) -> int:
         whole, frac = number.split(".")
         # Exact arithmetic: 1.5GiB is 1610612736, whatever a float would round it to.
         numerator = (int(whole) * 10 ** len(frac) + int(frac)) * factor
+        count: int  # match.groups() is typed str | Any
         count, rest = divmod(numerator, 10 ** len(frac))
         if rest:
             raise ValueError(f"{value!r} is not a whole number of bytes")

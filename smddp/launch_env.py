@@ -66,9 +66,9 @@ class Launch:
 def _int(env: MutableMapping[str, str], *names: str) -> int | None:
     for name in names:
         value = env.get(name)
-        if value not in (None, ""):
+        if value:  # neither unset nor empty
             try:
-                return int(value)  # type: ignore[arg-type]
+                return int(value)
             except ValueError:
                 return None
     return None
@@ -187,9 +187,9 @@ def _master_host(env: MutableMapping[str, str]) -> str | None:
         env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
     )
     if nodelist:
-        hosts = expand_nodelist(nodelist)
-        if hosts:
-            return hosts[0]
+        nodes = expand_nodelist(nodelist)
+        if nodes:
+            return nodes[0]
     return None
 
 
