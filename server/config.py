@@ -10,7 +10,8 @@ import re
 import socket
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 import tomllib
 
@@ -160,9 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
         env = ENV_PREFIX + f.name.upper()
         default = DaemonConfig.__dataclass_fields__[f.name].default
         shown = default if default != "" else ("auto" if f.name in _DERIVED else "none")
-        kind = {"int": int, "float": float}.get(str(f.type), str)
+        kind: Callable[[str], Any] = {"int": int, "float": float}.get(str(f.type), str)
         if units.is_size(f.name):  # 4MiB, 1GiB, or a plain byte count
-            kind, shown = units.size_arg, units.format_size(default)
+            kind, shown = units.size_arg, units.format_size(cast(int, default))
         parser.add_argument(
             flag, type=kind, default=None, help=f"{_HELP[f.name]} (env {env}; default {shown})"
         )

@@ -31,7 +31,8 @@ SOCKET_ENV = "SMDDP_SOCKET"
 def _target(args: argparse.Namespace) -> str:
     """The gRPC target of the daemon that ``args`` names; exits with a hint when there is none."""
     if args.address:
-        return args.address
+        address: str = args.address
+        return address
     if args.socket:
         paths, origin = [args.socket], "--socket"
     elif os.environ.get(SOCKET_ENV):
@@ -92,7 +93,10 @@ def _print_json(message: Any) -> None:
 def _check(target: str, service: str) -> str:
     stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(target))
     try:
-        reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=TIMEOUT_S)
+        # The stub package declares HealthStub without its methods (it has Check at run time).
+        reply: health_pb2.HealthCheckResponse = stub.Check(  # type: ignore[attr-defined]
+            health_pb2.HealthCheckRequest(service=service), timeout=TIMEOUT_S
+        )
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
     except grpc.RpcError as exc:
         return f"UNREACHABLE ({exc.code().name}: {exc.details()})"
@@ -413,7 +417,8 @@ def main(argv: list[str] | None = None) -> int:
         0 on success; 1 when the daemon is not healthy.
     """
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    status: int = args.func(args)
+    return status
 
 
 if __name__ == "__main__":

@@ -59,7 +59,7 @@ class PeerControl:
         node_id: str,
         peer: pb.PeerRequest,
         node_ids: list[str],
-        transport: int,
+        transport: pb.Transport,
         timeout: float,
     ) -> int:
         """Asks node ``node_id`` to let this node join the communicator; its data port.
@@ -67,10 +67,7 @@ class PeerControl:
         Raises:
             grpc.RpcError: it refused, or did not answer within ``timeout`` seconds.
         """
-        # cast: protoc's stubs type an enum field as its enum class alone; an int is what it holds.
-        request = pb.JoinRequest(
-            peer=peer, node_ids=node_ids, transport=cast("pb.Transport", transport)
-        )
+        request = pb.JoinRequest(peer=peer, node_ids=node_ids, transport=transport)
         reply: pb.JoinReply = self.stub(address, node_id).Join(request, timeout=timeout)
         return reply.data_port
 
@@ -88,6 +85,7 @@ class PeerControl:
         Raises:
             grpc.RpcError: it did not take the news.
         """
+        # cast: protoc's stubs type an enum field as its enum class alone; an int is what it holds.
         request = pb.AbortRequest(
             peer=peer, kind=cast("pb.ErrorKind", kind), message=message[:65536]
         )

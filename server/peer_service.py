@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-TRANSPORT_NAMES = {pb.TCP: "tcp", pb.UCX: "ucx"}
+TRANSPORT_NAMES: dict[int, str] = {pb.TCP: "tcp", pb.UCX: "ucx"}
 
 
 def server_credentials(cert: str, key: str, ca: str) -> grpc.ServerCredentials:

@@ -615,7 +615,7 @@ class PeerNetwork:
         self,
         host: str,
         data_port: int,
-        transport: int,
+        transport: pb.Transport,
         find_peers: Callable[[str, str, bytes], CommPeers | None],
         control: PeerControl,
         ucx_port: int = 0,

@@ -214,7 +214,7 @@ def unpack(data: bytes) -> tuple[int, bytes]:
     return data[0], data[1:]
 
 
-def rank_list(ranks: list[int]) -> str:
+def rank_list(ranks: Sequence[int]) -> str:
     """Formats ranks compactly: ``rank 3``, ``ranks 0-2``, ``ranks 0, 2, 5-7``."""
     ranks = sorted(ranks)
     parts: list[str] = []
