@@ -8,9 +8,9 @@ import logging
 import os
 import re
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any, cast
 
 import tomllib

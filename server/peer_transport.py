@@ -355,8 +355,9 @@ class CommPeers:
                 for p in payloads:
                     if len(p):
                         # As bytes: a memoryview cannot carry ml_dtypes' bfloat16 ('E').
+                        # (numpy declares ndarray.__buffer__ for Python 3.12+ only: ignore.)
                         sock.sendall(
-                            memoryview(np.ascontiguousarray(p).view(np.uint8))
+                            memoryview(np.ascontiguousarray(p).view(np.uint8))  # type: ignore[arg-type]
                             if isinstance(p, np.ndarray)
                             else p
                         )
@@ -445,7 +446,8 @@ class CommPeers:
                 if frame.src_node != node:
                     raise ConnectionError("malformed frame header")
                 frame.payload = np.empty(nbytes, dtype=np.uint8)
-                recv_into(sock, memoryview(frame.payload))
+                # numpy declares ndarray.__buffer__ for Python 3.12+ only.
+                recv_into(sock, memoryview(frame.payload))  # type: ignore[arg-type]
                 ftype = frame.ftype
                 if ftype == FRAME_HEARTBEAT:
                     continue

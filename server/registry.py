@@ -108,7 +108,9 @@ class Registry:
         self.peer_address = ""
         self.network: PeerNetwork | None = None  # set by the daemon when peers are enabled
         self.rendezvous = RendezvousTable(config.max_jobs)
-        self._forwarded: set[grpc.Future] = set()  # Meet calls to other daemons in flight
+        self._forwarded: set[grpc.Future[pb.RendezvousReply]] = (
+            set()
+        )  # Meet calls to other daemons in flight
         self._stopping = False
         self._lock = threading.Lock()
 
