@@ -643,7 +643,7 @@ class GpuWork(SmddpWork):
     completes it with an error, which DDP raises from ``backward()``.
     """
 
-    def get_future(self) -> torch.futures.Future:
+    def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
         if self._completed:
             return super().get_future()
         return cuda_future.pending(self)

@@ -202,7 +202,7 @@ class SmddpProcessGroup(dist.ProcessGroup):
     ) -> SmddpWork:
         opts = opts if opts is not None else c10d.AllreduceCoalescedOptions()
         if on_cuda(tensors):
-            return self._gpu().allreduce(list(tensors), opts, "all_reduce_coalesced")  # type: ignore[arg-type]
+            return self._gpu().allreduce(list(tensors), opts, "all_reduce_coalesced")
         op = reduce_op(opts.reduceOp, "all_reduce_coalesced")
         stage = _Staging()
         bufs = [stage.out(t, "all_reduce_coalesced") for t in tensors]
@@ -517,8 +517,12 @@ class SmddpProcessGroup(dist.ProcessGroup):
         root = opts.rootRank
         if on_cuda(src, output_lists if self.rank() == root else []):
             return self._gpu().gather(
-                list(_one(output_lists, "gather")) if self.rank() == root else None, src, root
-            )  # type: ignore[arg-type]
+                list(_one(output_lists, "gather"))  # type: ignore[arg-type]
+                if self.rank() == root
+                else None,
+                src,
+                root,
+            )
         stage = _Staging()
         outs = None
         result = [src]
@@ -546,8 +550,12 @@ class SmddpProcessGroup(dist.ProcessGroup):
         root = opts.rootRank
         if on_cuda(out, input_lists if self.rank() == root else []):
             return self._gpu().scatter(
-                out, list(_one(input_lists, "scatter")) if self.rank() == root else None, root
-            )  # type: ignore[arg-type]
+                out,
+                list(_one(input_lists, "scatter"))  # type: ignore[arg-type]
+                if self.rank() == root
+                else None,
+                root,
+            )
         stage = _Staging()
         buf = stage.out(out, "scatter")
         ins = None

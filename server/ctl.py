@@ -33,6 +33,7 @@ def _target(args: argparse.Namespace) -> str:
     if args.address:
         address: str = args.address
         return address
+    paths: list[str]
     if args.socket:
         paths, origin = [args.socket], "--socket"
     elif os.environ.get(SOCKET_ENV):
