@@ -4,7 +4,8 @@
   peers on an ephemeral loopback port); needs no privileges.
 - ``netns_nodes(n)``: ``n`` network namespaces joined by a bridge (``netns_cluster``), one
   smddpd inside each, listening for peers on the namespace's address; skipped when this
-  process is not root, failed with ``ip``'s error when root cannot create namespaces. Everything is removed at teardown,
+  process is not root, failed with ``ip``'s error when root cannot create namespaces. Everything is
+  removed at teardown,
   also when the test fails.
 - ``launch_world(program, nodes, node_of_rank, spec)``: one process per rank, started on its
   node (inside the namespace for netns nodes) with the ``env://`` variables, SMDDP_NODE_ID

@@ -6,7 +6,8 @@ file that every rank reads, OUT the pickle this rank leaves its result in.
 
 Programs:
 - ``collectives``: every collective on the default group and on subgroups (each a layout of
-  its own), against references computed here, independently of smddp. Inputs are deterministic functions of a key, so a rank rebuilds every other rank's
+  its own), against references computed here, independently of smddp. Inputs are deterministic
+  functions of a key, so a rank rebuilds every other rank's
   input. Reductions follow smddp's documented order across nodes: each node's ranks in rank
   order, then the node partials in node order (nodes ordered by their lowest rank), in the
   tensor's dtype, so floating-point results are expected bit for bit. A failed check is

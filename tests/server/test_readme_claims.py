@@ -669,7 +669,8 @@ def as_nobody(code, env):
 
 def main():
     os.environ.clear(); os.environ.update(base_env)
-    # 1. Root's daemon without --socket takes the system socket; a client without SMDDP_SOCKET finds it.
+    # 1. Root's daemon without --socket takes the system socket; a client without SMDDP_SOCKET finds
+    # it.
     system = start()
     serving("/run/smddp/smddpd.sock", system)
     st = os.stat("/run/smddp/smddpd.sock")
