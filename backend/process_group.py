@@ -501,7 +501,8 @@ class SmddpProcessGroup(dist.ProcessGroup):
             sizes = [t.shape[0] // w] * w
         if len(sizes) != w or sum(sizes) != t.shape[0]:
             raise UnsupportedError(
-                f"{what}: {which} split sizes {list(sizes)} do not split dim 0 of {tuple(t.shape)} into {w} parts"
+                f"{what}: {which} split sizes {list(sizes)} do not split dim 0 of {tuple(t.shape)} "
+                f"into {w} parts"
             )
         return list(torch.split(t, sizes, dim=0))
 
@@ -609,5 +610,6 @@ class SmddpProcessGroup(dist.ProcessGroup):
             check(o, what)
             if o.numel() != ref.numel() or o.dtype != ref.dtype:
                 raise UnsupportedError(
-                    f"{what}: tensor {i} has {o.numel()} x {o.dtype} but {ref.numel()} x {ref.dtype} was expected"
+                    f"{what}: tensor {i} has {o.numel()} x {o.dtype} but {ref.numel()} x "
+                    f"{ref.dtype} was expected"
                 )

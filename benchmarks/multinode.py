@@ -205,7 +205,8 @@ def build_multinode_parser() -> argparse.ArgumentParser:
     p.prog = "python -m benchmarks.multinode"
     p.description = (
         "Time torch.distributed collectives across network-namespace nodes for several backends "
-        "(default smddp against gloo): latency, algbw and busbw (nccl-tests definitions). Needs root."
+        "(default smddp against gloo): latency, algbw and busbw (nccl-tests definitions). Needs "
+        "root."
     )
     p.set_defaults(ops=DEFAULT_OPS, min_bytes="1MiB", max_bytes="256MiB")
     helps = {

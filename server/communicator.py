@@ -292,7 +292,8 @@ class Communicator:
                 if remaining <= 0:
                     missing = [r for r, s in enumerate(ready) if s is None or s.arena is None]
                     raise FailedPrecondition(
-                        f"{self.name()}: {rank_list(missing)} did not attach within {self.timeout_s:.0f} s"
+                        f"{self.name()}: {rank_list(missing)} did not attach within "
+                        f"{self.timeout_s:.0f} s"
                     )
                 self._attached.wait(min(remaining, 0.5))
 
@@ -489,7 +490,8 @@ class Communicator:
             try:
                 if (frame.dtype, frame.count, frame.parts) != (req.dtype, req.count, req.parts):
                     raise InvalidRequest(
-                        f"send of {frame.count} x {dtype_name(frame.dtype)} from rank {req.root} meets "
+                        f"send of {frame.count} x {dtype_name(frame.dtype)} from rank {req.root} "
+                        "meets "
                         f"{describe_request(req)} on {session.label()}"
                     )
                 out = session.arena.view(req.output, NUMPY_DTYPES[req.dtype])  # type: ignore[union-attr]
@@ -626,7 +628,8 @@ class Communicator:
         out = s_recv.arena.view(recv.output, sent.dtype)  # type: ignore[union-attr]
         if out.size != sent.size:
             raise InvalidRequest(
-                f"send of {sent.size} elements from rank {s_send.rank} meets a recv of {out.size} elements"
+                f"send of {sent.size} elements from rank {s_send.rank} meets a recv of {out.size} "
+                "elements"
             )
         out[:] = sent
 

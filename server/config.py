@@ -229,7 +229,8 @@ def load(argv: list[str] | None = None, environ: dict[str, str] | None = None) -
         parser.error(f"peer_transport: {transport!r} is not one of tcp, ucx")
     if transport == "ucx" and any(tls):
         parser.error(
-            "peer_transport ucx carries no TLS: use tcp with --tls-cert, or ucx on a trusted network without it"
+            "peer_transport ucx carries no TLS: use tcp with --tls-cert, or ucx on a trusted "
+            "network without it"
         )
     for name in ("data_port", "ucx_port"):
         if not 0 <= values.get(name, 0) <= 65535:

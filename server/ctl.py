@@ -61,7 +61,8 @@ def _fail(target: str, exc: grpc.RpcError) -> SystemExit:
     hint = ""
     if exc.code() == grpc.StatusCode.UNAVAILABLE and target.startswith("unix:"):
         hint = (
-            " (the socket exists but no daemon answers on it: a smddpd that stopped without removing "
+            " (the socket exists but no daemon answers on it: a smddpd that stopped without "
+            "removing "
             "it; a new smddpd on that socket replaces it)"
         )
     elif exc.code() == grpc.StatusCode.UNIMPLEMENTED and not target.startswith("unix:"):
@@ -135,22 +136,26 @@ def cmd_status(args: argparse.Namespace) -> int:
         _print_json(st)
         return 0
     print(
-        f"node {st.node_id}  smddpd {st.version}  up {st.uptime_seconds:.0f} s  communicators {len(st.comms)}"
+        f"node {st.node_id}  smddpd {st.version}  up {st.uptime_seconds:.0f} s  communicators "
+        f"{len(st.comms)}"
     )
     for c in st.comms:
         state = f"FAILED: {c.failed}" if c.failed else "ok"
         print(
-            f"  job {c.job_id} comm {c.comm_id}: {len(c.ranks)}/{c.world_size} ranks, {c.ops_completed} ops, {state}"
+            f"  job {c.job_id} comm {c.comm_id}: {len(c.ranks)}/{c.world_size} ranks, "
+            f"{c.ops_completed} ops, {state}"
         )
         for r in c.ranks:
             print(
-                f"    rank {r.rank} (global {r.global_rank}) pid {r.pid} node {r.node_id} ops {r.ops_completed}"
+                f"    rank {r.rank} (global {r.global_rank}) pid {r.pid} node {r.node_id} ops "
+                f"{r.ops_completed}"
                 f"{'' if r.attached else ' (not attached)'}"
             )
         for p in c.pending:
             missing = ", ".join(map(str, p.missing_ranks)) or "-"
             print(
-                f"    waiting: op #{p.seq} chunk {p.part} {p.description} for {p.waited_seconds:.1f} s; "
+                f"    waiting: op #{p.seq} chunk {p.part} {p.description} for "
+                f"{p.waited_seconds:.1f} s; "
                 f"arrived {', '.join(map(str, p.arrived_ranks))}; missing {missing}"
             )
     return 0
@@ -181,7 +186,8 @@ def cmd_topology(args: argparse.Namespace) -> int:
         for n in job.nodes:
             here = "  (this node)" if set(n.ranks) == set(job.local_ranks) else ""
             print(
-                f"    {n.node_id}  {n.peer_address or '-'}  ranks {', '.join(map(str, n.ranks))}{here}"
+                f"    {n.node_id}  {n.peer_address or '-'}  ranks "
+                f"{', '.join(map(str, n.ranks))}{here}"
             )
     return 0
 

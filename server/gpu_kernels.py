@@ -228,16 +228,19 @@ def reduce_module(dtype: int, reduce_op: int, fan_in: int, fan_out: int) -> str:
     )
     if divide:
         out.append(
-            f"__device__ __forceinline__ C divide(C a) {{ return load(store(a / load(store((C)({fan_in}))))); }}"
+            "__device__ __forceinline__ C divide(C a) "
+            f"{{ return load(store(a / load(store((C)({fan_in}))))); }}"
         )
     out.append(
-        f"union alignas({VECTOR_BYTES}) Vec {{ unsigned long long raw[{VECTOR_BYTES // 8}]; T e[{per_vector}]; }};"
+        f"union alignas({VECTOR_BYTES}) Vec "
+        f"{{ unsigned long long raw[{VECTOR_BYTES // 8}]; T e[{per_vector}]; }};"
     )
     name = kernel_name(dtype, reduce_op, fan_in, fan_out, vectorized=False)
     out.append(f'extern "C" __global__ void {name}({params}) {{')
     out.append("  const unsigned long long stride = (unsigned long long)blockDim.x * gridDim.x;")
     out.append(
-        "  for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {"
+        "  for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; "
+        "i < n; i += stride) {"
     )
     out.append("    T r;")
     for p, ranks in enumerate(passes):
@@ -253,7 +256,8 @@ def reduce_module(dtype: int, reduce_op: int, fan_in: int, fan_out: int) -> str:
     out.append(f'extern "C" __global__ void {name}({params}) {{')
     out.append("  const unsigned long long stride = (unsigned long long)blockDim.x * gridDim.x;")
     out.append(
-        "  for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {"
+        "  for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; "
+        "i < n; i += stride) {"
     )
     out.append("    Vec r;")
     for p, ranks in enumerate(passes):

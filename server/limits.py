@@ -54,11 +54,13 @@ class Counts:
         with self._lock:
             if self._held[uid] + n > self.per_uid:
                 raise LimitExceeded(
-                    f"{prefix}uid {uid} already holds {self._held[uid]} {self.what} ({self._flags[0]} {self.per_uid})"
+                    f"{prefix}uid {uid} already holds {self._held[uid]} {self.what} "
+                    f"({self._flags[0]} {self.per_uid})"
                 )
             if self.total is not None and self._held[ALL] + n > self.total:
                 raise LimitExceeded(
-                    f"{prefix}the daemon already holds {self._held[ALL]} {self.what} ({self._flags[1]} {self.total})"
+                    f"{prefix}the daemon already holds {self._held[ALL]} {self.what} "
+                    f"({self._flags[1]} {self.total})"
                 )
             self._held[uid] += n
             self._held[ALL] += n
@@ -169,7 +171,8 @@ class Slots:
         with self._lock:
             if self._held >= self.limit:
                 raise LimitExceeded(
-                    f"{where}: the daemon already has {self._held} {self.what} ({self.flag} {self.limit})"
+                    f"{where}: the daemon already has {self._held} {self.what} ({self.flag} "
+                    f"{self.limit})"
                 )
             self._held += 1
         try:

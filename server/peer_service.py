@@ -82,7 +82,8 @@ class PeerService(pb_grpc.PeerServicer, EdgeService):
         peers = comm.peers
         if not 0 <= req.node < len(peers.node_ids) or req.node == peers.my_node:
             raise InvalidRequest(
-                f"node index {req.node} is not a peer of this node in job {comm.job_id} comm {comm.comm_id}"
+                f"node index {req.node} is not a peer of this node in job {comm.job_id} comm "
+                f"{comm.comm_id}"
             )
         return comm, peers
 

@@ -411,11 +411,13 @@ class CommPeers:
         if not status.pending:
             ranks = list(self.layout.nodes[node])
             return (
-                f"{name} says {rank_list(ranks)} {'has' if len(ranks) == 1 else 'have'} not called it "
+                f"{name} says {rank_list(ranks)} {'has' if len(ranks) == 1 else 'have'} not called "
+                "it "
                 f"({status.ops_completed} ops completed there)"
             )
         waits = [
-            f"op #{p.seq} {p.description} waits for {rank_list(list(p.missing_ranks))} since {p.waited_seconds:.1f} s"
+            f"op #{p.seq} {p.description} waits for {rank_list(list(p.missing_ranks))} since "
+            f"{p.waited_seconds:.1f} s"
             for p in status.pending
         ]
         return f"{name} says " + "; ".join(waits)
@@ -501,8 +503,10 @@ class CommPeers:
         if over:
             self._on_failure(
                 pb.INVALID,
-                f"{self.layout.name()}: rank {frame.src_rank} on node {self.node_ids[frame.src_node]} sent "
-                f"{frame.payload.nbytes} bytes to rank {frame.dst_rank} before it posted the receive, and "
+                f"{self.layout.name()}: rank {frame.src_rank} on node "
+                f"{self.node_ids[frame.src_node]} sent "
+                f"{frame.payload.nbytes} bytes to rank {frame.dst_rank} before it posted the "
+                "receive, and "
                 f"this daemon may hold no more: {over}",
             )
         if waiter is not None:
@@ -521,7 +525,8 @@ class CommPeers:
                 self._check_open()
                 if node in self._gone:
                     raise PeerError(
-                        f"op #{seq}: the ranks of node {self.node_ids[node]} have all left the communicator"
+                        f"op #{seq}: the ranks of node {self.node_ids[node]} have all left the "
+                        "communicator"
                     )
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:

@@ -116,7 +116,8 @@ def train(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
         opt.step()
         if step == 0:
             say(
-                f"ready {rank} {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')} {time.time():.3f}"
+                f"ready {rank} {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')} "
+                f"{time.time():.3f}"
             )
         else:
             say(f"step {step}")

@@ -70,7 +70,8 @@ def _stop_daemons(nodes: Sequence[Node]) -> None:
             rc = node.daemon.stop(signal.SIGTERM)
             if rc != 0:
                 bad.append(
-                    f"smddpd of {node.node_id} exited {rc} after SIGTERM:\n{node.daemon.log()[-LOG_TAIL:]}"
+                    f"smddpd of {node.node_id} exited {rc} after "
+                    f"SIGTERM:\n{node.daemon.log()[-LOG_TAIL:]}"
                 )
     assert not bad, "\n".join(bad)
 
@@ -240,7 +241,8 @@ class World:
                     continue
             self.kill()
             pytest.fail(
-                f"ranks {ended or 'some'} did not print {marker!r}:\n{self._failures(set(range(len(self.procs))))}"
+                f"ranks {ended or 'some'} did not print "
+                f"{marker!r}:\n{self._failures(set(range(len(self.procs))))}"
             )
 
     def send(self, line: str) -> None:

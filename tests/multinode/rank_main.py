@@ -179,7 +179,8 @@ class Checks:
         self.counts[section] += 1
         if got.dtype != want.dtype or got.shape != want.shape:
             self.failures.append(
-                f"{section} {name}: got {tuple(got.shape)} {got.dtype}, want {tuple(want.shape)} {want.dtype}"
+                f"{section} {name}: got {tuple(got.shape)} {got.dtype}, want {tuple(want.shape)} "
+                f"{want.dtype}"
             )
         elif bits(got) != bits(want):
             g, w = got.reshape(-1), want.reshape(-1)
@@ -538,7 +539,8 @@ def main() -> None:
         t1 = time.monotonic()
         result = PROGRAMS[program](spec)
         print(
-            f"rank {dist.get_rank()}: joined in {t1 - t0:.1f} s, {program} took {time.monotonic() - t1:.1f} s",
+            f"rank {dist.get_rank()}: joined in {t1 - t0:.1f} s, {program} took "
+            f"{time.monotonic() - t1:.1f} s",
             file=sys.stderr,
             flush=True,
         )
