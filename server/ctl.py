@@ -364,8 +364,8 @@ def _common(parser: argparse.ArgumentParser, suppress: bool) -> None:
     parser.add_argument(
         "--address",
         default=default,
-        help="HOST:PORT of a daemon's --grpc-bind listener instead of the socket (health only: that "
-        "listener serves nothing else)",
+        help="HOST:PORT of a daemon's --grpc-bind listener instead of the socket "
+        "(health only: that listener serves nothing else)",
     )
     parser.add_argument(
         "--json",
@@ -406,7 +406,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_topology)
     m = sub.add_parser(
         "metrics",
-        help="a summary of the daemon's metrics: per op count, bytes, p50/p99 duration; stragglers; errors",
+        help="a summary of the daemon's metrics: per op count, bytes, p50/p99 duration; "
+        "stragglers; errors",
     )
     m.add_argument(
         "--raw", action="store_true", help="the Prometheus exposition text as /metrics serves it"

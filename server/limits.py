@@ -111,8 +111,14 @@ class ByteBudget:
         """Which limit a refused ``try_take(uid, nbytes)`` hit, for messages."""
         c = self._counts
         if self.held(uid) + nbytes > c.per_uid:
-            return f"uid {uid} holds {self.held(uid)} bytes of sends waiting for their receives (--max-buffered-bytes-per-uid {c.per_uid})"
-        return f"the daemon holds {self.held()} bytes of sends waiting for their receives (--max-buffered-bytes {c.total})"
+            return (
+                f"uid {uid} holds {self.held(uid)} bytes of sends waiting for their receives "
+                f"(--max-buffered-bytes-per-uid {c.per_uid})"
+            )
+        return (
+            f"the daemon holds {self.held()} bytes of sends waiting for their receives "
+            f"(--max-buffered-bytes {c.total})"
+        )
 
 
 class BufferAccount:

@@ -539,7 +539,10 @@ class Registry:
 
     def deregister(self, session: Session) -> None:
         """Removes a rank that left cleanly (destroy_process_group)."""
-        why = f"{session.comm.name()}: {session.label()} has left the communicator (destroy_process_group)"
+        why = (
+            f"{session.comm.name()}: {session.label()} has left the communicator "
+            "(destroy_process_group)"
+        )
         self._drop(session, why, pb.RANK_FAILED, logging.INFO)
 
     def connection_lost(self, session: Session, detail: str) -> None:

@@ -28,7 +28,10 @@ _DECIMAL = {"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _UNITS = {**_BINARY, **_DECIMAL}
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*")
 
-SIZE_HELP = "bytes, with an optional unit: KiB, MiB, GiB, TiB (K, M, G, T mean the same), or kB, MB, GB, TB (powers of 1000)"
+SIZE_HELP = (
+    "bytes, with an optional unit: KiB, MiB, GiB, TiB (K, M, G, T mean the same), "
+    "or kB, MB, GB, TB (powers of 1000)"
+)
 
 
 def is_size(name: str) -> bool:
