@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch._C import _distributed_c10d as c10d
 
-from smddp.backend import cuda_future
+from smddp.backend import cuda_free_hook, cuda_future
 from smddp.backend.tensors import SUPPORTED, reduce_op
 from smddp.backend.work import SmddpWork
 from smddp.client import Communicator
@@ -97,8 +97,8 @@ class TorchCuda:
         """Segments the caching allocator has returned to the driver on ``device`` so far
         (``empty_cache()``, its retry after an out-of-memory): the exporter asks the driver
         about its cached allocations only when this moves. Read from the nested statistics
-        (no flattening) before each op; torch exposes no hook that runs at the free itself
-        to Python."""
+        (no flattening) before each op. (The hook that runs at the free itself is C++:
+        ``cuda_free_hook``; this count still catches what it does not see.)"""
         stats = torch.cuda.memory.memory_stats_as_nested_dict(device)
         return int(stats.get("segment", {}).get("all", {}).get("freed", 0))
 
@@ -254,6 +254,15 @@ class CudaCollectives:
         counter = getattr(device_api(), "free_count", None)
         if counter is not None and comm.cuda.exporter.free_counter is None:
             comm.cuda.exporter.free_counter = counter
+        api = device_api()
+        if (
+            isinstance(api, TorchCuda)
+            and api.available()
+            and hasattr(comm.session, "open_free_channel")
+        ):
+            # Close before free: the allocator hook (built on the first GPU group of the
+            # process; never raises, logs once if it cannot be had).
+            cuda_free_hook.install(comm.session, comm.cuda.exporter)
 
     # -- checks and plumbing --------------------------------------------------------------------
 

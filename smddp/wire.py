@@ -34,6 +34,12 @@ MSG_OP_REPLY = 4
 # reply carries them as SCM_RIGHTS in rank order, once every rank has attached.
 MSG_PEER_ARENAS = 5
 MSG_PEER_ARENAS_REPLY = 6
+# A rank's free channel (close before free, backend/csrc/free_channel.cpp): a connection that opens
+# with MSG_FREE_ATTACH (an AttachRequest, no memfd) and then carries SegmentFree requests and
+# SegmentFreeReply answers. backend/csrc/free_channel.cpp repeats these three numbers.
+MSG_FREE_ATTACH = 7
+MSG_FREE = 8
+MSG_FREE_REPLY = 9
 MAX_MESSAGE_BYTES = 1 << 20
 
 DATA_SOCKET_SUFFIX = ".data"
