@@ -145,6 +145,12 @@ def _foreign_thread() -> bool:
 class SmddpWork(dist.Work):
     """Completes when the op's chunks are retired and copy-backs have run."""
 
+    # Class defaults: an instance sets only what differs (one is made per op, so its
+    # construction is part of every small op's cost).
+    _finish: Optional[Callable[[], None]] = None
+    _error: Optional[BaseException] = None
+    _completed = False
+
     def __init__(
         self,
         handles: List[Handle],
@@ -154,9 +160,8 @@ class SmddpWork(dist.Work):
         super().__init__()
         self._handles = handles
         self._result = result
-        self._finish = finish
-        self._error: Optional[BaseException] = None
-        self._completed = False
+        if finish is not None:
+            self._finish = finish
         self._lock = threading.Lock()
 
     def _complete(self) -> None:

@@ -532,7 +532,21 @@ def test_waiting_rendezvous_calls_cannot_hold_every_thread(start_daemon, ctl_sta
     # The callers go away: their arrivals are withdrawn, and new rendezvous are served.
     for c in calls:
         c.cancel()
-    time.sleep(1.5)
+    # Each waiting call sees its cancel within half a second, but 200 of them on a loaded
+    # machine can take longer: until the last has withdrawn, a new call may find no slot.
+    deadline = time.monotonic() + 30
+    for attempt in range(1000):
+        probe = pb.RendezvousRequest(
+            job_id=f"probe-{attempt}", job_token=token, rank=0, world_size=1
+        )
+        try:
+            node.Rendezvous(probe, timeout=30)
+            print(f"a new rendezvous was served at the {attempt + 1}. try after the cancels")
+            break
+        except grpc.RpcError as err:
+            assert "waiting Rendezvous calls" in err.details(), err.details()
+            assert time.monotonic() < deadline, "the cancelled calls' slots were never freed"
+            time.sleep(0.1)
     pair = [
         node.Rendezvous.future(
             pb.RendezvousRequest(job_id="late", job_token=token, rank=r, world_size=2), timeout=30

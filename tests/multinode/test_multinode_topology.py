@@ -75,8 +75,9 @@ def test_topology_of_a_registered_multinode_job(loopback_nodes, launch_world):
 
     world.send("go")
     assert [r["sum"] for r in world.join()] == [[4.0] * 4] * 4
-    # Once the ranks have left, the daemons forget the job.
-    deadline = time.monotonic() + 10
+    # Once the ranks have left, the daemons forget the job. 30 s: each look runs smddpctl twice,
+    # a Python start each, which takes seconds on a loaded machine.
+    deadline = time.monotonic() + 30
     while True:
         jobs = [
             json.loads(smddpctl("--socket", n.daemon.socket, "--json", "topology"))["jobs"]
