@@ -296,7 +296,8 @@ class CudaCollectives:
             if t.dtype not in SUPPORTED:
                 names = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED)
                 raise UnsupportedError(
-                    f"{what}: dtype {str(t.dtype).removeprefix('torch.')} is not supported ({names})"
+                    f"{what}: dtype {str(t.dtype).removeprefix('torch.')} is not supported "
+                    f"({names})"
                 )
             devices.add(api.device_index(t))
         if len(devices) != 1:
@@ -353,7 +354,8 @@ class CudaCollectives:
         for i, o in enumerate(others):
             if o.numel() != ref.numel() or o.dtype != ref.dtype:
                 raise UnsupportedError(
-                    f"{what}: tensor {i} has {o.numel()} x {o.dtype} but {ref.numel()} x {ref.dtype} was expected"
+                    f"{what}: tensor {i} has {o.numel()} x {o.dtype} but {ref.numel()} x "
+                    f"{ref.dtype} was expected"
                 )
 
     # -- collectives --------------------------------------------------------------------------
@@ -652,7 +654,7 @@ class GpuWork(SmddpWork):
     completes it with an error, which DDP raises from ``backward()``.
     """
 
-    def get_future(self) -> torch.futures.Future:
+    def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
         if self._completed:
             return super().get_future()
         return cuda_future.pending(self)

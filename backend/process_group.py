@@ -242,7 +242,7 @@ class SmddpProcessGroup(dist.ProcessGroup):
     ) -> SmddpWork:
         opts = opts if opts is not None else c10d.AllreduceCoalescedOptions()
         if on_cuda(tensors):
-            return self._gpu().allreduce(list(tensors), opts, "all_reduce_coalesced")  # type: ignore[arg-type]
+            return self._gpu().allreduce(list(tensors), opts, "all_reduce_coalesced")
         op = reduce_op(opts.reduceOp, "all_reduce_coalesced")
         stage = _Staging()
         bufs = [stage.out(t, "all_reduce_coalesced") for t in tensors]
@@ -545,7 +545,8 @@ class SmddpProcessGroup(dist.ProcessGroup):
             sizes = [t.shape[0] // w] * w
         if len(sizes) != w or sum(sizes) != t.shape[0]:
             raise UnsupportedError(
-                f"{what}: {which} split sizes {list(sizes)} do not split dim 0 of {tuple(t.shape)} into {w} parts"
+                f"{what}: {which} split sizes {list(sizes)} do not split dim 0 of {tuple(t.shape)} "
+                f"into {w} parts"
             )
         return list(torch.split(t, sizes, dim=0))
 
@@ -561,8 +562,12 @@ class SmddpProcessGroup(dist.ProcessGroup):
         root = opts.rootRank
         if on_cuda(src, output_lists if self.rank() == root else []):
             return self._gpu().gather(
-                list(_one(output_lists, "gather")) if self.rank() == root else None, src, root
-            )  # type: ignore[arg-type]
+                list(_one(output_lists, "gather"))  # type: ignore[arg-type]
+                if self.rank() == root
+                else None,
+                src,
+                root,
+            )
         stage = _Staging()
         outs = None
         result = [src]
@@ -590,8 +595,12 @@ class SmddpProcessGroup(dist.ProcessGroup):
         root = opts.rootRank
         if on_cuda(out, input_lists if self.rank() == root else []):
             return self._gpu().scatter(
-                out, list(_one(input_lists, "scatter")) if self.rank() == root else None, root
-            )  # type: ignore[arg-type]
+                out,
+                list(_one(input_lists, "scatter"))  # type: ignore[arg-type]
+                if self.rank() == root
+                else None,
+                root,
+            )
         stage = _Staging()
         buf = stage.out(out, "scatter")
         ins = None
@@ -645,5 +654,6 @@ class SmddpProcessGroup(dist.ProcessGroup):
             check(o, what)
             if o.numel() != ref.numel() or o.dtype != ref.dtype:
                 raise UnsupportedError(
-                    f"{what}: tensor {i} has {o.numel()} x {o.dtype} but {ref.numel()} x {ref.dtype} was expected"
+                    f"{what}: tensor {i} has {o.numel()} x {o.dtype} but {ref.numel()} x "
+                    f"{ref.dtype} was expected"
                 )

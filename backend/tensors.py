@@ -171,7 +171,7 @@ class ViewCache:
         return arr
 
 
-def reduce_op(op: dist.ReduceOp, what: str) -> int:
+def reduce_op(op: dist.ReduceOp | dist.ReduceOp.RedOpType, what: str) -> int:
     """The wire ReduceOp for torch's, or UnsupportedError (e.g. PREMUL_SUM)."""
     for torch_op, wire in _REDUCE_OPS.items():
         if op == torch_op:

@@ -49,7 +49,7 @@ def _identity(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
     return tensors
 
 
-def typed_future(tensors: List[torch.Tensor]) -> torch.futures.Future:
+def typed_future(tensors: List[torch.Tensor]) -> torch.futures.Future[List[torch.Tensor]]:
     """A completed Future whose TorchScript type is List[Tensor].
 
     DDP's built-in C++ comm hooks (FP16_COMPRESS) require ``isTensorList()`` of the value; a
@@ -215,7 +215,7 @@ class SmddpWork(dist.Work):
         if self._error is not None:
             raise self._error
 
-    def get_future(self) -> torch.futures.Future:
+    def get_future(self) -> torch.futures.Future[List[torch.Tensor]]:
         """A Future of the output tensors, returned at once; it completes once the op has
         (outputs written). A failed op never fails it (see the module docstring): its error
         is raised by a backward pass's final callback, by ``wait()``/``value()`` from Python,
@@ -229,7 +229,7 @@ class SmddpWork(dist.Work):
             if self._error is not None:
                 raise self._error
             return typed_future(self._result)
-        signal: torch.futures.Future = torch.futures.Future()
+        signal: torch.futures.Future[Any] = torch.futures.Future()
         fut = _pending(signal, self._result)
         fut._set_unwrap_func(self._unwrap)
         _guard_backward(self)

@@ -163,7 +163,8 @@ class DataSocketServer:
                     refusals.log(
                         log,
                         logging.WARNING,
-                        f"data-socket accept failing ({errno.errorcode.get(exc.errno or 0, exc.errno)})",
+                        "data-socket accept failing "
+                        f"({errno.errorcode.get(exc.errno or 0, exc.errno)})",
                         "the data socket cannot accept a connection: %s; retrying",
                         exc,
                     )
@@ -289,7 +290,8 @@ class DataSocketServer:
                 log,
                 logging.INFO,
                 "data-socket handshake timed out",
-                "closed a data-socket connection of uid %d (pid %d): no AttachRequest within %.0f s (--attach-timeout-s)",
+                "closed a data-socket connection of uid %d (pid %d): no AttachRequest within %.0f "
+                "s (--attach-timeout-s)",
                 uid,
                 pid,
                 self._attach_timeout_s,

@@ -341,7 +341,8 @@ class GpuOps:
             return 0
         if len(buf.ipc_handle) != 64:
             raise InvalidRequest(
-                f"{session.label()}: a CUDA IPC memory handle has {len(buf.ipc_handle)} bytes, not 64"
+                f"{session.label()}: a CUDA IPC memory handle has {len(buf.ipc_handle)} bytes, not "
+                "64"
             )
         key = (buf.alloc_base, buf.buffer_id, device)
         mapping = handles.mappings.get(key)
@@ -384,7 +385,8 @@ class GpuOps:
             handles.mappings.move_to_end(key)
         if buf.offset + buf.nbytes > mapping.size:
             raise InvalidRequest(
-                f"{session.label()}: GPU range [{buf.offset}, {buf.offset + buf.nbytes}) lies outside "
+                f"{session.label()}: GPU range [{buf.offset}, {buf.offset + buf.nbytes}) lies "
+                "outside "
                 f"its allocation of {mapping.size} bytes at 0x{buf.alloc_base:x}"
             )
         return mapping.address + buf.offset
@@ -758,7 +760,8 @@ class GpuOps:
                 raise InvalidRequest("a GPU send names one input and a GPU recv one output")
             if a.in_bytes[0] != b.out_bytes[0]:
                 raise InvalidRequest(
-                    f"send of {a.in_bytes[0]} bytes from rank {a.rank} meets a recv of {b.out_bytes[0]} bytes"
+                    f"send of {a.in_bytes[0]} bytes from rank {a.rank} meets a recv of "
+                    f"{b.out_bytes[0]} bytes"
                 )
             work = _Work(self, comm, [a, b])
             work.copy(b.device, b.outputs[0], work.inp(a, 0, b.device), a.in_bytes[0], a.device)
@@ -771,7 +774,8 @@ def _check_all_gpu(ranks: Sequence[int], reqs: Sequence[pb.OpRequest]) -> None:
         host = [r for r in ranks if r not in gpu]
         raise InvalidRequest(
             f"{describe_request(reqs[0])} mixes GPU and host tensors: {rank_list(gpu)} on GPUs, "
-            f"{rank_list(host)} in host memory (every rank must pass tensors on the same kind of device)"
+            f"{rank_list(host)} in host memory (every rank must pass tensors on the same kind of "
+            "device)"
         )
 
 
@@ -895,7 +899,8 @@ class _Work:
                 for d in ranks:
                     if s.in_bytes[d.rank] != d.out_bytes[s.rank]:
                         raise InvalidRequest(
-                            f"{self.who}: rank {s.rank} sends {s.in_bytes[d.rank]} bytes to rank {d.rank} "
+                            f"{self.who}: rank {s.rank} sends {s.in_bytes[d.rank]} bytes to rank "
+                            f"{d.rank} "
                             f"but rank {d.rank} expects {d.out_bytes[s.rank]} from rank {s.rank} "
                             "(input and output split sizes disagree)"
                         )

@@ -11,11 +11,19 @@ from __future__ import annotations
 import os
 import socket
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, TypeVar, overload
 
 import numpy as np
 
 from smddp.v1 import smddp_pb2 as pb
+
+if TYPE_CHECKING:
+    from _collections_abc import dict_items, dict_keys, dict_values
+
+_K = TypeVar("_K")
+_V = TypeVar("_V")
+_T = TypeVar("_T")
 
 # Data socket framing: one SOCK_SEQPACKET message is a 1-byte type and a serialized proto.
 MSG_ATTACH = 1
@@ -37,34 +45,38 @@ MAX_MESSAGE_BYTES = 1 << 20
 DATA_SOCKET_SUFFIX = ".data"
 
 
-class _DtypeTable(dict):  # type: ignore[type-arg]
+class _DtypeTable(dict[_K, _V]):
     """A dtype table whose bfloat16 entry appears at its first use (see the module docstring).
 
     Looking it up, testing for it or listing the table imports ml_dtypes and completes both
     tables; nothing else triggers the import.
     """
 
-    def __init__(self, items: dict, is_bfloat16: Callable[[object], bool]) -> None:  # type: ignore[type-arg]
+    def __init__(self, items: dict[_K, _V], is_bfloat16: Callable[[object], bool]) -> None:
         super().__init__(items)
         self._is_bfloat16 = is_bfloat16
 
-    def __missing__(self, key: object) -> object:
+    def __missing__(self, key: _K) -> _V:
         if self._is_bfloat16(key) and _load_bfloat16():
             return dict.__getitem__(self, key)
         raise KeyError(key)
 
     def __contains__(self, key: object) -> bool:
-        return dict.__contains__(self, key) or (
-            self._is_bfloat16(key) and _load_bfloat16() and dict.__contains__(self, key)
+        return super().__contains__(key) or (
+            self._is_bfloat16(key) and _load_bfloat16() and super().__contains__(key)
         )
 
-    def get(self, key: object, default: object = None) -> object:
+    @overload
+    def get(self, key: _K, /) -> _V | None: ...
+    @overload
+    def get(self, key: _K, /, default: _V | _T) -> _V | _T: ...
+    def get(self, key: _K, default: object = None) -> object:
         try:
             return self[key]
         except KeyError:
             return default
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
+    def __iter__(self) -> Iterator[_K]:
         _load_bfloat16()
         return dict.__iter__(self)
 
@@ -72,22 +84,23 @@ class _DtypeTable(dict):  # type: ignore[type-arg]
         _load_bfloat16()
         return dict.__len__(self)
 
-    def keys(self):  # type: ignore[no-untyped-def]
+    def keys(self) -> dict_keys[_K, _V]:
         _load_bfloat16()
         return dict.keys(self)
 
-    def values(self):  # type: ignore[no-untyped-def]
+    def values(self) -> dict_values[_K, _V]:
         _load_bfloat16()
         return dict.values(self)
 
-    def items(self):  # type: ignore[no-untyped-def]
+    def items(self) -> dict_items[_K, _V]:
         _load_bfloat16()
         return dict.items(self)
 
 
 def _load_bfloat16() -> bool:
     """Imports ml_dtypes and adds bfloat16 to both tables (once); True when it is there."""
-    if not dict.__contains__(NUMPY_DTYPES, pb.BFLOAT16):
+    # dict's own keys view: its lookup is dict's, not the table's __contains__.
+    if pb.BFLOAT16 not in dict.keys(NUMPY_DTYPES):
         import ml_dtypes
 
         bf16 = np.dtype(ml_dtypes.bfloat16)
@@ -114,9 +127,10 @@ NUMPY_DTYPES: dict[int, np.dtype] = _DtypeTable(
 WIRE_DTYPES: dict[np.dtype, int] = _DtypeTable(
     {v: k for k, v in dict.items(NUMPY_DTYPES)}, lambda dt: getattr(dt, "name", None) == "bfloat16"
 )
-FLOAT_DTYPES = frozenset({pb.FLOAT16, pb.BFLOAT16, pb.FLOAT32, pb.FLOAT64})
+FLOAT_DTYPES: frozenset[int] = frozenset({pb.FLOAT16, pb.BFLOAT16, pb.FLOAT32, pb.FLOAT64})
 
-KIND_NAMES = {
+# Keyed by int: the enums' values arrive as plain ints (the data socket's frames, the tables).
+KIND_NAMES: dict[int, str] = {
     pb.ALL_REDUCE: "all_reduce",
     pb.BROADCAST: "broadcast",
     pb.REDUCE: "reduce",
@@ -129,7 +143,7 @@ KIND_NAMES = {
     pb.SEND: "send",
     pb.RECV: "recv",
 }
-REDUCE_NAMES = {
+REDUCE_NAMES: dict[int, str] = {
     pb.SUM: "SUM",
     pb.AVG: "AVG",
     pb.MIN: "MIN",
@@ -139,9 +153,9 @@ REDUCE_NAMES = {
     pb.BOR: "BOR",
     pb.BXOR: "BXOR",
 }
-REDUCING_KINDS = frozenset({pb.ALL_REDUCE, pb.REDUCE, pb.REDUCE_SCATTER})
-ROOTED_KINDS = frozenset({pb.BROADCAST, pb.REDUCE, pb.GATHER, pb.SCATTER})
-P2P_KINDS = frozenset({pb.SEND, pb.RECV})
+REDUCING_KINDS: frozenset[int] = frozenset({pb.ALL_REDUCE, pb.REDUCE, pb.REDUCE_SCATTER})
+ROOTED_KINDS: frozenset[int] = frozenset({pb.BROADCAST, pb.REDUCE, pb.GATHER, pb.SCATTER})
+P2P_KINDS: frozenset[int] = frozenset({pb.SEND, pb.RECV})
 
 
 def dtype_name(dtype: int) -> str:
@@ -206,11 +220,12 @@ def unpack(data: bytes) -> tuple[int, bytes]:
     return data[0], data[1:]
 
 
-def rank_list(ranks: list[int]) -> str:
+def rank_list(ranks: Sequence[int]) -> str:
     """Formats ranks compactly: ``rank 3``, ``ranks 0-2``, ``ranks 0, 2, 5-7``."""
     ranks = sorted(ranks)
     parts: list[str] = []
-    start = prev = None
+    start: int | None = None
+    prev = 0  # read only once start is set
     for r in ranks:
         if start is None:
             start = prev = r
@@ -258,7 +273,8 @@ def outward_ip(toward: str = "10.255.255.255") -> str:
     probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
         probe.connect((toward, 9))
-        return probe.getsockname()[0]
+        address: str = probe.getsockname()[0]
+        return address
     except OSError:
         return socket.gethostbyname(socket.gethostname())
     finally:

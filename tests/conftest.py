@@ -82,7 +82,8 @@ class DaemonProcess:
             self.proc.kill()
             self.proc.wait()
             pytest.fail(
-                f"smddpd did not exit within {timeout_s} s of {signal.Signals(sig).name}:\n{self.log()}"
+                f"smddpd did not exit within {timeout_s} s of "
+                f"{signal.Signals(sig).name}:\n{self.log()}"
             )
 
 

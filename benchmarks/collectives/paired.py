@@ -242,7 +242,8 @@ def markdown(
     lines.append(
         "Single-core reference: "
         + ", ".join(
-            f"{_size(n)} copy {_fmt_t(v['copy'])} ({n / v['copy'] / 1e9:.1f} GB/s), add {_fmt_t(v['add'])}"
+            f"{_size(n)} copy {_fmt_t(v['copy'])} ({n / v['copy'] / 1e9:.1f} GB/s), add "
+            f"{_fmt_t(v['add'])}"
             for n, v in ref.items()
         )
     )
@@ -256,7 +257,8 @@ def markdown(
             lines.append("| --- | --- | --- | --- |")
             for b in ("smddp", "gloo"):
                 lines.append(
-                    f"| {b} | {_fmt_t(d[b]['step_s'])} | {_fmt_t(d[b]['no_sync_s'])} | {_fmt_t(d[b]['overhead_s'])} |"
+                    f"| {b} | {_fmt_t(d[b]['step_s'])} | {_fmt_t(d[b]['no_sync_s'])} | "
+                    f"{_fmt_t(d[b]['overhead_s'])} |"
                 )
             ratio = (
                 d["smddp"]["overhead_s"] / d["gloo"]["overhead_s"]
@@ -296,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
         cases = tuple(c for c in CASES if f"{c[0]}:{c[1]}" in wanted)
         if not cases:
             p.error(
-                f"--cases: none of {args.cases} is a case ({', '.join(f'{o}:{n}' for o, n in CASES)})"
+                f"--cases: none of {args.cases} is a case "
+                f"({', '.join(f'{o}:{n}' for o, n in CASES)})"
             )
     results = [run(int(w), args.ddp_steps, cases) for w in args.world_sizes.split(",")]
     ref = {n: _reference(n) for n in (1 << 20, 16 << 20, 64 << 20)}

@@ -44,7 +44,8 @@ def _torchrun(script: str, tmp_path: Path, extra_env: dict[str, str] | None = No
 def _need(module: str) -> None:
     if importlib.util.find_spec(module) is None:
         pytest.skip(
-            f"{module} is not installed (scripts/setup.sh installs tests/frameworks/requirements.txt)"
+            f"{module} is not installed (scripts/setup.sh installs "
+            "tests/frameworks/requirements.txt)"
         )
 
 

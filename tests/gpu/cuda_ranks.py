@@ -276,7 +276,8 @@ def ordering_rank(rank: int, world: int, init_file: str, device: int) -> dict[st
         if not bool((got == value).all()):
             bad = int((got != value).sum())
             out["failures"].append(
-                f"rank {rank}: {what}: {bad} of {t.numel()} elements are not {value} (e.g. {got[got != value][:3].tolist()})"
+                f"rank {rank}: {what}: {bad} of {t.numel()} elements are not {value} (e.g. "
+                f"{got[got != value][:3].tolist()})"
             )
 
     # 1. Inputs written by a slow kernel: the daemon must wait for the ready event; the call

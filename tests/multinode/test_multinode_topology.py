@@ -62,7 +62,8 @@ def test_topology_of_a_registered_multinode_job(loopback_nodes, launch_world):
         data_port = topo["data_port"]
         assert topo["peer_transport"] == "TCP" and data_port > 0, topo
         assert lines[0].startswith(
-            f"node {node.node_id}  peers at {addresses[node.node_id]}, data over tcp port {data_port}  CPUs "
+            f"node {node.node_id}  peers at {addresses[node.node_id]}, data over tcp port "
+            f"{data_port}  CPUs "
         ), text
         local = ", ".join(map(str, RANKS[node.node_id]))
         assert f"  job {job['job_id']} comm 0: 2 node(s), local ranks {local}" in lines, text

@@ -111,7 +111,8 @@ class Smddpd:
             self.proc.kill()
             self.proc.wait()
             pytest.fail(
-                f"smddpd did not exit within {STOP_TIMEOUT_S} s of {signal.Signals(sig).name}:\n{self.log()}"
+                f"smddpd did not exit within {STOP_TIMEOUT_S} s of "
+                f"{signal.Signals(sig).name}:\n{self.log()}"
             )
 
 
@@ -131,7 +132,8 @@ def _wait_serving(d: Smddpd) -> None:
             d.proc.kill()
             d.proc.wait()
             pytest.fail(
-                f"smddpd never reported SERVING ({exc.code().name}), exit {d.proc.returncode}:\n{d.log()}"
+                f"smddpd never reported SERVING ({exc.code().name}), exit "
+                f"{d.proc.returncode}:\n{d.log()}"
             )
     pytest.fail(f"smddpd's health Watch ended before SERVING:\n{d.log()}")
 
