@@ -8,12 +8,16 @@ import logging
 import os
 import re
 import socket
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, cast
 
-import tomllib
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the same parser, as a package (pyproject's dependency on it)
+    import tomli as tomllib
 
 from smddp.server import units
 from smddp.wire import default_socket_path
