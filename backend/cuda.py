@@ -20,6 +20,7 @@ runs, and replays would never reach the daemon.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import os
@@ -82,7 +83,7 @@ class TorchCuda:
 
     def event(self, device: int) -> Any:
         with torch.cuda.device(device):
-            return torch.cuda.Event(interprocess=True)
+            return torch.cuda.Event(interprocess=True)  # type: ignore[no-untyped-call]  # torch: no annotations
 
     def current_stream(self, device: int) -> Any:
         return torch.cuda.current_stream(device)
@@ -304,13 +305,16 @@ class CudaCollectives:
             raise UnsupportedError(
                 f"{what}: tensors on GPUs {sorted(devices)}; one call's tensors must share one GPU"
             )
-        return devices.pop()
+        return int(devices.pop())
 
     @staticmethod
     def _array(t: torch.Tensor) -> DeviceArray:
         return DeviceArray(
             t.data_ptr(), t.numel(), WIRE_DTYPES[t.dtype], device_api().device_index(t)
         )
+
+    def _all_reduce_one(self, b: torch.Tensor, op: int, ev: _OpEvents) -> object:
+        return self.comm.cuda.all_reduce(self._array(b), op, ev)
 
     def _run(
         self,
@@ -346,7 +350,7 @@ class CudaCollectives:
     def _out(t: torch.Tensor, copy_back: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         if t.is_contiguous():
             return t
-        tmp = device_api().contiguous(t)
+        tmp: torch.Tensor = device_api().contiguous(t)
         copy_back.append((t, tmp))
         return tmp
 
@@ -376,7 +380,7 @@ class CudaCollectives:
                     [b],
                     [t],
                     copy_back,
-                    lambda ev, b=b: self.comm.cuda.all_reduce(self._array(b), op, ev),
+                    functools.partial(self._all_reduce_one, b, op),
                     what=what,
                 )
             )

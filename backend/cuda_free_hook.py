@@ -237,7 +237,8 @@ def install(
             if hook is not None:
                 import torch
 
-                torch.cuda.init()  # trackers attach to the device allocators that exist
+                # trackers attach to the device allocators that exist
+                torch.cuda.init()  # type: ignore[no-untyped-call]  # torch: no annotations
                 hook.restype = ctypes.c_int
                 if hook() != 0:
                     raise RuntimeError("torch refused the allocator trace tracker")

@@ -13,8 +13,8 @@ one rank calls ``SoloOps`` instead of the communicator: its collectives run in p
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -29,12 +29,19 @@ from smddp.client import Communicator, Handle
 from smddp.client.errors import SmddpError, UnsupportedError
 from smddp.v1 import smddp_pb2 as pb
 
+if TYPE_CHECKING:
+    from torch.distributed.distributed_c10d import GroupName
+
 BACKEND_NAME = "smddp"
 _CARRIED = frozenset(SUPPORTED)
 _SUM = dist.ReduceOp.SUM
 
 
-def _one(tensors: list[torch.Tensor], what: str) -> torch.Tensor:
+_T = TypeVar("_T")
+
+
+def _one(tensors: Sequence[_T], what: str) -> _T:
+    """The one tensor (or one list of tensors) a rank passes; smddp takes no more."""
     if len(tensors) != 1:
         raise UnsupportedError(f"{what}: smddp takes one tensor per rank, got {len(tensors)}")
     return tensors[0]
@@ -106,7 +113,9 @@ class SmddpProcessGroup(dist.ProcessGroup):
     """A process group whose collectives the node daemon carries out."""
 
     def __init__(self, comm: Communicator, rank: int, size: int) -> None:
-        super().__init__(rank, size)
+        # torch's stub lists only ProcessGroup(store, rank, size); (rank, size) is the one
+        # a Python backend calls (torch/csrc/distributed/c10d/init.cpp binds both).
+        super().__init__(rank, size)  # type: ignore[call-arg, arg-type]
         self.comm = comm
         # The numpy collectives: the communicator's, or done in place in a group of one.
         self._ops: Communicator | SoloOps = SoloOps(comm) if size == 1 else comm
@@ -140,8 +149,8 @@ class SmddpProcessGroup(dist.ProcessGroup):
         return self._group_desc
 
     @property
-    def group_name(self) -> str:
-        return self._group_name
+    def group_name(self) -> GroupName:
+        return self._group_name  # type: ignore[return-value]  # set from torch's own name (a str)
 
     def shutdown(self) -> None:
         """Waits for ops in flight, then leaves the daemon (destroy_process_group)."""
@@ -163,7 +172,8 @@ class SmddpProcessGroup(dist.ProcessGroup):
         if t is not None:
             rop = opts.reduceOp
             # ReduceOp == RedOpType is a C++ comparison; going through .op costs twice as much.
-            op = pb.SUM if rop == _SUM else reduce_op(rop, "all_reduce")
+            # (torch's stub types the two as unrelated; C++ compares them by value)
+            op = pb.SUM if rop == _SUM else reduce_op(rop, "all_reduce")  # type: ignore[comparison-overlap]
             return SmddpWork([self._ops.all_reduce(self._views.flat(t, "all_reduce"), op)], [t])
         if (
             len(tensors) == 1
@@ -213,7 +223,7 @@ class SmddpProcessGroup(dist.ProcessGroup):
         counts = torch.zeros(w, dtype=torch.int64)
         mine = torch.tensor([indices.shape[1]], dtype=torch.int64)
         self._ops.all_gather(
-            [as_numpy(c, what) for c in counts.split(1)], as_numpy(mine, what)
+            [as_numpy(c, what) for c in torch.split(counts, 1)], as_numpy(mine, what)
         ).wait()
         most = int(counts.max())
         pad_i = torch.zeros((indices.shape[0], most), dtype=indices.dtype)
@@ -288,7 +298,7 @@ class SmddpProcessGroup(dist.ProcessGroup):
         opts: c10d.AllgatherOptions,
     ) -> SmddpWork:
         src = _one(input_list, "all_gather")
-        outs = _one(output_lists, "all_gather")  # type: ignore[arg-type]
+        outs = _one(output_lists, "all_gather")
         if on_cuda(src, outs):
             return self._gpu().allgather(list(outs), src)
         stage = _Staging()
@@ -401,7 +411,7 @@ class SmddpProcessGroup(dist.ProcessGroup):
         opts: c10d.ReduceScatterOptions,
     ) -> SmddpWork:
         out = _one(outputs, "reduce_scatter")
-        ins = _one(input_lists, "reduce_scatter")  # type: ignore[arg-type]
+        ins = _one(input_lists, "reduce_scatter")
         if on_cuda(out, ins):
             return self._gpu().reduce_scatter(out, list(ins), opts)
         op = reduce_op(opts.reduceOp, "reduce_scatter")
@@ -562,9 +572,7 @@ class SmddpProcessGroup(dist.ProcessGroup):
         root = opts.rootRank
         if on_cuda(src, output_lists if self.rank() == root else []):
             return self._gpu().gather(
-                list(_one(output_lists, "gather"))  # type: ignore[arg-type]
-                if self.rank() == root
-                else None,
+                list(_one(output_lists, "gather")) if self.rank() == root else None,
                 src,
                 root,
             )
@@ -572,7 +580,7 @@ class SmddpProcessGroup(dist.ProcessGroup):
         outs = None
         result = [src]
         if self.rank() == root:
-            targets = _one(output_lists, "gather")  # type: ignore[arg-type]
+            targets = _one(output_lists, "gather")
             outs = [stage.out(o, "gather") for o in targets]
             self._same(src, outs, "gather")
             result = list(targets)
@@ -596,16 +604,14 @@ class SmddpProcessGroup(dist.ProcessGroup):
         if on_cuda(out, input_lists if self.rank() == root else []):
             return self._gpu().scatter(
                 out,
-                list(_one(input_lists, "scatter"))  # type: ignore[arg-type]
-                if self.rank() == root
-                else None,
+                list(_one(input_lists, "scatter")) if self.rank() == root else None,
                 root,
             )
         stage = _Staging()
         buf = stage.out(out, "scatter")
         ins = None
         if self.rank() == root:
-            ins = _one(input_lists, "scatter")  # type: ignore[arg-type]
+            ins = _one(input_lists, "scatter")
             self._same(buf, ins, "scatter")
         handle = self._ops.scatter(
             as_numpy(buf, "scatter"),

@@ -28,6 +28,7 @@ logic here is tested with a fake runtime on machines without a GPU.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import threading
 import time
@@ -331,7 +332,7 @@ class GpuOps:
         handles.events[handle] = (opened.obj, device)
         while len(handles.events) > MAX_EVENTS_PER_RANK:
             old, _ = handles.events.popitem(last=False)
-            self._bury(handles, lambda h=old: self._unref(self._events, h))
+            self._bury(handles, functools.partial(self._unref, self._events, old))
         return opened.obj
 
     def _map(self, session: Session, handles: _RankHandles, buf: pb.CudaBuffer, device: int) -> int:
@@ -406,7 +407,7 @@ class GpuOps:
             self._close_base(
                 handles,
                 freed.alloc_base,
-                lambda m, b=bid: not b or not m.buffer_id or m.buffer_id == b,
+                functools.partial(_of_buffer, bid),
             )
         ready = self._event(session, handles, cuda.ready_event, device, "ready")
         done = self._event(session, handles, cuda.done_event, device, "done")
@@ -516,14 +517,16 @@ class GpuOps:
             step += 1
         closed = deferred = 0
         with self._lock:
-            for (marks, key), finished in zip(pending, done):
+            for (marks, opened), finished in zip(pending, done):
                 if not finished:
-                    self._graveyard.append((marks, lambda k=key: self._unref(self._memory, k)))
+                    self._graveyard.append(
+                        (marks, functools.partial(self._unref, self._memory, opened))
+                    )
                     deferred += 1
                     continue
                 for e, d in marks:
-                    self._quietly(lambda e=e, d=d: self.rt.destroy_event(e, d))
-                self._quietly(lambda k=key: self._unref(self._memory, k))
+                    self._quietly(functools.partial(self.rt.destroy_event, e, d))
+                self._quietly(functools.partial(self._unref, self._memory, opened))
                 closed += 1
         return closed, deferred
 
@@ -540,7 +543,7 @@ class GpuOps:
                     keep.append((marks, release))
                     continue
                 for e, d in marks:
-                    self._quietly(lambda e=e, d=d: self.rt.destroy_event(e, d))
+                    self._quietly(functools.partial(self.rt.destroy_event, e, d))
                 self._quietly(release)
             self._graveyard = keep
 
@@ -560,7 +563,7 @@ class GpuOps:
             for mapping in handles.mappings.values():
                 self._bury_mapping(handles, mapping)
             for handle in handles.events:
-                self._bury(handles, lambda h=handle: self._unref(self._events, h))
+                self._bury(handles, functools.partial(self._unref, self._events, handle))
         self.collect()
 
     def release_comm(self, comm: Communicator) -> None:
@@ -581,19 +584,19 @@ class GpuOps:
             while cs.pending:
                 time.sleep(0.001)  # the gate thread opens them at once
             for device, stream in cs.streams.items():
-                self._quietly(lambda s=stream, d=device: self.rt.synchronize(s, d))
-                self._quietly(lambda s=stream, d=device: self.rt.destroy_stream(s, d))
+                self._quietly(functools.partial(self.rt.synchronize, stream, device))
+                self._quietly(functools.partial(self.rt.destroy_stream, stream, device))
             # A gate stream may wait forever on a dead rank's event: destroyed without a
             # wait (CUDA frees it once its work is done, if ever); nothing else waits on it.
             for device, gate in cs.gates.items():
-                self._quietly(lambda s=gate, d=device: self.rt.destroy_stream(s, d))
+                self._quietly(functools.partial(self.rt.destroy_stream, gate, device))
             for device, event in cs.joins.items():
-                self._quietly(lambda e=event, d=device: self.rt.destroy_event(e, d))
+                self._quietly(functools.partial(self.rt.destroy_event, event, device))
             for device, spare in cs.spare_marks.items():
                 for event in spare:
-                    self._quietly(lambda e=event, d=device: self.rt.destroy_event(e, d))
+                    self._quietly(functools.partial(self.rt.destroy_event, event, device))
             for flag in cs.flags.values():  # the work streams that read them are done
-                self._quietly(lambda f=flag: self.rt.destroy_flag(f))
+                self._quietly(functools.partial(self.rt.destroy_flag, flag))
             self.collect()
 
         threading.Thread(target=drain, name="smddp-gpu-drain", daemon=True).start()
@@ -654,7 +657,7 @@ class GpuOps:
                 if reuse:
                     cs.spare_marks.setdefault(d, []).append(e)
                 else:
-                    self._quietly(lambda e=e, d=d: self.rt.destroy_event(e, d))
+                    self._quietly(functools.partial(self.rt.destroy_event, e, d))
             # Popped after the marks are put away: the drain, which waits for an empty
             # queue, then finds every spare mark to destroy.
             last = cs.pending.popleft()
@@ -779,6 +782,12 @@ def _check_all_gpu(ranks: Sequence[int], reqs: Sequence[pb.OpRequest]) -> None:
         )
 
 
+def _of_buffer(buffer_id: int, mapping: _Mapping) -> bool:
+    """Whether a freed buffer ``buffer_id`` (0: unknown) may be ``mapping``'s: its mapping is
+    closed then (one with no buffer id of its own may be any buffer's)."""
+    return not buffer_id or not mapping.buffer_id or mapping.buffer_id == buffer_id
+
+
 @dataclass
 class _Step:
     device: int
@@ -850,6 +859,12 @@ class _Work:
         for other in sorted(touches):
             self.ops._peer(device, other, self.who)
         max_grid = self.rt.max_grid(device)
+
+        def step(launch: gpu_kernels.Launch) -> Callable[[Any], None]:
+            return lambda s: self.rt.reduce(
+                s, device, req.dtype, req.reduce_op, inputs, outputs, launch
+            )
+
         for a, b in gpu_kernels.chunks(count, self.itemsize, self.ops.chunk_bytes):
             for launch in gpu_kernels.plan_launches(
                 a, b, self.itemsize, inputs + outputs, max_grid
@@ -857,9 +872,7 @@ class _Work:
                 self.steps.append(
                     _Step(
                         device,
-                        lambda s, launch=launch: self.rt.reduce(
-                            s, device, req.dtype, req.reduce_op, inputs, outputs, launch
-                        ),
+                        step(launch),
                     )
                 )
 
@@ -1037,7 +1050,7 @@ class _Work:
                     stream = streams.get(r.device)
                     if stream is not None:
                         self.ops._quietly(
-                            lambda r=r, s=stream: self.rt.record_event(r.done, s, r.device)
+                            functools.partial(self.rt.record_event, r.done, stream, r.device)
                         )
             raise FailedPrecondition(
                 f"{self.who}: a CUDA call failed while queueing the op: {exc}"
@@ -1102,7 +1115,8 @@ def _test_runtime() -> Runtime | None:
     sys.modules[module_spec.name] = module  # dataclasses look their module up there
     module_spec.loader.exec_module(module)
     log.warning("smddpd runs GPU ops on the TEST runtime %s (%s is set)", spec, TEST_RUNTIME_ENV)
-    return getattr(module, name)()
+    runtime: Runtime = getattr(module, name)()
+    return runtime
 
 
 def active() -> GpuOps | None:
