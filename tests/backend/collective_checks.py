@@ -87,7 +87,7 @@ COLLECTIVES = (
     "objects",
 )
 P2P_SECTIONS = ("send_recv", "batch_isend_irecv")
-EXTRA_SECTIONS = ("async", "noncontiguous", "arena_wraparound")
+EXTRA_SECTIONS = ("async", "noncontiguous", "arena_wraparound", "sparse")
 
 
 def ops_for(dtype: torch.dtype) -> tuple[str, ...]:
@@ -635,6 +635,29 @@ def check_large_default_chunk(c: Checks, g: Group) -> None:
         check_send_recv(c, inp, g, dtype, n_elem, tag)
 
 
+def check_sparse(c: Checks, g: Group) -> None:
+    """SUM of sparse COO tensors (as gloo does it): each rank a different number of entries,
+    some at indices other ranks use too; the result is the dense sum, on every rank."""
+    w, me = g.size, g.me
+    shape = (5, 3)
+
+    def rank_tensor(r: int, dtype: torch.dtype) -> torch.Tensor:
+        rows = torch.tensor([(r + k) % shape[0] for k in range(r + 1)], dtype=torch.int64)
+        cols = torch.tensor([k % shape[1] for k in range(r + 1)], dtype=torch.int64)
+        values = torch.arange(1, r + 2, dtype=dtype) * (r + 1)
+        return torch.sparse_coo_tensor(torch.stack([rows, cols]), values, shape)
+
+    for dtype in (torch.float32, torch.int64):
+        t = rank_tensor(me, dtype)
+        dist.all_reduce(t, group=g.pg)
+        want = sum(
+            (rank_tensor(r, dtype).to_dense() for r in range(w)), torch.zeros(shape, dtype=dtype)
+        )
+        got = t.coalesce().to_dense()
+        c.equal("sparse", f"{dtype_name(dtype)} {shape} SUM", got, want)
+        c.same_everywhere("sparse", g, got)
+
+
 def check_async(c: Checks, g: Group, n: int, tag: str) -> None:
     """Several ops in flight, waited in another order than issued, through every door."""
     w, me = g.size, g.me
@@ -993,6 +1016,7 @@ def matrix_main(rank: int, world_size: int) -> dict[str, Any]:
     # Crossing the default 4 MiB chunk.
     check_large_default_chunk(c, world)
     check_async(c, world, 300_001, "async")
+    check_sparse(c, world)
     # A group on a 1 MiB arena: 256 KiB chunks, so every op below is cut and the ring wraps.
     os.environ["SMDDP_ARENA_BYTES"] = str(CHUNKED_ARENA_BYTES)
     small_arena = Group(
