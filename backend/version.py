@@ -7,15 +7,15 @@ collectives under every name torch reaches them by. torch 2.13 renamed several o
 measured with torch 2.11.0 (``tests/backend`` and ``tests/frameworks`` ran against it, and a
 probe called each functional collective into a recording Python group):
 
-============================  ===================================  =============================
-op                            torch 2.11 reaches                   torch 2.13 reaches
-============================  ===================================  =============================
-all_gather_into_tensor        ``_allgather_base`` (Python lookup)  ``all_gather_single``
-reduce_scatter_tensor         ``_reduce_scatter_base`` (Python)    ``reduce_scatter_single``
-all_to_all_single             ``alltoall_base`` (Python and C++)   ``all_to_all_single``
-functional all_gather         ``allgather_into_tensor_coalesced``  ``all_gather_single_coalesced``
-functional reduce_scatter     ``reduce_scatter_tensor_coalesced``  ``reduce_scatter_single_coalesced``
-============================  ===================================  =============================
+=========================  ===================================  =============================
+op                         torch 2.11 reaches                   torch 2.13 reaches
+=========================  ===================================  =============================
+all_gather_into_tensor     ``_allgather_base`` (Python lookup)  ``all_gather_single``
+reduce_scatter_tensor      ``_reduce_scatter_base`` (Python)    ``reduce_scatter_single``
+all_to_all_single          ``alltoall_base`` (Python and C++)   ``all_to_all_single``
+functional all_gather      ``allgather_into_tensor_coalesced``  ``all_gather_single_coalesced``
+functional reduce_scatter  ``reduce_scatter_tensor_coalesced``  ``reduce_scatter_single_coalesced``
+=========================  ===================================  =============================
 
 ``torch.distributed``'s Python functions call the group's methods by attribute lookup, so they
 find the subclass's methods whatever the C++ trampoline (``PyProcessGroup``) overrides; C++

@@ -191,7 +191,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.pop("SMDDP_SOCKET", None)
     os.environ["SMDDP_EMBEDDED"] = "1"
     all_rows = []
-    header = f"{'world':>5} {'size':>9} {'iters':>5} {'time':>10} {'latency':>10} {'busbw':>9} {'kernel bw':>10} {'copy bw':>9} {'kernel/copy':>11}"
+    header = (
+        f"{'world':>5} {'size':>9} {'iters':>5} {'time':>10} {'latency':>10} {'busbw':>9} "
+        f"{'kernel bw':>10} {'copy bw':>9} {'kernel/copy':>11}"
+    )
     print(header)
     for world in worlds:
         for row in run_world(world, args.device, sizes, args.budget_mib * MIB, args.timeout_s):

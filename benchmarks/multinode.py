@@ -223,7 +223,9 @@ def build_multinode_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--rate",
         default="1gbit",
-        help="egress limit of each node's link (tc tbf rate, e.g. 1gbit, 500mbit; 'none': unshaped)",
+        help=(
+            "egress limit of each node's link (tc tbf rate, e.g. 1gbit, 500mbit; 'none': unshaped)"
+        ),
     )
     p.add_argument(
         "--peer-transport",

@@ -17,8 +17,9 @@ The daemon replies once the work is queued; the GPU does it later, ordered by th
 Handles are opened once per rank and cached by allocation base and buffer id; events by
 handle. A segment the rank's allocator is about to free is unmapped before the free, on the
 rank's free channel (``close_before_free``, ``smddp.server.gpu_free``); allocations a rank
-reports freed after the fact (``CudaOp.freed``, before its op's buffers) and those superseded by a new allocation at the same base are closed once the work the rank's
-streams already hold has passed them, as are all of a rank's when it leaves.
+reports freed after the fact (``CudaOp.freed``, before its op's buffers) and those superseded
+by a new allocation at the same base are closed once the work the rank's streams already hold
+has passed them, as are all of a rank's when it leaves.
 
 CuPy is imported on the first GPU op (``ops()``), never before: the daemon runs without it
 and answers a GPU op there with a clear error. All CUDA calls go through ``Runtime``, so the

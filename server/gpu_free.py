@@ -4,8 +4,9 @@ before it frees it (close before free).
 A rank that carries GPU tensors opens a second data-socket connection and attaches it with
 ``MSG_FREE_ATTACH`` (the AttachRequest of one of its attached sessions, no memfd; the
 connection's process must be the session's). From then on its C++ hook on torch's caching
-allocator (``backend/csrc/``) sends one ``SegmentFree`` per exported segment it is about to return to
-the driver, from inside the allocator, and waits a bounded time for the ``SegmentFreeReply``:
+allocator (``backend/csrc/``) sends one ``SegmentFree`` per exported segment it is about to
+return to the driver, from inside the allocator, and waits a bounded time for the
+``SegmentFreeReply``:
 this module answers it once ``GpuOps.close_before_free`` has unmapped the segment in every
 session of that process. The channel's loss is not the rank's: its communicators carry on
 (frees are then reported after the fact, with the rank's next op).

@@ -158,7 +158,8 @@ class BufferAccount:
 
 
 class Slots:
-    """A count of things held in all (calls waiting, say), with a limit: ``with slots.held(where):``."""
+    """A count of things held in all (calls waiting, say), with a limit:
+    ``with slots.held(where):``."""
 
     def __init__(self, what: str, limit: int, flag: str) -> None:
         self.what = what

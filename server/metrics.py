@@ -139,8 +139,8 @@ class Metrics:
         return children
 
     def op_done(
-        self, job_id: str, world_size: int, req: pb.OpRequest, duration: float, last_rank: int, skew: float,
-        nbytes: int,
+        self, job_id: str, world_size: int, req: pb.OpRequest, duration: float, last_rank: int,
+        skew: float, nbytes: int,
     ) -> None:  # fmt: skip
         """Records one completed op of job ``job_id`` (called once per op, at its last chunk)."""
         ops, nbytes_counter, durations, skews = self._op_children(req.kind, req.dtype)

@@ -5,11 +5,13 @@ which torchrun sets and ``mpirun`` / ``srun`` do not. SageMaker's library starts
 ``mpirun``, and so do mmengine and others (``--launcher mpi``); ``import smddp`` therefore
 fills the missing variables from the launcher's own:
 
-| launcher | rank, size, local rank, local size | job id (for the port) |
-| --- | --- | --- |
-| Open MPI | OMPI_COMM_WORLD_RANK / _SIZE / _LOCAL_RANK / _LOCAL_SIZE | PMIX_NAMESPACE, OMPI_MCA_ess_base_jobid |
-| MPICH, Intel MPI (PMI) | PMI_RANK, PMI_SIZE, MPI_LOCALRANKID, MPI_LOCALNRANKS | PMI_KVSNAME |
-| Slurm (srun) | SLURM_PROCID, SLURM_STEP_NUM_TASKS or SLURM_NTASKS, SLURM_LOCALID, SLURM_STEP_TASKS_PER_NODE | SLURM_JOB_ID.SLURM_STEP_ID |
+launcher: rank, size, local rank, local size; job id (for the port)
+
+- Open MPI: OMPI_COMM_WORLD_RANK / _SIZE / _LOCAL_RANK / _LOCAL_SIZE; PMIX_NAMESPACE,
+  OMPI_MCA_ess_base_jobid
+- MPICH, Intel MPI (PMI): PMI_RANK, PMI_SIZE, MPI_LOCALRANKID, MPI_LOCALNRANKS; PMI_KVSNAME
+- Slurm (srun): SLURM_PROCID, SLURM_STEP_NUM_TASKS or SLURM_NTASKS, SLURM_LOCALID,
+  SLURM_STEP_TASKS_PER_NODE; SLURM_JOB_ID.SLURM_STEP_ID
 
 MASTER_ADDR: on one node 127.0.0.1; across nodes the user's MASTER_ADDR, else SageMaker's
 SM_MASTER_ADDR or the first of SM_HOSTS, else the first node of the Slurm step's node list.

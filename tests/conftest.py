@@ -284,7 +284,10 @@ class Rank:
         why = f"exit status {rc}" if rc >= 0 else f"killed by {signal.Signals(-rc).name}"
         error = self.folder / "error"
         trace = error.read_text() if error.exists() else "(no Python traceback)"
-        return f"rank {self.rank}: {why}\n{trace}\n--- stderr (last 4000 chars) ---\n{self.stderr()[-4000:]}"
+        return (
+            f"rank {self.rank}: {why}\n{trace}\n--- stderr (last 4000 chars) ---\n"
+            f"{self.stderr()[-4000:]}"
+        )
 
 
 class Ranks:

@@ -82,7 +82,8 @@ def _run(tmp_path: Path, ci: str | None, *args: str) -> subprocess.CompletedProc
         env["CI"] = ci
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "ci_skips", "-p", "no:cacheprovider", "-rA", "-q",
-         "--rootdir", str(tmp_path), "--junitxml", str(tmp_path / "junit.xml"), *args, str(tmp_path / "tests")],
+         "--rootdir", str(tmp_path), "--junitxml", str(tmp_path / "junit.xml"), *args,
+         str(tmp_path / "tests")],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
 
@@ -132,8 +133,9 @@ def test_under_ci_every_skip_outside_tests_gpu_fails(tmp_path: Path) -> None:
         "gpu.test_gpu_skip.test_needs_gpu": "skipped",
     }, out
     # Each failure carries the skip's reason.
-    for reason in ("marked skip", "a skipif that holds", "skipped in the test", "the fixture found nothing",
-                   "no_such_module_smddp", "the whole module", "no_such_module_smddp_either"):  # fmt: skip
+    for reason in ("marked skip", "a skipif that holds", "skipped in the test",
+                   "the fixture found nothing", "no_such_module_smddp", "the whole module",
+                   "no_such_module_smddp_either"):  # fmt: skip
         assert re.search(rf"skipped under CI=true.*{reason}", out), (reason, out)
 
 

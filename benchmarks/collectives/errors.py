@@ -6,7 +6,8 @@ class BenchmarkError(Exception):
 
 
 class BackendUnavailable(BenchmarkError):
-    """A torch.distributed backend cannot be used in this environment (e.g. ``import smddp`` fails)."""
+    """A torch.distributed backend cannot be used in this environment (e.g. ``import smddp``
+    fails)."""
 
 
 class CheckFailed(BenchmarkError):

@@ -8,8 +8,9 @@ for each op and size it runs rounds of ``--per-round`` calls on one backend then
 timing each blocking call. A figure is the median over a rank's calls; the row shows the
 worst rank's. Alternating rounds in one run makes the ratio robust to a noisy machine (the
 absolute figures are not). The case ``solo_all_reduce`` times all_reduce on groups of one
-rank (``new_group([rank])``), which smddp runs in place. Also: a DDP step (an MLP of 8.4M parameters) against the same
-step under ``no_sync`` for both backends, and single-core copy and add of the same sizes.
+rank (``new_group([rank])``), which smddp runs in place. Also: a DDP step (an MLP of 8.4M
+parameters) against the same step under ``no_sync`` for both backends, and single-core copy
+and add of the same sizes.
 busbw follows nccl-tests: all_reduce 2(n-1)/n x bytes / time, all_gather (n-1)/n x output
 bytes / time, broadcast bytes / time.
 """

@@ -594,7 +594,8 @@ def run_matrix(
 
 
 def _redirected(c: Checks, section: str, body: Callable[..., None], *args: Any) -> None:
-    """Runs ``body(checks, *args)`` on a scratch Checks and files what it found under ``section``."""
+    """Runs ``body(checks, *args)`` on a scratch Checks and files what it found under
+    ``section``."""
     scratch = Checks(c.rank)
     body(scratch, *args)
     for name, fails in scratch.failures.items():

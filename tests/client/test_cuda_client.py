@@ -327,7 +327,7 @@ def test_gpu_tensors_across_nodes_are_refused() -> None:
     assert comm.sent == []
 
 
-# -- numbering and retiring GPU ops in the Communicator ---------------------------------------------
+# -- numbering and retiring GPU ops in the Communicator -------------------------------------------
 
 
 class FakeSession:

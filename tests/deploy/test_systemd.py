@@ -24,7 +24,8 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def readme_exposure() -> float:
-    """The exposure level the README states for the unit ("... --offline=yes` on it (exposure 1.9)")."""
+    """The exposure level the README states for the unit ("... --offline=yes` on it (exposure
+    1.9)")."""
     found = re.findall(
         r"systemd-analyze\s+security\s+--offline=yes`\s+on\s+it\s+\(exposure\s+(\d+\.\d)\)",
         README.read_text(),

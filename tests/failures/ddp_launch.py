@@ -29,7 +29,8 @@ BOUND_S = 5.0
 NODE = "node-a"
 JOB = r"job j[0-9a-f]{16} comm 0"
 DEAD_RANK = (
-    rf"{JOB}: rank {VICTIM} \(pid (?P<pid>\d+), node {NODE}\) disconnected without leaving the communicator "
+    rf"{JOB}: rank {VICTIM} \(pid (?P<pid>\d+), node {NODE}\) disconnected without leaving the "
+    r"communicator "
     r"\((connection closed|connection error: \[Errno 104\] Connection reset by peer)\); "
     r"its process died or closed its connection"
 )
@@ -149,7 +150,8 @@ def launch_torchrun(env: dict[str, str], out: Path, *extra: str, **spec: Any) ->
 
 
 def pids(p: Proc, attempt_lines_after: int = 0) -> dict[int, int]:
-    """Rank -> pid from the ``pid RANK PID`` lines printed so far (from line ``attempt_lines_after``)."""
+    """Rank -> pid from the ``pid RANK PID`` lines printed so far (from line
+    ``attempt_lines_after``)."""
     found = {}
     for line in p.lines[attempt_lines_after:]:
         m = re.fullmatch(r"pid (\d+) (\d+)", line)

@@ -860,7 +860,10 @@ def test_queued_sends_from_another_node_are_bounded(loopback_daemons):
     # naming the limit, on both nodes.
     with pytest.raises(
         Exception,
-        match=r"before it posted the receive, and this daemon may hold no more: uid 0 holds \d+ bytes of sends waiting for their receives \(--max-buffered-bytes-per-uid 134217728\)",
+        match=(
+            r"before it posted the receive, and this daemon may hold no more: uid 0 holds \d+ "
+            r"bytes of sends waiting for their receives \(--max-buffered-bytes-per-uid 134217728\)"
+        ),
     ) as info:
         c1.recv(np.empty(n, dtype=np.float32), 0).wait()
     print(info.value)

@@ -22,12 +22,30 @@ JOB = r"job j[0-9a-f]{16} comm [^:]+"
 
 # case: (what each rank calls as op #3, the message after "job J comm C: ")
 CASES: dict[str, str] = {
-    "kind": r"rank 1 called broadcast\(src=1, 4096 x float32\) as op #3 while ranks 0, 2 called all_reduce\(SUM, 4096 x float32\)",
-    "dtype": r"rank 1 called all_reduce\(SUM, 4096 x float64\) as op #3 while ranks 0, 2 called all_reduce\(SUM, 4096 x float32\)",
-    "count": r"rank 2 called all_reduce\(SUM, 4097 x float32\) as op #3 while ranks 0-1 called all_reduce\(SUM, 4096 x float32\)",
-    "root": r"rank 0 called broadcast\(src=0, 4096 x float32\) as op #3 while ranks 1-2 called broadcast\(src=2, 4096 x float32\)",
-    "reduce op": r"rank 2 called all_reduce\(MAX, 4096 x float32\) as op #3 while ranks 0-1 called all_reduce\(SUM, 4096 x float32\)",
-    "direct count": r"rank 0 called all_reduce\(SUM, 262145 x float32\) as op #3 while ranks 1-2 called all_reduce\(SUM, 262144 x float32\)",
+    "kind": (
+        r"rank 1 called broadcast\(src=1, 4096 x float32\) as op #3 "
+        r"while ranks 0, 2 called all_reduce\(SUM, 4096 x float32\)"
+    ),
+    "dtype": (
+        r"rank 1 called all_reduce\(SUM, 4096 x float64\) as op #3 "
+        r"while ranks 0, 2 called all_reduce\(SUM, 4096 x float32\)"
+    ),
+    "count": (
+        r"rank 2 called all_reduce\(SUM, 4097 x float32\) as op #3 "
+        r"while ranks 0-1 called all_reduce\(SUM, 4096 x float32\)"
+    ),
+    "root": (
+        r"rank 0 called broadcast\(src=0, 4096 x float32\) as op #3 "
+        r"while ranks 1-2 called broadcast\(src=2, 4096 x float32\)"
+    ),
+    "reduce op": (
+        r"rank 2 called all_reduce\(MAX, 4096 x float32\) as op #3 "
+        r"while ranks 0-1 called all_reduce\(SUM, 4096 x float32\)"
+    ),
+    "direct count": (
+        r"rank 0 called all_reduce\(SUM, 262145 x float32\) as op #3 "
+        r"while ranks 1-2 called all_reduce\(SUM, 262144 x float32\)"
+    ),
 }
 
 

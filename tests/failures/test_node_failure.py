@@ -29,7 +29,8 @@ def _lost(node: str, address: str) -> str:
     # Both sides stop hearing each other: a link down drops nothing with a reset, so each node's
     # heartbeat timeout, and nothing else, notices the loss (the README's message).
     return (
-        rf"job j[0-9a-f]{{16}} comm 0: lost node {node} \(daemon at {re.escape(address)}:\d+\): silent for 5 s "
+        rf"job j[0-9a-f]{{16}} comm 0: lost node {node} \(daemon at {re.escape(address)}:\d+\): "
+        r"silent for 5 s "
         r"\(no heartbeat: partitioned or hung\)"
     )
 

@@ -143,9 +143,11 @@ def test_killed_rank_fails_the_others_fast(mode, system_daemon, rank_env, spawn_
     results = survivors_results(ranks, [r for r in range(WORLD) if r != VICTIM])
 
     expected = (
-        rf"job j[0-9a-f]{{16}} comm 0: rank {VICTIM} \(pid {pid}, node node-a\) disconnected without "
+        rf"job j[0-9a-f]{{16}} comm 0: rank {VICTIM} \(pid {pid}, node node-a\) "
+        r"disconnected without "
         # The kernel ends a dead process's connection with EOF, or a reset if data was unread.
-        r"leaving the communicator \((connection closed|connection error: \[Errno 104\] Connection reset by peer)\); "
+        r"leaving the communicator "
+        r"\((connection closed|connection error: \[Errno 104\] Connection reset by peer)\); "
         r"its process died or closed its connection"
     )
     for rank, got in zip((0, 1), results):

@@ -117,7 +117,8 @@ def test_timeout_names_who_never_arrived(
     results = ranks.join()
 
     pattern = (
-        r"job j[0-9a-f]{16} comm 0: op #2 all_reduce\(SUM, 4096 x float32\) timed out: rank 2 never "
+        r"job j[0-9a-f]{16} comm 0: op #2 all_reduce\(SUM, 4096 x float32\) timed out: "
+        r"rank 2 never "
         rf"arrived \(rank 2 \(pid {pids[LATE]}, node node-a\)\) while ranks 0-1 waited "
         r"([0-9.]+) s \(timeout 2\.0 s\)"
     )
@@ -152,7 +153,8 @@ def test_timeout_across_nodes_names_the_rank_on_the_silent_node(
     message = results[0]["message"]
     print(message)
     assert re.fullmatch(
-        r"job j[0-9a-f]{16} comm 0: op #\d+: node node1 sent nothing within 2 s: node node1 says rank 2 has "
+        r"job j[0-9a-f]{16} comm 0: op #\d+: node node1 sent nothing within 2 s: "
+        r"node node1 says rank 2 has "
         r"not called it \(\d+ ops completed there\)",
         message,
     ), message

@@ -190,7 +190,8 @@ REFUSALS = {
     "peer without TLS": (
         "node0",
         None,
-        r"refused our connection: TLS handshake failed: .* \(do both daemons run with --tls-cert, --tls-key and "
+        r"refused our connection: TLS handshake failed: .* "
+        r"\(do both daemons run with --tls-cert, --tls-key and "
         r"--tls-ca of the same CA\?\)",
     ),
     "plain daemon to TLS": (

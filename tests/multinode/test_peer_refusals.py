@@ -88,8 +88,8 @@ def _peer_service_refusals(address: str) -> None:
         )
         assert code == grpc.StatusCode.FAILED_PRECONDITION
         assert (
-            message
-            == f"job {JOB} comm {COMM}: node b lists the nodes ['a', 'c'] where node a lists ['a', 'b']"
+            message == f"job {JOB} comm {COMM}: node b lists the nodes ['a', 'c'] "
+            "where node a lists ['a', 'b']"
         )
         code, message = refused(
             stub.Join, pb.JoinRequest(peer=good, node_ids=["a", "b"], transport=pb.UCX)

@@ -35,8 +35,9 @@ def _run_example(nodes: list[Any], node_of_rank: list[int], root: str) -> list[s
     procs = []
     for rank, n in enumerate(node_of_rank):
         cmd = [
-            sys.executable, str(EXAMPLE), "--rank", str(rank), "--world-size", str(len(node_of_rank)),
-            "--job-id", "numpy-rdzv", "--job-token", token, "--size", "300000",
+            sys.executable, str(EXAMPLE), "--rank", str(rank),
+            "--world-size", str(len(node_of_rank)), "--job-id", "numpy-rdzv",
+            "--job-token", token, "--size", "300000",
             "--socket", nodes[n].daemon.socket, "--root", root,
         ]  # fmt: skip
         env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -122,7 +123,10 @@ def test_rendezvous_refusals_name_the_cause(loopback_nodes):
     # Let rank 0 reach the root first; should rank 2 get there before it, both are still told
     # at once (the message then names rank 0), which the pattern allows.
     time.sleep(0.5)
-    mismatch = r"rendezvous of job rdzv-sizes: rank [02] says the world size is [34], earlier ranks said [34]"
+    mismatch = (
+        r"rendezvous of job rdzv-sizes: rank [02] says the world size is [34], "
+        r"earlier ranks said [34]"
+    )
     started = time.monotonic()
     with pytest.raises(ConnectError, match=mismatch):
         rendezvous(**{**sizes, "world_size": 4}, rank=2, socket_path=nodes[1].daemon.socket)

@@ -731,7 +731,10 @@ def test_without_cupy_the_daemon_says_what_to_install(monkeypatch: pytest.Monkey
     monkeypatch.setitem(sys.modules, "cupy", None)  # where CuPy is installed: as if it were not
     with pytest.raises(
         FailedPrecondition,
-        match=r"smddpd on node n7 cannot carry GPU tensors: CuPy is not installed .*pip install '\.\[cuda\]'",
+        match=(
+            r"smddpd on node n7 cannot carry GPU tensors: CuPy is not installed "
+            r".*pip install '\.\[cuda\]'"
+        ),
     ):
         gpu.ops("n7")
     assert gpu.active() is None

@@ -236,7 +236,8 @@ def _ctl(d: Smddpd, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def _wait_pending(d: Smddpd, job: str) -> None:
-    """Returns once the daemon shows an op of ``job`` waiting (the client submits asynchronously)."""
+    """Returns once the daemon shows an op of ``job`` waiting (the client submits
+    asynchronously)."""
     with d.channel() as channel:
         stub = pb_grpc.NodeStub(channel)
         deadline = time.monotonic() + 10

@@ -88,7 +88,8 @@ def test_stated_ports_are_the_daemons_and_the_daemonsets() -> None:
     cfg = DaemonConfig()
     # No peer listener unless told; the flags of the peer planes given alone imply one.
     assert stated(
-        r"`--peer-bind HOST:PORT` \(default `([^`]+)`; `--data-port`, `--advertise`, `--peer-transport` or "
+        r"`--peer-bind HOST:PORT` \(default `([^`]+)`; `--data-port`, `--advertise`, "
+        r"`--peer-transport` or "
         r"`--ucx-port` set alone imply `([^`]+)`\)"
     ) == [(cfg.peer_bind, config.IMPLIED_PEER_BIND)]
     assert (cfg.peer_bind, config.IMPLIED_PEER_BIND) == ("off", "0.0.0.0:7470")
@@ -101,7 +102,8 @@ def test_stated_ports_are_the_daemons_and_the_daemonsets() -> None:
     )
     # "When things go wrong": the firewall hint repeats them.
     assert stated(
-        r"\(`--peer-bind`, default (\d+), and `--data-port`, default (\d+); `--ucx-port` (\d+) with UCX\)"
+        r"\(`--peer-bind`, default (\d+), and `--data-port`, default (\d+); "
+        r"`--ucx-port` (\d+) with UCX\)"
     ) == [(str(peer_port), str(cfg.data_port), str(cfg.ucx_port))]
     # Kubernetes: the named ports, as the DaemonSet has them and as the daemon is told.
     ((sentence,),) = stated(r"(port `grpc` \d+, `peer` \d+, `data` \d+, `ucx` \d+, `metrics` \d+)")
@@ -109,7 +111,8 @@ def test_stated_ports_are_the_daemons_and_the_daemonsets() -> None:
     (container,) = yaml.safe_load(DAEMONSET.read_text())["spec"]["template"]["spec"]["containers"]
     assert {p["name"]: p["containerPort"] for p in container["ports"]} == readme_ports
     assert {
-        "peer": peer_port, "data": cfg.data_port, "ucx": cfg.ucx_port, "metrics": port_of(cfg.http_bind),
+        "peer": peer_port, "data": cfg.data_port, "ucx": cfg.ucx_port,
+        "metrics": port_of(cfg.http_bind),
     } == {k: v for k, v in readme_ports.items() if k != "grpc"}  # fmt: skip
     assert f"--grpc-bind=0.0.0.0:{readme_ports['grpc']}" in container["args"]
     assert readme_ports["grpc"] == 7471
@@ -128,8 +131,9 @@ def test_stated_limits_are_the_daemons() -> None:
     assert got == {flag: getattr(cfg, flag.replace("-", "_")) for flag in got}
     # Every limit of the daemon's own bounds is stated (a new one must be documented).
     assert set(got) >= {
-        "attach-timeout-s", "max-unattached", "max-jobs-per-uid", "max-ranks-per-uid", "max-connections-per-uid",
-        "max-handshakes-per-uid", "max-handshakes", "max-buffered-bytes-per-uid", "max-buffered-bytes",
+        "attach-timeout-s", "max-unattached", "max-jobs-per-uid", "max-ranks-per-uid",
+        "max-connections-per-uid", "max-handshakes-per-uid", "max-handshakes",
+        "max-buffered-bytes-per-uid", "max-buffered-bytes",
         "max-pending-rendezvous", "max-rendezvous-wait-s", "max-op-streams",
     }  # fmt: skip
 
@@ -153,7 +157,8 @@ def test_stated_sizes_and_times_are_the_codes() -> None:
     assert inspect.signature(connect).parameters["timeout_s"].default == 30 * 60
     # Heartbeats.
     assert stated(
-        r"Heartbeats every (second) on the data connections detect a node that vanishes within (\d+) s"
+        r"Heartbeats every (second) on the data connections detect a node that vanishes "
+        r"within (\d+) s"
     ) == [("second", "5")]
     assert (peer_transport.HEARTBEAT_PERIOD_S, peer_transport.HEARTBEAT_TIMEOUT_S) == (1.0, 5.0)
     assert stated(r"jobs of up to (\d+) ranks; larger ones pass their layout themselves") == [
@@ -432,7 +437,8 @@ def test_a_node_that_never_answers_is_one_connection_error(start_daemon) -> None
     )
     (message,) = failed
     assert re.fullmatch(
-        rf"job {name} comm 0: lost node dead \(daemon at 127\.0\.0\.1:9\): did not let this node join within 2 s "
+        rf"job {name} comm 0: lost node dead \(daemon at 127\.0\.0\.1:9\): "
+        r"did not let this node join within 2 s "
         r"\(.*127\.0\.0\.1:9.*\)",
         message,
     ), message
@@ -544,7 +550,8 @@ def test_ucx_with_tls_is_refused_at_start(tmp_path: Path, how: str) -> None:
         args = []
     sock = tmp_path / "ucx.sock"
     proc = subprocess.run(
-        [sys.executable, "-m", "smddp.server", "--socket", str(sock), "--http-bind", "off", *args, *tls],
+        [sys.executable, "-m", "smddp.server", "--socket", str(sock), "--http-bind", "off",
+         *args, *tls],
         env=env, capture_output=True, text=True, timeout=50, check=False,
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr
@@ -790,7 +797,8 @@ def test_where_daemons_and_clients_find_each_other() -> None:
         '&& umount /run/host-tmp && rmdir /run/host-tmp && exec "$@"'
     )
     proc = subprocess.run(
-        ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", sys.executable, "-c", FIND],
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh",
+         sys.executable, "-c", FIND],
         capture_output=True, text=True, timeout=280, check=False, cwd="/",
         env=dict(os.environ, KEEP=" ".join(keep)),
     )  # fmt: skip
@@ -805,11 +813,12 @@ def test_where_daemons_and_clients_find_each_other() -> None:
     assert seen["stopped"] == [0, 0]
     # Not root: $XDG_RUNTIME_DIR/smddp, else /tmp/smddp-<uid>, for daemon and client alike.
     assert seen["nobody_tmp"] == {
-        "listens": "/tmp/smddp-65534/smddpd.sock", "found": "/tmp/smddp-65534/smddpd.sock", "exit": 0, "folder": "0o700",
+        "listens": "/tmp/smddp-65534/smddpd.sock", "found": "/tmp/smddp-65534/smddpd.sock",
+        "exit": 0, "folder": "0o700",
     }  # fmt: skip
     assert seen["nobody_xdg"] == {
-        "listens": "/run/user/65534/smddp/smddpd.sock", "found": "/run/user/65534/smddp/smddpd.sock", "exit": 0,
-        "folder": "0o700",
+        "listens": "/run/user/65534/smddp/smddpd.sock",
+        "found": "/run/user/65534/smddp/smddpd.sock", "exit": 0, "folder": "0o700",
     }  # fmt: skip
     assert seen["forbidden"] == (
         "no smddpd answers at /run/smddp/smddpd.sock, /tmp/smddp-0/smddpd.sock and "
@@ -827,7 +836,8 @@ def test_where_daemons_and_clients_find_each_other() -> None:
     )
     (line,) = seen["job_log"]
     assert re.fullmatch(
-        rf"smddp: no smddpd answers at /run/smddp/smddpd\.sock, /tmp/smddp-0/smddpd\.sock; started an embedded "
+        rf"smddp: no smddpd answers at /run/smddp/smddpd\.sock, /tmp/smddp-0/smddpd\.sock; "
+        rf"started an embedded "
         rf"daemon for this job on {re.escape(socket_path)} \(pid \d+\)",
         line,
     ), line
