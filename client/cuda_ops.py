@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Protocol
 from smddp.client.cuda_ipc import IpcExporter
 from smddp.client.errors import UnsupportedError
 from smddp.v1 import smddp_pb2 as pb
-from smddp.wire import NUMPY_DTYPES, dtype_name, reduce_op_check
+from smddp.wire import dtype_name, numpy_dtype, reduce_op_check
 
 if TYPE_CHECKING:
     from smddp.client.communicator import Communicator, Handle
@@ -39,7 +39,7 @@ class DeviceArray:
 
     @property
     def nbytes(self) -> int:
-        return self.count * NUMPY_DTYPES[self.dtype].itemsize
+        return self.count * numpy_dtype(self.dtype).itemsize
 
 
 class OpEvents(Protocol):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -31,83 +31,71 @@ MAX_MESSAGE_BYTES = 1 << 20
 DATA_SOCKET_SUFFIX = ".data"
 
 
-class _DtypeTable(dict):  # type: ignore[type-arg]
-    """A dtype table whose bfloat16 entry appears at its first use (see the module docstring).
-
-    Looking it up, testing for it or listing the table imports ml_dtypes and completes both
-    tables; nothing else triggers the import.
-    """
-
-    def __init__(self, items: dict, is_bfloat16: Callable[[object], bool]) -> None:  # type: ignore[type-arg]
-        super().__init__(items)
-        self._is_bfloat16 = is_bfloat16
-
-    def __missing__(self, key: object) -> object:
-        if self._is_bfloat16(key) and _load_bfloat16():
-            return dict.__getitem__(self, key)
-        raise KeyError(key)
-
-    def __contains__(self, key: object) -> bool:
-        return dict.__contains__(self, key) or (
-            self._is_bfloat16(key) and _load_bfloat16() and dict.__contains__(self, key)
-        )
-
-    def get(self, key: object, default: object = None) -> object:
-        try:
-            return self[key]
-        except KeyError:
-            return default
-
-    def __iter__(self):  # type: ignore[no-untyped-def]
-        _load_bfloat16()
-        return dict.__iter__(self)
-
-    def __len__(self) -> int:
-        _load_bfloat16()
-        return dict.__len__(self)
-
-    def keys(self):  # type: ignore[no-untyped-def]
-        _load_bfloat16()
-        return dict.keys(self)
-
-    def values(self):  # type: ignore[no-untyped-def]
-        _load_bfloat16()
-        return dict.values(self)
-
-    def items(self):  # type: ignore[no-untyped-def]
-        _load_bfloat16()
-        return dict.items(self)
+# The one dtype table: wire code -> numpy dtype. bfloat16's numpy dtype exists only once
+# ml_dtypes is imported, so its entry is added at its first use (``_bfloat16``).
+_NUMPY: dict[int, np.dtype] = {
+    pb.FLOAT16: np.dtype(np.float16),
+    pb.FLOAT32: np.dtype(np.float32),
+    pb.FLOAT64: np.dtype(np.float64),
+    pb.INT8: np.dtype(np.int8),
+    pb.UINT8: np.dtype(np.uint8),
+    pb.INT16: np.dtype(np.int16),
+    pb.INT32: np.dtype(np.int32),
+    pb.INT64: np.dtype(np.int64),
+    pb.BOOL: np.dtype(np.bool_),
+}
+_WIRE: dict[np.dtype, int] = {v: k for k, v in _NUMPY.items()}
+# Every wire dtype, in the order error messages list them; membership needs no ml_dtypes.
+WIRE_CODES: tuple[int, ...] = (
+    pb.FLOAT16,
+    pb.BFLOAT16,
+    pb.FLOAT32,
+    pb.FLOAT64,
+    pb.INT8,
+    pb.UINT8,
+    pb.INT16,
+    pb.INT32,
+    pb.INT64,
+    pb.BOOL,
+)
 
 
-def _load_bfloat16() -> bool:
-    """Imports ml_dtypes and adds bfloat16 to both tables (once); True when it is there."""
-    if not dict.__contains__(NUMPY_DTYPES, pb.BFLOAT16):
+def _bfloat16() -> np.dtype:
+    """Imports ml_dtypes and adds bfloat16 to the table (once)."""
+    found = _NUMPY.get(pb.BFLOAT16)
+    if found is None:
         import ml_dtypes
 
-        bf16 = np.dtype(ml_dtypes.bfloat16)
-        dict.__setitem__(NUMPY_DTYPES, pb.BFLOAT16, bf16)
-        dict.__setitem__(WIRE_DTYPES, bf16, pb.BFLOAT16)
-    return True
+        found = np.dtype(ml_dtypes.bfloat16)
+        _WIRE[found] = pb.BFLOAT16
+        _NUMPY[pb.BFLOAT16] = found
+    return found
 
 
-NUMPY_DTYPES: dict[int, np.dtype] = _DtypeTable(
-    {
-        pb.FLOAT16: np.dtype(np.float16),
-        pb.FLOAT32: np.dtype(np.float32),
-        pb.FLOAT64: np.dtype(np.float64),
-        pb.INT8: np.dtype(np.int8),
-        pb.UINT8: np.dtype(np.uint8),
-        pb.INT16: np.dtype(np.int16),
-        pb.INT32: np.dtype(np.int32),
-        pb.INT64: np.dtype(np.int64),
-        pb.BOOL: np.dtype(np.bool_),
-    },
-    lambda code: code == pb.BFLOAT16,
-)
-# A numpy dtype named bfloat16 exists only once ml_dtypes is imported (by whoever made it).
-WIRE_DTYPES: dict[np.dtype, int] = _DtypeTable(
-    {v: k for k, v in dict.items(NUMPY_DTYPES)}, lambda dt: getattr(dt, "name", None) == "bfloat16"
-)
+def numpy_dtype(code: int) -> np.dtype:
+    """The numpy dtype of wire dtype ``code``.
+
+    Raises:
+        KeyError: ``code`` is no wire dtype (``code in WIRE_CODES`` says so beforehand).
+    """
+    found = _NUMPY.get(code)
+    if found is None:
+        if code != pb.BFLOAT16:
+            raise KeyError(code)
+        found = _bfloat16()
+    return found
+
+
+def wire_dtype(dtype: np.dtype) -> int | None:
+    """The wire code of numpy ``dtype``, or None when the wire does not carry it."""
+    code = _WIRE.get(dtype)
+    # A numpy dtype named bfloat16 exists only once ml_dtypes is imported (by whoever made it).
+    if code is None and getattr(dtype, "name", None) == "bfloat16":
+        _bfloat16()
+        code = _WIRE.get(dtype)
+    return code
+
+
 FLOAT_DTYPES = frozenset({pb.FLOAT16, pb.BFLOAT16, pb.FLOAT32, pb.FLOAT64})
 
 KIND_NAMES = {
@@ -142,8 +130,10 @@ def dtype_name(dtype: int) -> str:
     """Returns the torch-style name of a wire dtype, e.g. ``float32``."""
     if dtype == pb.BFLOAT16:
         return "bfloat16"
-    np_dtype = NUMPY_DTYPES.get(dtype)
-    return "bool" if np_dtype == np.bool_ else (np_dtype.name if np_dtype else f"dtype#{dtype}")
+    if dtype not in WIRE_CODES:
+        return f"dtype#{dtype}"
+    np_dtype = numpy_dtype(dtype)
+    return "bool" if np_dtype == np.bool_ else np_dtype.name
 
 
 def reduce_op_check(dtype: int, reduce_op: int) -> str | None:
