@@ -24,7 +24,8 @@ from smddp.v1 import smddp_pb2 as pb
 from smddp.wire import dtype_name, numpy_dtype, reduce_op_check
 
 if TYPE_CHECKING:
-    from smddp.client.communicator import Communicator, Handle
+    from smddp.client.inflight import GpuSubmitter as Communicator
+    from smddp.client.inflight import InFlight as Handle
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,10 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from smddp.client.errors import SmddpError
+from smddp.v1 import smddp_pb2 as pb
 
 
 @dataclass(eq=False)
@@ -41,3 +43,17 @@ class InFlight:
     def done(self) -> bool:
         """True once every part has been retired."""
         return self.pending == 0
+
+
+class GpuSubmitter(Protocol):
+    """What the GPU collectives (``cuda_ops``) need of their communicator, which is one:
+    typed here so that the communicator, which makes them, and they need not import each
+    other."""
+
+    rank: int
+    world_size: int
+    single_node: bool
+
+    def submit_gpu(self, req: pb.OpRequest, after: Callable[[bool], None], what: str) -> InFlight:
+        """Numbers and sends one GPU op; ``after(ok)`` runs when its reply is retired."""
+        ...

@@ -141,7 +141,10 @@ def reduce_op_check(dtype: int, reduce_op: int) -> str | None:
     if reduce_op not in REDUCE_NAMES:
         return f"unknown reduce op {reduce_op}"
     if reduce_op in (pb.BAND, pb.BOR, pb.BXOR) and dtype in FLOAT_DTYPES:
-        return f"{REDUCE_NAMES[reduce_op]} is only defined for integer and bool tensors, not {dtype_name(dtype)}"
+        return (
+            f"{REDUCE_NAMES[reduce_op]} is only defined for integer and bool tensors, not "
+            f"{dtype_name(dtype)}"
+        )
     if reduce_op == pb.AVG and dtype not in FLOAT_DTYPES:
         return f"AVG is only defined for floating-point tensors, not {dtype_name(dtype)}"
     return None
@@ -169,7 +172,8 @@ def describe(kind: int, dtype: int, count: int, root: int, reduce_op: int) -> st
 
 
 def describe_request(req: pb.OpRequest) -> str:
-    """``describe`` applied to an OpRequest; a GPU op says so: ``all_reduce(SUM, 8 x float32 on GPU)``."""
+    """``describe`` applied to an OpRequest; a GPU op says so:
+    ``all_reduce(SUM, 8 x float32 on GPU)``."""
     text = describe(req.kind, req.dtype, req.count, req.root, req.reduce_op)
     return text[:-1] + " on GPU)" if req.HasField("cuda") else text
 
