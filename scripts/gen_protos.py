@@ -16,7 +16,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "protos"
 PACKAGE_DIR = PROTO_ROOT / "smddp" / "v1"
-GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
+GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py", "_pb2_grpc.pyi")
+# mypy-protobuf's plugin (test extra) writes the typed stub of the gRPC module, which
+# grpcio-tools does not; scripts/typecheck.sh reads it.
+MYPY_GRPC_PLUGIN = Path(sys.executable).parent / "protoc-gen-mypy_grpc"
 
 
 def generate(out_dir: Path) -> list[Path]:
@@ -34,6 +37,8 @@ def generate(out_dir: Path) -> list[Path]:
         f"--python_out={out_dir}",
         f"--pyi_out={out_dir}",
         f"--grpc_python_out={out_dir}",
+        f"--plugin=protoc-gen-mypy_grpc={MYPY_GRPC_PLUGIN}",
+        f"--mypy_grpc_out={out_dir}",
         *(str(p) for p in protos),
     ]
     if protoc.main(args) != 0:

@@ -7,6 +7,7 @@ bash scripts/setup.sh
 .venv/bin/ruff check .
 # Every file keeps to ruff's format (the generated protos excepted, pyproject.toml).
 .venv/bin/ruff format --check .
+bash scripts/typecheck.sh
 # The wheel, installed into a clean venv and smoke-tested there (about 2 minutes).
 bash scripts/wheel_test.sh
 .venv/bin/python -m pytest -q -ra "$@"
