@@ -43,10 +43,15 @@ def daemon_answers(path: str, timeout_s: float = 2.0) -> bool:
         return False
     try:
         stub = health_pb2_grpc.HealthStub(grpc_channel(path))
-        reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+        # typeshed's HealthStub declares no methods (a lapse of the stub): Check, typed here.
+        check: grpc.UnaryUnaryMultiCallable[
+            health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse
+        ] = stub.Check  # type: ignore[attr-defined]
+        reply = check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
     except grpc.RpcError:
         return False
-    return reply.status == health_pb2.HealthCheckResponse.SERVING
+    serving: bool = reply.status == health_pb2.HealthCheckResponse.SERVING
+    return serving
 
 
 def find_or_start_daemon(peer_host: str | None = None, config: ClientConfig | None = None) -> str:

@@ -14,6 +14,7 @@ import collections
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
@@ -68,7 +69,15 @@ def request(
 ) -> pb.OpRequest:
     """An op's request template (its chunks are copies with ``part``/``parts`` set)."""
     code = code_of(dtype) if dtype is not None else pb.DTYPE_UNSPECIFIED
-    return pb.OpRequest(seq=seq, kind=kind, dtype=code, count=count, root=root, reduce_op=reduce_op)
+    # The stubs type enum fields by their enum classes; the codes here are those values.
+    return pb.OpRequest(
+        seq=seq,
+        kind=cast("pb.OpKind", kind),
+        dtype=cast("pb.DType", code),
+        count=count,
+        root=root,
+        reduce_op=cast("pb.ReduceOp", reduce_op),
+    )
 
 
 def _part(template: pb.OpRequest, part: int, parts: int) -> pb.OpRequest:

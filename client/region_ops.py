@@ -11,6 +11,7 @@ whose completion is still due, and each collective's fill and finish.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import numpy as np
 
@@ -27,7 +28,8 @@ Steps = tuple[Step | None, Step | None]  # (fill, finish), each given the op's p
 
 def reduce_rank_order(out: np.ndarray, ins: list[np.ndarray], reduce_op: int) -> None:
     """Reduces ``ins`` in rank order into ``out`` (``out`` aliases none of them)."""
-    uf = _BOOL_UFUNCS[reduce_op] if out.dtype == np.bool_ else _UFUNCS[reduce_op]
+    op = cast("pb.ReduceOp", reduce_op)  # the tables' keys are the enum's values
+    uf = _BOOL_UFUNCS[op] if out.dtype == np.bool_ else _UFUNCS[op]
     uf(ins[0], ins[1], out=out)
     for x in ins[2:]:
         uf(out, x, out=out)

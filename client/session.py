@@ -14,6 +14,7 @@ import select
 import socket
 import threading
 import time
+from collections.abc import Iterator
 
 import grpc
 import numpy as np
@@ -121,7 +122,7 @@ class DaemonSession:
         requests: queue.Queue[pb.OpRequest | None] = queue.Queue()
         replies: queue.Queue[pb.OpReply | Exception] = queue.Queue()
 
-        def iterate():
+        def iterate() -> Iterator[pb.OpRequest]:
             # The first message names the session; the daemon ignores the fields afterwards.
             first = True
             while True:
@@ -321,7 +322,8 @@ class DaemonSession:
                 )
             except grpc.RpcError:
                 pass  # the daemon is gone; there is nothing left to leave
-        if getattr(self, "_stream_requests", None) is not None:
-            self._stream_requests.put(None)
+        requests = getattr(self, "_stream_requests", None)  # unset if the attach failed
+        if requests is not None:
+            requests.put(None)
         self._sock.close()
         self.arena.close()

@@ -99,7 +99,7 @@ class ShmPath:
         self._alive = daemon_alive
         self._gone = daemon_gone
         # Scalar access through a memoryview costs a third of numpy's.
-        self.q = memoryview(region).cast("q")
+        self.q = region.data.cast("q")
         self.base = v.slot_base[rank]
         self.bases = v.slot_base
         self.others = [

@@ -98,7 +98,7 @@ def wire_dtype(dtype: np.dtype) -> int | None:
 
 FLOAT_DTYPES = frozenset({pb.FLOAT16, pb.BFLOAT16, pb.FLOAT32, pb.FLOAT64})
 
-KIND_NAMES = {
+KIND_NAMES: dict[int, str] = {
     pb.ALL_REDUCE: "all_reduce",
     pb.BROADCAST: "broadcast",
     pb.REDUCE: "reduce",
@@ -111,7 +111,7 @@ KIND_NAMES = {
     pb.SEND: "send",
     pb.RECV: "recv",
 }
-REDUCE_NAMES = {
+REDUCE_NAMES: dict[int, str] = {
     pb.SUM: "SUM",
     pb.AVG: "AVG",
     pb.MIN: "MIN",
@@ -197,18 +197,13 @@ def unpack(data: bytes) -> tuple[int, bytes]:
 def rank_list(ranks: list[int]) -> str:
     """Formats ranks compactly: ``rank 3``, ``ranks 0-2``, ``ranks 0, 2, 5-7``."""
     ranks = sorted(ranks)
-    parts: list[str] = []
-    start = prev = None
+    runs: list[list[int]] = []  # [first, last] of each run of consecutive ranks
     for r in ranks:
-        if start is None:
-            start = prev = r
-        elif r == prev + 1:
-            prev = r
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
         else:
-            parts.append(f"{start}" if start == prev else f"{start}-{prev}")
-            start = prev = r
-    if start is not None:
-        parts.append(f"{start}" if start == prev else f"{start}-{prev}")
+            runs.append([r, r])
+    parts = [f"{a}" if a == b else f"{a}-{b}" for a, b in runs]
     label = "rank" if len(ranks) == 1 else "ranks"
     return f"{label} {', '.join(parts)}"
 
@@ -246,7 +241,8 @@ def outward_ip(toward: str = "10.255.255.255") -> str:
     probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
         probe.connect((toward, 9))
-        return probe.getsockname()[0]
+        address: str = probe.getsockname()[0]
+        return address
     except OSError:
         return socket.gethostbyname(socket.gethostname())
     finally:
