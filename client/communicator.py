@@ -52,6 +52,7 @@ from smddp.client.inflight import InFlight
 from smddp.client.progress import ProgressThread
 from smddp.client.region_ops import RegionOps, Steps
 from smddp.client.session import DaemonSession
+from smddp.client.shm import ShmPath
 from smddp.v1 import smddp_pb2 as pb
 from smddp.wire import P2P_KINDS
 
@@ -192,10 +193,17 @@ class Communicator:
         self._engine.drain()  # the arenas' reply must be the next message
         return self.session.peer_arenas()
 
-    def _failed_handle(self, exc: SmddpError) -> Handle:
-        handle = Handle(self, "op")
-        handle.error = exc
-        return handle
+    def _begin_region(self) -> tuple[ShmPath, Handle, int] | Handle:
+        """The region, the new op's handle and number; or, when mapping the region failed,
+        a handle that carries the error."""
+        self._check_open()
+        try:
+            shm = self._region.begin()
+        except SmddpError as exc:
+            failed = Handle(self, "op")
+            failed.error = exc
+            return failed
+        return shm, self._next(), self._seq
 
     def _fits(self, nbytes: int) -> bool:
         return self._use_shm and nbytes <= self._region.data_bytes()
@@ -216,13 +224,10 @@ class Communicator:
         """Starts an op whose data fits a region buffer (``region_ops``); ``Handle.wait``
         completes it. Behind a large op on the progress thread it runs there, in order."""
         with self._lock:
-            self._check_open()
-            try:
-                shm = self._region.begin()
-            except SmddpError as exc:
-                return self._failed_handle(exc)
-            handle = self._next()
-            seq = self._seq
+            begun = self._begin_region()
+            if isinstance(begun, Handle):
+                return begun  # the communicator has failed
+            shm, handle, seq = begun
             code = code_of(dtype) if dtype is not None and kind != pb.BARRIER else 0
             args = (handle, shm, seq, kind, code, count, root, reduce_op, nbytes, steps)
             if self._progress.busy():
@@ -246,12 +251,10 @@ class Communicator:
         """Starts a large op on the direct path (``direct``), on the progress thread; a
         blocking wait may claim it first and run it in its own thread."""
         with self._lock:
-            self._check_open()
-            try:
-                shm = self._region.begin()
-            except SmddpError as exc:
-                return self._failed_handle(exc)
-            handle = self._next()
+            begun = self._begin_region()
+            if isinstance(begun, Handle):
+                return begun  # the communicator has failed
+            shm, handle, seq = begun
             event = handle.event = threading.Event()
             handle.pending = 1
             signature = (kind, code_of(data.dtype), data.size, root, reduce_op)
@@ -259,7 +262,7 @@ class Communicator:
                 handle,
                 shm,
                 self._region.peer_maps,
-                self._seq,
+                seq,
                 signature,
                 data.dtype,
                 data.size,

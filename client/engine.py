@@ -278,29 +278,7 @@ class DaemonEngine:
         outs: list[np.ndarray] | None,
     ) -> None:
         """all_gather, gather: a chunk's input range, and that range of every rank's output."""
-        s, w = src.dtype.itemsize, self.world_size
-        per, parts = self.parts(src.size, s * (1 + w))
-        for p, (a, b) in enumerate(_ranges(src.size, per, parts)):
-            n = b - a
-            layout = BlockLayout()
-            off_in = layout.add(n * s)
-            off_out = layout.add(n * s * w) if outs is not None else 0
-            copy_out = (
-                [(o[a:b], off_out + r * n * s) for r, o in enumerate(outs)]
-                if outs is not None
-                else []
-            )
-            self._submit(
-                op,
-                _part(template, p, parts),
-                layout,
-                [(src[a:b], off_in)],
-                copy_out,
-                {
-                    "input": (off_in, n * s),
-                    "output": (off_out, n * s * w if outs is not None else 0),
-                },
-            )
+        self._one_and_all(op, template, src, outs, gather=True)
 
     def scattered(
         self,
@@ -310,25 +288,48 @@ class DaemonEngine:
         ins: list[np.ndarray] | None,
     ) -> None:
         """reduce_scatter, scatter: that range of every rank's input, and the output range."""
-        s, w = out.dtype.itemsize, self.world_size
-        per, parts = self.parts(out.size, s * (1 + w))
-        for p, (a, b) in enumerate(_ranges(out.size, per, parts)):
+        self._one_and_all(op, template, out, ins, gather=False)
+
+    def _one_and_all(
+        self,
+        op: InFlight,
+        template: pb.OpRequest,
+        mine: np.ndarray,
+        every: list[np.ndarray] | None,
+        gather: bool,
+    ) -> None:
+        """Chunks of this rank's array ``mine`` beside the same range of one array per rank
+        (``every``, None where this rank has none): ``mine`` is the input and ``every`` the
+        outputs when ``gather``, the other way round otherwise. The input comes first in a
+        chunk's block."""
+        s, w = mine.dtype.itemsize, self.world_size
+        per, parts = self.parts(mine.size, s * (1 + w))
+        for p, (a, b) in enumerate(_ranges(mine.size, per, parts)):
             n = b - a
+            wide = n * s * w if every is not None else 0
             layout = BlockLayout()
-            off_in = layout.add(n * s * w) if ins is not None else 0
-            off_out = layout.add(n * s)
-            copy_in = (
-                [(x[a:b], off_in + r * n * s) for r, x in enumerate(ins)] if ins is not None else []
+            if gather:
+                first = layout.add(n * s)
+                second = layout.add(wide) if every is not None else 0
+            else:
+                first = layout.add(wide) if every is not None else 0
+                second = layout.add(n * s)
+            off_mine, off_every = (first, second) if gather else (second, first)
+            copies = (
+                [(x[a:b], off_every + r * n * s) for r, x in enumerate(every)]
+                if every is not None
+                else []
             )
+            own = [(mine[a:b], off_mine)]
             self._submit(
                 op,
                 _part(template, p, parts),
                 layout,
-                copy_in,
-                [(out[a:b], off_out)],
+                own if gather else copies,
+                copies if gather else own,
                 {
-                    "input": (off_in, n * s * w if ins is not None else 0),
-                    "output": (off_out, n * s),
+                    "input": (first, n * s if gather else wide),
+                    "output": (second, wide if gather else n * s),
                 },
             )
 
