@@ -163,6 +163,7 @@ class CommPeers:
         self._failure: str | None = None
         self._gone: set[int] = set()  # nodes that said BYE on every connection
         self._byes: dict[int, int] = {}  # BYEs received per node
+        self._lost_nodes: set[int] = set()  # counted once, though each connection may notice
         self._aborts: list[threading.Thread] = []  # Abort calls in flight
         for node in range(len(self.node_ids)):
             if node > self.my_node:
@@ -227,7 +228,7 @@ class CommPeers:
                 self._lost(node, f"refused to join: {details}")
                 return None
             if time.monotonic() > deadline:
-                self._timed_out(
+                self._lost(
                     node, f"did not let this node join within {self.timeout_s:.0f} s ({details})"
                 )
                 return None
@@ -263,7 +264,7 @@ class CommPeers:
                     self._lost(node, f"refused our connection: {message}")
                     return
                 if time.monotonic() > deadline:
-                    self._timed_out(
+                    self._lost(
                         node,
                         f"did not accept a connection within {self.timeout_s:.0f} s ({message})",
                     )
@@ -284,15 +285,15 @@ class CommPeers:
             target=self._receive, args=(node, sock), name="smddp-peer-recv", daemon=True
         ).start()
 
-    def _timed_out(self, node: int, detail: str) -> None:
-        """Connecting to ``node`` ran out of time: counted as a connection error, node lost."""
+    def _lost(self, node: int, detail: str) -> None:
+        """The connection to ``node`` failed (no answer in time, refused, broken, silent): counted
+        as a connection error of that peer, and the communicator fails naming the node."""
+        with self._cond:
+            if self._closed or node in self._gone or node in self._lost_nodes:
+                return
+            self._lost_nodes.add(node)
         if self._metrics is not None:
             self._metrics.peer_errors.labels(self.node_ids[node]).inc()
-        self._lost(node, detail)
-
-    def _lost(self, node: int, detail: str) -> None:
-        if self._closed or node in self._gone:
-            return
         message = (
             f"{self.layout.name()}: lost node {self.node_ids[node]} "
             f"(daemon at {self.addresses[node]}): {detail}"

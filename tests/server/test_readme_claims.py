@@ -491,7 +491,7 @@ def test_a_mismatch_across_nodes_is_counted_on_each_node(start_daemon) -> None:
 
 @pytest.mark.timeout(120)
 def test_a_hung_node_is_named_by_the_heartbeat(start_daemon) -> None:
-    daemons, _, nodes = two_nodes(start_daemon)
+    daemons, ports, nodes = two_nodes(start_daemon)
     name, token = job()
     comms = [
         connect(name, token, r, 2, socket_path=daemons[r].socket, nodes=nodes, arena_bytes=MIB)
@@ -512,6 +512,10 @@ def test_a_hung_node_is_named_by_the_heartbeat(start_daemon) -> None:
         "(no heartbeat: partitioned or hung)"
     )
     assert 4.0 < took < 10.0, took  # README: about 5 s later (under 10 s tested)
+    # Each of node0's connections to node1 fell silent; the peer is counted once.
+    assert samples(ports[0], "smddp_peer_connection_errors_total") == {
+        frozenset({("peer", "node1")}): 1.0
+    }
     for c in comms:
         c.close()
     for d in daemons:
