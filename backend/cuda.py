@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch._C import _distributed_c10d as c10d
 
-from smddp.backend import cuda_future
+from smddp.backend import cuda_free_hook, cuda_future
 from smddp.backend.tensors import SUPPORTED, reduce_op
 from smddp.backend.work import SmddpWork
 from smddp.client import Communicator
@@ -97,8 +97,8 @@ class TorchCuda:
         """Segments the caching allocator has returned to the driver on ``device`` so far
         (``empty_cache()``, its retry after an out-of-memory): the exporter asks the driver
         about its cached allocations only when this moves. Read from the nested statistics
-        (no flattening) before each op; torch exposes no hook that runs at the free itself
-        to Python."""
+        (no flattening) before each op. (The hook that runs at the free itself is C++:
+        ``cuda_free_hook``; this count still catches what it does not see.)"""
         stats = torch.cuda.memory.memory_stats_as_nested_dict(device)
         return int(stats.get("segment", {}).get("all", {}).get("freed", 0))
 
@@ -254,6 +254,15 @@ class CudaCollectives:
         counter = getattr(device_api(), "free_count", None)
         if counter is not None and comm.cuda.exporter.free_counter is None:
             comm.cuda.exporter.free_counter = counter
+        api = device_api()
+        if (
+            isinstance(api, TorchCuda)
+            and api.available()
+            and hasattr(comm.session, "open_free_channel")
+        ):
+            # Close before free: the allocator hook (built on the first GPU group of the
+            # process; never raises, logs once if it cannot be had).
+            cuda_free_hook.install(comm.session, comm.cuda.exporter)
 
     # -- checks and plumbing --------------------------------------------------------------------
 
@@ -287,7 +296,8 @@ class CudaCollectives:
             if t.dtype not in SUPPORTED:
                 names = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED)
                 raise UnsupportedError(
-                    f"{what}: dtype {str(t.dtype).removeprefix('torch.')} is not supported ({names})"
+                    f"{what}: dtype {str(t.dtype).removeprefix('torch.')} is not supported "
+                    f"({names})"
                 )
             devices.add(api.device_index(t))
         if len(devices) != 1:
@@ -344,7 +354,8 @@ class CudaCollectives:
         for i, o in enumerate(others):
             if o.numel() != ref.numel() or o.dtype != ref.dtype:
                 raise UnsupportedError(
-                    f"{what}: tensor {i} has {o.numel()} x {o.dtype} but {ref.numel()} x {ref.dtype} was expected"
+                    f"{what}: tensor {i} has {o.numel()} x {o.dtype} but {ref.numel()} x "
+                    f"{ref.dtype} was expected"
                 )
 
     # -- collectives --------------------------------------------------------------------------
@@ -643,7 +654,7 @@ class GpuWork(SmddpWork):
     completes it with an error, which DDP raises from ``backward()``.
     """
 
-    def get_future(self) -> torch.futures.Future:
+    def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
         if self._completed:
             return super().get_future()
         return cuda_future.pending(self)

@@ -25,7 +25,7 @@ _keys = iter(range(1 << 62))
 _POLL_S = (0.00002, 0.0001, 0.0005, 0.002)
 
 
-def pending(work: Any) -> torch.futures.Future:
+def pending(work: Any) -> torch.futures.Future[list[torch.Tensor]]:
     """A Future[List[Tensor]] completing with ``work.result()`` (or its error) later."""
     with _lock:
         key = next(_keys)

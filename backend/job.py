@@ -19,8 +19,11 @@ import secrets
 import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
-import torch.distributed as dist
+if TYPE_CHECKING:
+    # torch.distributed re-exports Store only when it is available: mypy cannot see it there.
+    from torch._C._distributed_c10d import Store
 
 from smddp.client.communicator import daemon_info
 from smddp.client.embedded import find_or_start_daemon
@@ -67,8 +70,9 @@ class Job:
     peer_of_node: dict[str, str] = field(default_factory=dict)
 
 
-def _get(store: dist.Store, key: str) -> str:
-    return store.get(key).decode()
+def _get(store: Store, key: str) -> str:
+    value: bytes = store.get(key)
+    return value.decode()
 
 
 def attempt_prefix(round_in_process: int) -> str:
@@ -79,7 +83,7 @@ def attempt_prefix(round_in_process: int) -> str:
     return f"smddp/a{restart}.{round_in_process}/"
 
 
-def rendezvous(store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> Job:
+def rendezvous(store: Store, rank: int, world_size: int, timeout: timedelta) -> Job:
     """Agrees on the job through ``store`` and finds this node's daemon.
 
     Raises:

@@ -3,6 +3,11 @@
 Every method checks its tensors, turns them into numpy views, calls the client's
 collective (which returns at once with a Handle) and wraps the handle in an SmddpWork.
 Outputs that are not contiguous go through a contiguous copy written back on completion.
+
+all_reduce and broadcast of one dense, contiguous CPU tensor (nearly every call: DDP's
+buckets, a loss, a flag) take a lean path: one check of the tensor, a cached numpy view
+(``ViewCache``), no staging; a small op's cost is mostly this layer's Python. A group of
+one rank calls ``SoloOps`` instead of the communicator: its collectives run in place.
 """
 
 from __future__ import annotations
@@ -15,14 +20,18 @@ import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
-from smddp.backend.cuda import CudaCollectives, on_cuda
+from smddp.backend.cuda import CudaCollectives, TorchCuda, device_api, on_cuda
 from smddp.backend.errors import translate
-from smddp.backend.tensors import as_numpy, check, reduce_op
+from smddp.backend.solo import SoloOps
+from smddp.backend.tensors import SUPPORTED, ViewCache, as_numpy, check, reduce_op
 from smddp.backend.work import SmddpWork, stop_completer
 from smddp.client import Communicator, Handle
 from smddp.client.errors import SmddpError, UnsupportedError
+from smddp.v1 import smddp_pb2 as pb
 
 BACKEND_NAME = "smddp"
+_CARRIED = frozenset(SUPPORTED)
+_SUM = dist.ReduceOp.SUM
 
 
 def _one(tensors: list[torch.Tensor], what: str) -> torch.Tensor:
@@ -99,6 +108,12 @@ class SmddpProcessGroup(dist.ProcessGroup):
     def __init__(self, comm: Communicator, rank: int, size: int) -> None:
         super().__init__(rank, size)
         self.comm = comm
+        # The numpy collectives: the communicator's, or done in place in a group of one.
+        self._ops: Communicator | SoloOps = SoloOps(comm) if size == 1 else comm
+        self._views = ViewCache()
+        # Whether torch.cuda is the device API (a test device may claim CPU memory as a
+        # GPU's, which only on_cuda asks it about); decided at the first op.
+        self._plain_device: bool | None = None
         self._cuda: CudaCollectives | None = None
         self._group_name = ""
         self._group_desc = ""
@@ -144,6 +159,12 @@ class SmddpProcessGroup(dist.ProcessGroup):
         self, tensors: list[torch.Tensor], opts: c10d.AllreduceOptions | None = None
     ) -> SmddpWork:
         opts = opts if opts is not None else c10d.AllreduceOptions()
+        t = self._lean(tensors)
+        if t is not None:
+            rop = opts.reduceOp
+            # ReduceOp == RedOpType is a C++ comparison; going through .op costs twice as much.
+            op = pb.SUM if rop == _SUM else reduce_op(rop, "all_reduce")
+            return SmddpWork([self._ops.all_reduce(self._views.flat(t, "all_reduce"), op)], [t])
         if (
             len(tensors) == 1
             and isinstance(tensors[0], torch.Tensor)
@@ -156,8 +177,27 @@ class SmddpProcessGroup(dist.ProcessGroup):
         op = reduce_op(opts.reduceOp, "all_reduce")
         stage = _Staging()
         buf = stage.out(t, "all_reduce")
-        handle = self.comm.all_reduce(as_numpy(buf, "all_reduce"), op)
+        handle = self._ops.all_reduce(as_numpy(buf, "all_reduce"), op)
         return SmddpWork([handle], [t], stage.finish())
+
+    def _lean(self, tensors: list[torch.Tensor]) -> torch.Tensor | None:
+        """The tensor of the common case, or None: one dense, contiguous CPU tensor of a
+        dtype smddp carries (what check() and on_cuda() would find, asked once)."""
+        if len(tensors) != 1:
+            return None
+        t = tensors[0]
+        if not (
+            isinstance(t, torch.Tensor)
+            and t.layout is torch.strided
+            and t.is_cpu
+            and t.dtype in _CARRIED
+            and t.is_contiguous()
+        ):
+            return None
+        plain = self._plain_device
+        if plain is None:
+            plain = self._plain_device = type(device_api()) is TorchCuda
+        return t if plain else None
 
     def _sparse_allreduce(self, t: torch.Tensor, opts: c10d.AllreduceOptions) -> SmddpWork:
         """SUM of sparse COO tensors, as gloo does it: every rank gathers every rank's indices
@@ -172,7 +212,7 @@ class SmddpProcessGroup(dist.ProcessGroup):
         w = self.size()
         counts = torch.zeros(w, dtype=torch.int64)
         mine = torch.tensor([indices.shape[1]], dtype=torch.int64)
-        self.comm.all_gather(
+        self._ops.all_gather(
             [as_numpy(c, what) for c in counts.split(1)], as_numpy(mine, what)
         ).wait()
         most = int(counts.max())
@@ -182,8 +222,8 @@ class SmddpProcessGroup(dist.ProcessGroup):
         pad_v[: values.shape[0]] = values
         all_i = torch.empty((w, *pad_i.shape), dtype=pad_i.dtype)
         all_v = torch.empty((w, *pad_v.shape), dtype=pad_v.dtype)
-        hi = self.comm.all_gather([as_numpy(x, what) for x in all_i], as_numpy(pad_i, what))
-        hv = self.comm.all_gather([as_numpy(x, what) for x in all_v], as_numpy(pad_v, what))
+        hi = self._ops.all_gather([as_numpy(x, what) for x in all_i], as_numpy(pad_i, what))
+        hv = self._ops.all_gather([as_numpy(x, what) for x in all_v], as_numpy(pad_v, what))
         hi.wait()
         hv.wait()
         n = [int(c) for c in counts]
@@ -202,11 +242,11 @@ class SmddpProcessGroup(dist.ProcessGroup):
     ) -> SmddpWork:
         opts = opts if opts is not None else c10d.AllreduceCoalescedOptions()
         if on_cuda(tensors):
-            return self._gpu().allreduce(list(tensors), opts, "all_reduce_coalesced")  # type: ignore[arg-type]
+            return self._gpu().allreduce(list(tensors), opts, "all_reduce_coalesced")
         op = reduce_op(opts.reduceOp, "all_reduce_coalesced")
         stage = _Staging()
         bufs = [stage.out(t, "all_reduce_coalesced") for t in tensors]
-        handles = [self.comm.all_reduce(as_numpy(b, "all_reduce_coalesced"), op) for b in bufs]
+        handles = [self._ops.all_reduce(as_numpy(b, "all_reduce_coalesced"), op) for b in bufs]
         return SmddpWork(handles, list(tensors), stage.finish())
 
     @_tracked
@@ -214,12 +254,16 @@ class SmddpProcessGroup(dist.ProcessGroup):
         self, tensors: list[torch.Tensor], opts: c10d.BroadcastOptions | None = None
     ) -> SmddpWork:
         opts = opts if opts is not None else c10d.BroadcastOptions()
+        lean = self._lean(tensors)
+        if lean is not None:
+            flat = self._views.flat(lean, "broadcast")
+            return SmddpWork([self._ops.broadcast(flat, opts.rootRank)], [lean])
         t = _one(tensors, "broadcast")
         if on_cuda(t):
             return self._gpu().broadcast([t], opts)
         stage = _Staging()
         buf = stage.out(t, "broadcast")
-        handle = self.comm.broadcast(as_numpy(buf, "broadcast"), opts.rootRank)
+        handle = self._ops.broadcast(as_numpy(buf, "broadcast"), opts.rootRank)
         return SmddpWork([handle], [t], stage.finish())
 
     @_tracked
@@ -233,7 +277,7 @@ class SmddpProcessGroup(dist.ProcessGroup):
         op = reduce_op(opts.reduceOp, "reduce")
         stage = _Staging()
         buf = stage.out(t, "reduce")
-        handle = self.comm.reduce(as_numpy(buf, "reduce"), opts.rootRank, op)
+        handle = self._ops.reduce(as_numpy(buf, "reduce"), opts.rootRank, op)
         return SmddpWork([handle], [t], stage.finish())
 
     @_tracked
@@ -250,7 +294,7 @@ class SmddpProcessGroup(dist.ProcessGroup):
         stage = _Staging()
         bufs = [stage.out(o, "all_gather") for o in outs]
         self._same(src, bufs, "all_gather")
-        handle = self.comm.all_gather(
+        handle = self._ops.all_gather(
             [as_numpy(b, "all_gather") for b in bufs], as_numpy(src, "all_gather")
         )
         return SmddpWork([handle], list(outs), stage.finish())
@@ -279,7 +323,7 @@ class SmddpProcessGroup(dist.ProcessGroup):
                 f"{input.numel()} x {input.dtype} are gathered"
             )
         pieces = buf.reshape(self.size(), -1)  # concatenated [W*n] and stacked [W, n] alike
-        return self.comm.all_gather([as_numpy(p, what) for p in pieces], as_numpy(input, what))
+        return self._ops.all_gather([as_numpy(p, what) for p in pieces], as_numpy(input, what))
 
     @_tracked
     def all_gather_single_coalesced(
@@ -345,7 +389,7 @@ class SmddpProcessGroup(dist.ProcessGroup):
         for i, src in enumerate(input_list):
             bufs = [stage.out(lst[i], what) for lst in output_lists]
             handles.append(
-                self.comm.all_gather([as_numpy(b, what) for b in bufs], as_numpy(src, what))
+                self._ops.all_gather([as_numpy(b, what) for b in bufs], as_numpy(src, what))
             )
         return SmddpWork(handles, result, stage.finish())
 
@@ -364,7 +408,7 @@ class SmddpProcessGroup(dist.ProcessGroup):
         stage = _Staging()
         buf = stage.out(out, "reduce_scatter")
         self._same(buf, ins, "reduce_scatter")
-        handle = self.comm.reduce_scatter(
+        handle = self._ops.reduce_scatter(
             as_numpy(buf, "reduce_scatter"), [as_numpy(x, "reduce_scatter") for x in ins], op
         )
         return SmddpWork([handle], [out], stage.finish())
@@ -394,7 +438,7 @@ class SmddpProcessGroup(dist.ProcessGroup):
                 f"{buf.numel()} x {buf.dtype} are expected"
             )
         pieces = input.contiguous().reshape(self.size(), -1)
-        return self.comm.reduce_scatter(
+        return self._ops.reduce_scatter(
             as_numpy(buf, what), [as_numpy(p, what) for p in pieces], op
         )
 
@@ -457,7 +501,7 @@ class SmddpProcessGroup(dist.ProcessGroup):
             return self._gpu().alltoall(list(outputs), list(inputs))
         stage = _Staging()
         bufs = [stage.out(o, "all_to_all") for o in outputs]
-        handle = self.comm.all_to_all(
+        handle = self._ops.all_to_all(
             [as_numpy(b, "all_to_all") for b in bufs], [as_numpy(x, "all_to_all") for x in inputs]
         )
         return SmddpWork([handle], list(outputs), stage.finish())
@@ -482,7 +526,7 @@ class SmddpProcessGroup(dist.ProcessGroup):
         buf = stage.out(output, what)
         outs = self._split(buf, output_split_sizes, what, "output")
         ins = self._split(input.contiguous(), input_split_sizes, what, "input")
-        handle = self.comm.all_to_all(
+        handle = self._ops.all_to_all(
             [as_numpy(o, what) for o in outs], [as_numpy(x, what) for x in ins]
         )
         return SmddpWork([handle], [output], stage.finish())
@@ -501,7 +545,8 @@ class SmddpProcessGroup(dist.ProcessGroup):
             sizes = [t.shape[0] // w] * w
         if len(sizes) != w or sum(sizes) != t.shape[0]:
             raise UnsupportedError(
-                f"{what}: {which} split sizes {list(sizes)} do not split dim 0 of {tuple(t.shape)} into {w} parts"
+                f"{what}: {which} split sizes {list(sizes)} do not split dim 0 of {tuple(t.shape)} "
+                f"into {w} parts"
             )
         return list(torch.split(t, sizes, dim=0))
 
@@ -517,8 +562,12 @@ class SmddpProcessGroup(dist.ProcessGroup):
         root = opts.rootRank
         if on_cuda(src, output_lists if self.rank() == root else []):
             return self._gpu().gather(
-                list(_one(output_lists, "gather")) if self.rank() == root else None, src, root
-            )  # type: ignore[arg-type]
+                list(_one(output_lists, "gather"))  # type: ignore[arg-type]
+                if self.rank() == root
+                else None,
+                src,
+                root,
+            )
         stage = _Staging()
         outs = None
         result = [src]
@@ -527,7 +576,7 @@ class SmddpProcessGroup(dist.ProcessGroup):
             outs = [stage.out(o, "gather") for o in targets]
             self._same(src, outs, "gather")
             result = list(targets)
-        handle = self.comm.gather(
+        handle = self._ops.gather(
             [as_numpy(o, "gather") for o in outs] if outs is not None else None,
             as_numpy(src, "gather"),
             root,
@@ -546,15 +595,19 @@ class SmddpProcessGroup(dist.ProcessGroup):
         root = opts.rootRank
         if on_cuda(out, input_lists if self.rank() == root else []):
             return self._gpu().scatter(
-                out, list(_one(input_lists, "scatter")) if self.rank() == root else None, root
-            )  # type: ignore[arg-type]
+                out,
+                list(_one(input_lists, "scatter"))  # type: ignore[arg-type]
+                if self.rank() == root
+                else None,
+                root,
+            )
         stage = _Staging()
         buf = stage.out(out, "scatter")
         ins = None
         if self.rank() == root:
             ins = _one(input_lists, "scatter")  # type: ignore[arg-type]
             self._same(buf, ins, "scatter")
-        handle = self.comm.scatter(
+        handle = self._ops.scatter(
             as_numpy(buf, "scatter"),
             [as_numpy(x, "scatter") for x in ins] if ins is not None else None,
             root,
@@ -564,14 +617,14 @@ class SmddpProcessGroup(dist.ProcessGroup):
     @_tracked
     def barrier(self, opts: c10d.BarrierOptions | None = None) -> SmddpWork:
         opts = opts if opts is not None else c10d.BarrierOptions()
-        return SmddpWork([self.comm.barrier()], [])
+        return SmddpWork([self._ops.barrier()], [])
 
     @_tracked
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> SmddpWork:
         t = _one(tensors, "send")
         if on_cuda(t):
             return self._gpu().send(t, dst, tag)
-        handle = self.comm.send(as_numpy(t.contiguous(), "send"), dst, tag)
+        handle = self._ops.send(as_numpy(t.contiguous(), "send"), dst, tag)
         return SmddpWork([handle], [t])
 
     @_tracked
@@ -581,7 +634,7 @@ class SmddpProcessGroup(dist.ProcessGroup):
             return self._gpu().recv(t, src, tag)
         stage = _Staging()
         buf = stage.out(t, "recv")
-        handle = self.comm.recv(as_numpy(buf, "recv"), src, tag)
+        handle = self._ops.recv(as_numpy(buf, "recv"), src, tag)
         return SmddpWork([handle], [t], stage.finish())
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> SmddpWork:
@@ -601,5 +654,6 @@ class SmddpProcessGroup(dist.ProcessGroup):
             check(o, what)
             if o.numel() != ref.numel() or o.dtype != ref.dtype:
                 raise UnsupportedError(
-                    f"{what}: tensor {i} has {o.numel()} x {o.dtype} but {ref.numel()} x {ref.dtype} was expected"
+                    f"{what}: tensor {i} has {o.numel()} x {o.dtype} but {ref.numel()} x "
+                    f"{ref.dtype} was expected"
                 )

@@ -89,7 +89,8 @@ def check_torch(version: str | None = None) -> None:
             missing.append("Backend.register_backend(extended_api=..., devices=...)")
         if missing:
             raise UnsupportedTorchError(
-                f"smddp's torch backend needs {SUPPORTED}; this torch {found} lacks {', '.join(missing)} "
+                f"smddp's torch backend needs {SUPPORTED}; this torch {found} lacks "
+                f"{', '.join(missing)} "
                 f"(a development build between releases?): install a released torch in that range"
             )
 

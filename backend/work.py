@@ -49,7 +49,7 @@ def _identity(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
     return tensors
 
 
-def typed_future(tensors: List[torch.Tensor]) -> torch.futures.Future:
+def typed_future(tensors: List[torch.Tensor]) -> torch.futures.Future[List[torch.Tensor]]:
     """A completed Future whose TorchScript type is List[Tensor].
 
     DDP's built-in C++ comm hooks (FP16_COMPRESS) require ``isTensorList()`` of the value; a
@@ -145,6 +145,12 @@ def _foreign_thread() -> bool:
 class SmddpWork(dist.Work):
     """Completes when the op's chunks are retired and copy-backs have run."""
 
+    # Class defaults: an instance sets only what differs (one is made per op, so its
+    # construction is part of every small op's cost).
+    _finish: Optional[Callable[[], None]] = None
+    _error: Optional[BaseException] = None
+    _completed = False
+
     def __init__(
         self,
         handles: List[Handle],
@@ -154,9 +160,8 @@ class SmddpWork(dist.Work):
         super().__init__()
         self._handles = handles
         self._result = result
-        self._finish = finish
-        self._error: Optional[BaseException] = None
-        self._completed = False
+        if finish is not None:
+            self._finish = finish
         self._lock = threading.Lock()
 
     def _complete(self) -> None:
@@ -210,7 +215,7 @@ class SmddpWork(dist.Work):
         if self._error is not None:
             raise self._error
 
-    def get_future(self) -> torch.futures.Future:
+    def get_future(self) -> torch.futures.Future[List[torch.Tensor]]:
         """A Future of the output tensors, returned at once; it completes once the op has
         (outputs written). A failed op never fails it (see the module docstring): its error
         is raised by a backward pass's final callback, by ``wait()``/``value()`` from Python,
@@ -224,7 +229,7 @@ class SmddpWork(dist.Work):
             if self._error is not None:
                 raise self._error
             return typed_future(self._result)
-        signal: torch.futures.Future = torch.futures.Future()
+        signal: torch.futures.Future[Any] = torch.futures.Future()
         fut = _pending(signal, self._result)
         fut._set_unwrap_func(self._unwrap)
         _guard_backward(self)

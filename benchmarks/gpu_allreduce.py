@@ -138,7 +138,8 @@ def run_world(
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise SystemExit(
-                    f"world {world}: ranks {sorted(set(range(world)) - set(results))} did not finish in {timeout_s:.0f} s"
+                    f"world {world}: ranks {sorted(set(range(world)) - set(results))} did not "
+                    f"finish in {timeout_s:.0f} s"
                 )
             try:
                 rank, rows, error = queue.get(timeout=min(remaining, 5.0))
@@ -196,8 +197,10 @@ def main(argv: list[str] | None = None) -> int:
         for row in run_world(world, args.device, sizes, args.budget_mib * MIB, args.timeout_s):
             all_rows.append(row)
             print(
-                f"{world:>5} {row['bytes'] // MIB:>6} MiB {row['iters']:>5} {row['time_s'] * 1e6:>8.1f}us "
-                f"{row['latency_s'] * 1e6:>8.1f}us {row['busbw_GBps']:>7.1f}GB/s {row['kernel_bw_GBps']:>8.1f}GB/s "
+                f"{world:>5} {row['bytes'] // MIB:>6} MiB {row['iters']:>5} "
+                f"{row['time_s'] * 1e6:>8.1f}us "
+                f"{row['latency_s'] * 1e6:>8.1f}us {row['busbw_GBps']:>7.1f}GB/s "
+                f"{row['kernel_bw_GBps']:>8.1f}GB/s "
                 f"{(row['copy_bw_GBps'] or 0):>7.1f}GB/s {(row['kernel_vs_copy'] or 0):>10.2f}x",
                 flush=True,
             )

@@ -22,7 +22,7 @@
 # Exit status: 0 all passed; 2 no usable torch/GPU, or a torch smddp's backend refuses; 3 CuPy,
 # NVRTC or a dependency unusable; 4 the GPU tests failed, skipped or did not run; 5 the
 # benchmark failed. The measurements of the GPU path's hazards (memory after del +
-# empty_cache, a forced allocator retry, a killed rank, capture, a 2^31+17-element int8
+# empty_cache, a forced allocator retry (asserted to succeed: close before free), a killed rank, capture, a 2^31+17-element int8
 # all_reduce) are GPU tests too: each prints a "measure:" line after the tests.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -194,6 +194,15 @@ first = rt.warm(0, gpu_runtime.COMMON_KERNELS[:1])
 one = time.monotonic() - start
 rt.warm(0, gpu_runtime.COMMON_KERNELS)
 print(f"first kernel compile {one:.2f} s; {len(gpu_runtime.COMMON_KERNELS)} common kernels warm in {time.monotonic() - start:.1f} s (cache {__import__('os').environ['CUPY_CACHE_DIR']})")
+# Close before free: the ranks' allocator hook (backend/csrc/), built here once so the tests find it
+# cached; a failure is printed, and tests/gpu/test_cuda_memory.py then fails on it.
+from smddp.backend import cuda_free_hook
+start = time.monotonic()
+try:
+    lib = cuda_free_hook.build_hook()
+    print(f"close-before-free hook built in {time.monotonic() - start:.1f} s: {lib._name}")
+except Exception as exc:
+    print(f"close-before-free hook NOT built ({type(exc).__name__}: {str(getattr(exc, 'stderr', '') or exc)[-400:]})")
 EOF
   say "SUMMARY FAIL: CuPy/NVRTC cannot compile the daemon's kernels here (see $OUT/check.log); the GPU tests did not run"
   exit 3

@@ -15,7 +15,8 @@ ratios against gloo, the table) is the collectives benchmark's own.
 
 smddp runs on embedded daemons (the first rank of each node starts one, which advertises the
 namespace's address), their data over ``--peer-transport`` (ucx: UCX over its TCP transport,
-``UCX_TLS=tcp``, as no RDMA device exists in a namespace); gloo is pinned to the namespace's link with GLOO_SOCKET_IFNAME. Needs
+``UCX_TLS=tcp``, as no RDMA device exists in a namespace); gloo is pinned to the namespace's link
+with GLOO_SOCKET_IFNAME. Needs
 root; the namespaces are removed at the end, also after a failure or Ctrl-C.
 """
 
@@ -204,7 +205,8 @@ def build_multinode_parser() -> argparse.ArgumentParser:
     p.prog = "python -m benchmarks.multinode"
     p.description = (
         "Time torch.distributed collectives across network-namespace nodes for several backends "
-        "(default smddp against gloo): latency, algbw and busbw (nccl-tests definitions). Needs root."
+        "(default smddp against gloo): latency, algbw and busbw (nccl-tests definitions). Needs "
+        "root."
     )
     p.set_defaults(ops=DEFAULT_OPS, min_bytes="1MiB", max_bytes="256MiB")
     helps = {

@@ -8,7 +8,9 @@ as torch's own CUDA sharing keys its handles by allocation base. The driver's bu
 
 Close before free: torch's caching allocator returns segments to the driver (``empty_cache()``,
 its retry after an out-of-memory) while the daemon may still have them mapped, which pins the
-memory. Before each op ``sweep`` checks the cached allocations against the driver (only when
+memory. Where the allocator hook is installed (``backend/cuda_free_hook.py``, ``on_export``
+tells it each allocation exported) smddpd unmaps a segment before its free. Otherwise, and
+for memory the hook does not see, before each op ``sweep`` checks the cached allocations against the driver (only when
 the allocator's count of freed segments moved, if one is given) and logs the ones that are
 gone; each communicator sends the daemon what was logged since its previous op
 (``CudaOp.freed``), and the daemon closes those mappings once its streams have passed them.
@@ -67,6 +69,9 @@ class IpcExporter:
         # torch, ``segment.all.freed`` of ``torch.cuda.memory_stats``); None: every sweep asks
         # the driver about every cached allocation of the device.
         self.free_counter: Callable[[int], int] | None = None
+        # Called with the base of each allocation exported anew (outside the lock): the
+        # allocator hook then has smddpd unmap it before it is freed (backend/cuda_free_hook).
+        self.on_export: Callable[[int], None] | None = None
 
     def _forget(self, base: int, export: _Export) -> None:
         """Logs an allocation as freed (the lock is held)."""
@@ -179,6 +184,11 @@ class IpcExporter:
                     ) from None
                 cached = _Export(info.buffer_id, info.size, handle, device)
                 self._exports[info.base] = cached
+                fresh = True
+            else:
+                fresh = False
+        if fresh and self.on_export is not None:
+            self.on_export(info.base)
         return pb.CudaBuffer(
             ipc_handle=cached.handle,
             alloc_base=info.base,
@@ -200,6 +210,11 @@ class IpcExporter:
             with self._lock:
                 self._uuids[device] = uuid
         return uuid
+
+    def bases(self) -> list[int]:
+        """The allocation bases exported so far and not known to be freed."""
+        with self._lock:
+            return list(self._exports)
 
     def cached(self) -> int:
         """Allocations exported so far (for tests and status)."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 from smddp.client.cuda_ipc import IpcExporter
 from smddp.client.errors import UnsupportedError
@@ -101,7 +101,8 @@ class CudaCollectives:
         for a in arrays:
             if a.dtype != dtype:
                 raise UnsupportedError(
-                    f"{what}: every tensor must be {dtype_name(dtype)}, got one of {dtype_name(a.dtype)}"
+                    f"{what}: every tensor must be {dtype_name(dtype)}, got one of "
+                    f"{dtype_name(a.dtype)}"
                 )
         devices = {a.device for a in arrays}
         if len(devices) != 1:
@@ -123,8 +124,15 @@ class CudaCollectives:
         with self._freed_lock:
             self._freed_cursor, freed = self.exporter.freed_since(self._freed_cursor)
         cuda.freed.extend(freed)
+        # cast: protoc's stubs type an enum field as its enum class alone; ints are what it holds.
         req = pb.OpRequest(
-            kind=kind, dtype=dtype, count=count, root=root, reduce_op=reduce_op, tag=tag, cuda=cuda
+            kind=cast("pb.OpKind", kind),
+            dtype=cast("pb.DType", dtype),
+            count=count,
+            root=root,
+            reduce_op=cast("pb.ReduceOp", reduce_op),
+            tag=tag,
+            cuda=cuda,
         )
         return self.comm.submit_gpu(req, events.finish, what)
 

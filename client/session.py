@@ -29,6 +29,7 @@ from smddp.wire import (
     MAX_MESSAGE_BYTES,
     MSG_ATTACH,
     MSG_ATTACH_REPLY,
+    MSG_FREE_ATTACH,
     MSG_OP,
     MSG_OP_REPLY,
     MSG_PEER_ARENAS,
@@ -117,6 +118,31 @@ class DaemonSession:
         self._stream_replies: queue.Queue[pb.OpReply | Exception] | None = None
         if mode == "grpc":
             self._open_stream()
+
+    def open_free_channel(self) -> socket.socket:
+        """A new data-socket connection attached as this process's free channel (close
+        before free, ``smddp.server.gpu_free``), for the allocator hook to own.
+
+        Raises:
+            ConnectError: smddpd is unreachable or refused it (a daemon older than the
+                channel answers with an error).
+        """
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            sock.connect(self.socket_path + DATA_SOCKET_SUFFIX)
+            attach = pb.AttachRequest(session_id=self.session_id, session_secret=self._secret)
+            sock.sendall(pack(MSG_FREE_ATTACH, attach.SerializeToString()))
+            sock.settimeout(REGISTER_TIMEOUT_S)
+            kind, payload = unpack(sock.recv(MAX_MESSAGE_BYTES))
+            answer = pb.AttachReply.FromString(payload)
+            sock.settimeout(None)
+        except (OSError, ValueError) as exc:
+            sock.close()
+            raise ConnectError(f"cannot open a free channel to smddpd: {exc}") from None
+        if kind != MSG_ATTACH_REPLY or not answer.ok:
+            sock.close()
+            raise ConnectError(f"smddpd refused the free channel: {answer.error}")
+        return sock
 
     def _open_stream(self) -> None:
         requests: queue.Queue[pb.OpRequest | None] = queue.Queue()

@@ -36,6 +36,10 @@ cd "$WORK"
 import sys, smddp, smddp.server, smddp.client, smddp.v1.smddp_pb2
 root = sys.argv[1]
 assert not smddp.__file__.startswith(root), f"smddp imported from the checkout: {smddp.__file__}"
+import importlib.util, pathlib
+backend = pathlib.Path(importlib.util.find_spec("smddp.backend").origin).parent
+hook = sorted(p.name for p in (backend / "csrc").iterdir())
+assert hook == ["free_channel.cpp", "free_channel.h", "segment_hook.cpp"], f"the wheel's allocator hook sources: {hook}"
 try:
     import torch  # noqa: F401
 except ImportError:

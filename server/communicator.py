@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 import numpy as np
 
@@ -153,7 +153,7 @@ class NoGpu:
 class Pending:
     """One chunk that some ranks have submitted and others not yet."""
 
-    key: tuple
+    key: tuple[object, ...]
     seq: int
     part: int
     participants: tuple[int, ...]
@@ -212,8 +212,8 @@ class Communicator:
         self.ops_completed = 0
         self._metrics = metrics
         # Per op in progress: (time the first rank arrived at chunk 0, bytes so far).
-        self._progress: dict[tuple, tuple[float, int]] = {}
-        self._pending: dict[tuple, Pending] = {}
+        self._progress: dict[tuple[object, ...], tuple[float, int]] = {}
+        self._pending: dict[tuple[object, ...], Pending] = {}
         self._failed: tuple[int, str] | None = None
         self._failure_counted = False  # smddp_errors_total has this communicator's failure
         self._left: list[str] = []
@@ -293,7 +293,8 @@ class Communicator:
                 if remaining <= 0:
                     missing = [r for r, s in enumerate(ready) if s is None or s.arena is None]
                     raise FailedPrecondition(
-                        f"{self.name()}: {rank_list(missing)} did not attach within {self.timeout_s:.0f} s"
+                        f"{self.name()}: {rank_list(missing)} did not attach within "
+                        f"{self.timeout_s:.0f} s"
                     )
                 self._attached.wait(min(remaining, 0.5))
 
@@ -344,9 +345,9 @@ class Communicator:
                     # Within the job's budget only: beyond it the send waits for its recv.
                     if self.buffers is None or self.buffers.try_take(req.input.nbytes):
                         try:
-                            pending.sent = session.arena.view(
+                            pending.sent = session.arena.view(  # type: ignore[union-attr]
                                 req.input, numpy_dtype(req.dtype)
-                            ).copy()  # type: ignore[union-attr]
+                            ).copy()
                             early = True
                         except SmddpError:
                             if self.buffers is not None:
@@ -373,7 +374,9 @@ class Communicator:
         elif early:
             session.reply(pb.OpReply(request_id=req.request_id, ok=True))
 
-    def _key(self, session: Session, req: pb.OpRequest) -> tuple[tuple, tuple[int, ...]]:
+    def _key(
+        self, session: Session, req: pb.OpRequest
+    ) -> tuple[tuple[object, ...], tuple[int, ...]]:
         if req.kind == pb.SEND:
             src, dst = session.rank, req.root
         elif req.kind == pb.RECV:
@@ -471,9 +474,9 @@ class Communicator:
 
             def send() -> None:
                 try:
-                    self.peers.send(
+                    self.peers.send(  # type: ignore[union-attr]
                         node, FRAME_DATA, req, 0, [data], src_rank=session.rank, dst_rank=req.root
-                    )  # type: ignore[union-attr]
+                    )
                 except PeerError as exc:
                     self.fail(pb.RANK_FAILED, f"{self.name()}: {exc}")
                     self._reply_error(session, req, pb.RANK_FAILED, f"{self.name()}: {exc}")
@@ -488,7 +491,8 @@ class Communicator:
             try:
                 if (frame.dtype, frame.count, frame.parts) != (req.dtype, req.count, req.parts):
                     raise InvalidRequest(
-                        f"send of {frame.count} x {dtype_name(frame.dtype)} from rank {req.root} meets "
+                        f"send of {frame.count} x {dtype_name(frame.dtype)} from rank {req.root} "
+                        "meets "
                         f"{describe_request(req)} on {session.label()}"
                     )
                 out = session.arena.view(req.output, numpy_dtype(req.dtype))  # type: ignore[union-attr]
@@ -526,8 +530,11 @@ class Communicator:
                 else:
                     by_rank = dict(zip(pending.participants, reqs))
                     hierarchical.execute(
-                        self.layout, self.peers, by_rank, dict(zip(pending.participants, arenas))
-                    )  # type: ignore[arg-type]
+                        self.layout,
+                        self.peers,
+                        by_rank,
+                        dict(zip(pending.participants, arenas)),  # type: ignore[arg-type]
+                    )
         except PeerError as exc:
             msg = f"{self.name()}: {exc}"
             self.fail(exc.kind, msg)
@@ -622,7 +629,8 @@ class Communicator:
         out = s_recv.arena.view(recv.output, sent.dtype)  # type: ignore[union-attr]
         if out.size != sent.size:
             raise InvalidRequest(
-                f"send of {sent.size} elements from rank {s_send.rank} meets a recv of {out.size} elements"
+                f"send of {sent.size} elements from rank {s_send.rank} meets a recv of {out.size} "
+                "elements"
             )
         out[:] = sent
 
@@ -643,7 +651,11 @@ class Communicator:
         raise OpMismatch(f"{self.name()}: {text}")
 
     def _reply_error(self, session: Session, req: pb.OpRequest, kind: int, msg: str) -> None:
-        session.reply(pb.OpReply(request_id=req.request_id, ok=False, error_kind=kind, error=msg))
+        # cast: protoc's stubs type an enum field as its enum class alone; an int is what it holds.
+        reply = pb.OpReply(
+            request_id=req.request_id, ok=False, error_kind=cast("pb.ErrorKind", kind), error=msg
+        )
+        session.reply(reply)
 
     # -- failure ------------------------------------------------------------------------------
 

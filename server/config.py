@@ -8,9 +8,10 @@ import logging
 import os
 import re
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import tomllib
 
@@ -160,9 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
         env = ENV_PREFIX + f.name.upper()
         default = DaemonConfig.__dataclass_fields__[f.name].default
         shown = default if default != "" else ("auto" if f.name in _DERIVED else "none")
-        kind = {"int": int, "float": float}.get(str(f.type), str)
+        kind: Callable[[str], Any] = {"int": int, "float": float}.get(str(f.type), str)
         if units.is_size(f.name):  # 4MiB, 1GiB, or a plain byte count
-            kind, shown = units.size_arg, units.format_size(default)
+            kind, shown = units.size_arg, units.format_size(cast(int, default))
         parser.add_argument(
             flag, type=kind, default=None, help=f"{_HELP[f.name]} (env {env}; default {shown})"
         )
@@ -228,7 +229,8 @@ def load(argv: list[str] | None = None, environ: dict[str, str] | None = None) -
         parser.error(f"peer_transport: {transport!r} is not one of tcp, ucx")
     if transport == "ucx" and any(tls):
         parser.error(
-            "peer_transport ucx carries no TLS: use tcp with --tls-cert, or ucx on a trusted network without it"
+            "peer_transport ucx carries no TLS: use tcp with --tls-cert, or ucx on a trusted "
+            "network without it"
         )
     for name in ("data_port", "ucx_port"):
         if not 0 <= values.get(name, 0) <= 65535:

@@ -31,7 +31,9 @@ SOCKET_ENV = "SMDDP_SOCKET"
 def _target(args: argparse.Namespace) -> str:
     """The gRPC target of the daemon that ``args`` names; exits with a hint when there is none."""
     if args.address:
-        return args.address
+        address: str = args.address
+        return address
+    paths: list[str]
     if args.socket:
         paths, origin = [args.socket], "--socket"
     elif os.environ.get(SOCKET_ENV):
@@ -59,7 +61,8 @@ def _fail(target: str, exc: grpc.RpcError) -> SystemExit:
     hint = ""
     if exc.code() == grpc.StatusCode.UNAVAILABLE and target.startswith("unix:"):
         hint = (
-            " (the socket exists but no daemon answers on it: a smddpd that stopped without removing "
+            " (the socket exists but no daemon answers on it: a smddpd that stopped without "
+            "removing "
             "it; a new smddpd on that socket replaces it)"
         )
     elif exc.code() == grpc.StatusCode.UNIMPLEMENTED and not target.startswith("unix:"):
@@ -92,7 +95,10 @@ def _print_json(message: Any) -> None:
 def _check(target: str, service: str) -> str:
     stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(target))
     try:
-        reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=TIMEOUT_S)
+        # The stub package declares HealthStub without its methods (it has Check at run time).
+        reply: health_pb2.HealthCheckResponse = stub.Check(  # type: ignore[attr-defined]
+            health_pb2.HealthCheckRequest(service=service), timeout=TIMEOUT_S
+        )
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
     except grpc.RpcError as exc:
         return f"UNREACHABLE ({exc.code().name}: {exc.details()})"
@@ -130,22 +136,26 @@ def cmd_status(args: argparse.Namespace) -> int:
         _print_json(st)
         return 0
     print(
-        f"node {st.node_id}  smddpd {st.version}  up {st.uptime_seconds:.0f} s  communicators {len(st.comms)}"
+        f"node {st.node_id}  smddpd {st.version}  up {st.uptime_seconds:.0f} s  communicators "
+        f"{len(st.comms)}"
     )
     for c in st.comms:
         state = f"FAILED: {c.failed}" if c.failed else "ok"
         print(
-            f"  job {c.job_id} comm {c.comm_id}: {len(c.ranks)}/{c.world_size} ranks, {c.ops_completed} ops, {state}"
+            f"  job {c.job_id} comm {c.comm_id}: {len(c.ranks)}/{c.world_size} ranks, "
+            f"{c.ops_completed} ops, {state}"
         )
         for r in c.ranks:
             print(
-                f"    rank {r.rank} (global {r.global_rank}) pid {r.pid} node {r.node_id} ops {r.ops_completed}"
+                f"    rank {r.rank} (global {r.global_rank}) pid {r.pid} node {r.node_id} ops "
+                f"{r.ops_completed}"
                 f"{'' if r.attached else ' (not attached)'}"
             )
         for p in c.pending:
             missing = ", ".join(map(str, p.missing_ranks)) or "-"
             print(
-                f"    waiting: op #{p.seq} chunk {p.part} {p.description} for {p.waited_seconds:.1f} s; "
+                f"    waiting: op #{p.seq} chunk {p.part} {p.description} for "
+                f"{p.waited_seconds:.1f} s; "
                 f"arrived {', '.join(map(str, p.arrived_ranks))}; missing {missing}"
             )
     return 0
@@ -176,7 +186,8 @@ def cmd_topology(args: argparse.Namespace) -> int:
         for n in job.nodes:
             here = "  (this node)" if set(n.ranks) == set(job.local_ranks) else ""
             print(
-                f"    {n.node_id}  {n.peer_address or '-'}  ranks {', '.join(map(str, n.ranks))}{here}"
+                f"    {n.node_id}  {n.peer_address or '-'}  ranks "
+                f"{', '.join(map(str, n.ranks))}{here}"
             )
     return 0
 
@@ -353,8 +364,8 @@ def _common(parser: argparse.ArgumentParser, suppress: bool) -> None:
     parser.add_argument(
         "--address",
         default=default,
-        help="HOST:PORT of a daemon's --grpc-bind listener instead of the socket (health only: that "
-        "listener serves nothing else)",
+        help="HOST:PORT of a daemon's --grpc-bind listener instead of the socket "
+        "(health only: that listener serves nothing else)",
     )
     parser.add_argument(
         "--json",
@@ -395,7 +406,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_topology)
     m = sub.add_parser(
         "metrics",
-        help="a summary of the daemon's metrics: per op count, bytes, p50/p99 duration; stragglers; errors",
+        help="a summary of the daemon's metrics: per op count, bytes, p50/p99 duration; "
+        "stragglers; errors",
     )
     m.add_argument(
         "--raw", action="store_true", help="the Prometheus exposition text as /metrics serves it"
@@ -413,7 +425,8 @@ def main(argv: list[str] | None = None) -> int:
         0 on success; 1 when the daemon is not healthy.
     """
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    status: int = args.func(args)
+    return status
 
 
 if __name__ == "__main__":

@@ -205,7 +205,8 @@ class Daemon:
             cfg.socket,
             cfg.node_id,
             os.getpid(),
-            f"{self.registry.peer_address}, data over {cfg.peer_transport} port {self._peers.data_port}"
+            f"{self.registry.peer_address}, data over {cfg.peer_transport} port "
+            f"{self._peers.data_port}"
             if self._peers is not None
             else "off (--peer-bind off)",
             ", ".join(self.listeners),

@@ -19,6 +19,7 @@ import time
 
 from google.protobuf.message import DecodeError
 
+from smddp.server import gpu_free
 from smddp.server.communicator import Session
 from smddp.server.errors import LimitExceeded, SmddpError
 from smddp.server.limits import Counts
@@ -29,6 +30,7 @@ from smddp.wire import (
     MAX_MESSAGE_BYTES,
     MSG_ATTACH,
     MSG_ATTACH_REPLY,
+    MSG_FREE_ATTACH,
     MSG_OP,
     MSG_OP_REPLY,
     MSG_PEER_ARENAS,
@@ -61,6 +63,14 @@ class SocketChannel:
                 self._conn.sendall(data)
             except OSError:
                 pass  # the reader thread sees the broken connection and reports it
+
+
+class _FreeChannel:
+    """What ``_attach`` returns for a rank's free channel rather than its op channel: the
+    label of the session it attached with (not the session, which it must not outlive)."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
 
 
 class DataSocketServer:
@@ -153,7 +163,8 @@ class DataSocketServer:
                     refusals.log(
                         log,
                         logging.WARNING,
-                        f"data-socket accept failing ({errno.errorcode.get(exc.errno or 0, exc.errno)})",
+                        "data-socket accept failing "
+                        f"({errno.errorcode.get(exc.errno or 0, exc.errno)})",
                         "the data socket cannot accept a connection: %s; retrying",
                         exc,
                     )
@@ -218,9 +229,14 @@ class DataSocketServer:
         detail = "connection closed"
         try:
             try:
-                session = self._attach(conn, pid, uid)
+                attached = self._attach(conn, pid, uid)
             finally:
                 self._handshakes.give(uid)  # attached or not, its handshake is over
+            if isinstance(attached, _FreeChannel):
+                # Not the rank's op channel: its loss fails nothing (session stays None).
+                gpu_free.serve(conn, pid, attached.label)
+                return
+            session = attached
             if session is None:
                 return
             buf = bytearray(MAX_MESSAGE_BYTES)  # reused: a fresh 1 MiB object per op is costly
@@ -264,7 +280,7 @@ class DataSocketServer:
             self._connections.give(uid)
             conn.close()
 
-    def _attach(self, conn: socket.socket, pid: int, uid: int) -> Session | None:
+    def _attach(self, conn: socket.socket, pid: int, uid: int) -> Session | _FreeChannel | None:
         # A connection that sends nothing must not hold its thread and descriptor for ever.
         conn.settimeout(self._attach_timeout_s)
         try:
@@ -274,7 +290,8 @@ class DataSocketServer:
                 log,
                 logging.INFO,
                 "data-socket handshake timed out",
-                "closed a data-socket connection of uid %d (pid %d): no AttachRequest within %.0f s (--attach-timeout-s)",
+                "closed a data-socket connection of uid %d (pid %d): no AttachRequest within %.0f "
+                "s (--attach-timeout-s)",
                 uid,
                 pid,
                 self._attach_timeout_s,
@@ -285,6 +302,8 @@ class DataSocketServer:
             if not msg:
                 return None
             msg_type, payload = unpack(msg)
+            if msg_type == MSG_FREE_ATTACH:
+                return self._attach_free(conn, pid, payload, fds)
             if msg_type != MSG_ATTACH:
                 raise ValueError(f"expected an AttachRequest, got message type {msg_type}")
             if len(fds) != 1:
@@ -314,6 +333,30 @@ class DataSocketServer:
         session.channel = SocketChannel(conn)
         self._send_attach_reply(conn, pb.AttachReply(ok=True))
         return session
+
+    def _attach_free(
+        self, conn: socket.socket, pid: int, payload: bytes, fds: list[int]
+    ) -> _FreeChannel:
+        """A rank's free channel (``smddp.server.gpu_free``): the AttachRequest of a session
+        already attached from this very process; no descriptors.
+
+        Raises:
+            ValueError, SmddpError: refused (``_attach`` answers and logs).
+        """
+        if fds:
+            raise ValueError("a free channel's AttachRequest carries no descriptors")
+        try:
+            req = pb.AttachRequest.FromString(payload)
+        except DecodeError:
+            raise ValueError("undecodable AttachRequest") from None
+        session = self._registry.authenticate(req.session_id, req.session_secret)
+        if session.peer_pid != pid:
+            raise ValueError(
+                f"a free channel must come from the process of an attached session "
+                f"(pid {pid}, the session's {session.peer_pid or 'not attached'})"
+            )
+        self._send_attach_reply(conn, pb.AttachReply(ok=True))
+        return _FreeChannel(session.label())
 
     @staticmethod
     def _send_peer_arenas(conn: socket.socket, session: Session) -> None:

@@ -87,7 +87,7 @@ class PeerError(SmddpError):
     unreachable node, TIMEOUT for one that sent nothing in time.
     """
 
-    kind = pb.RANK_FAILED
+    kind: int = pb.RANK_FAILED
     code = grpc.StatusCode.UNAVAILABLE
 
     def __init__(self, message: str, kind: int = pb.RANK_FAILED) -> None:

@@ -15,8 +15,9 @@ module, on the communicator's own streams (one per GPU involved):
 
 The daemon replies once the work is queued; the GPU does it later, ordered by the events.
 Handles are opened once per rank and cached by allocation base and buffer id; events by
-handle. Allocations a rank reports freed (``CudaOp.freed``, before its op's buffers) and
-those superseded by a new allocation at the same base are closed once the work the rank's
+handle. A segment the rank's allocator is about to free is unmapped before the free, on the
+rank's free channel (``close_before_free``, ``smddp.server.gpu_free``); allocations a rank
+reports freed after the fact (``CudaOp.freed``, before its op's buffers) and those superseded by a new allocation at the same base are closed once the work the rank's
 streams already hold has passed them, as are all of a rank's when it leaves.
 
 CuPy is imported on the first GPU op (``ops()``), never before: the daemon runs without it
@@ -340,7 +341,8 @@ class GpuOps:
             return 0
         if len(buf.ipc_handle) != 64:
             raise InvalidRequest(
-                f"{session.label()}: a CUDA IPC memory handle has {len(buf.ipc_handle)} bytes, not 64"
+                f"{session.label()}: a CUDA IPC memory handle has {len(buf.ipc_handle)} bytes, not "
+                "64"
             )
         key = (buf.alloc_base, buf.buffer_id, device)
         mapping = handles.mappings.get(key)
@@ -383,7 +385,8 @@ class GpuOps:
             handles.mappings.move_to_end(key)
         if buf.offset + buf.nbytes > mapping.size:
             raise InvalidRequest(
-                f"{session.label()}: GPU range [{buf.offset}, {buf.offset + buf.nbytes}) lies outside "
+                f"{session.label()}: GPU range [{buf.offset}, {buf.offset + buf.nbytes}) lies "
+                "outside "
                 f"its allocation of {mapping.size} bytes at 0x{buf.alloc_base:x}"
             )
         return mapping.address + buf.offset
@@ -449,18 +452,80 @@ class GpuOps:
         else:
             self.rt.destroy_event(opened.obj, opened.device)
 
-    def _bury(self, handles: _RankHandles, release: Callable[[], None]) -> None:
-        """Runs ``release`` (in ``collect``) once the work queued so far on the streams of the
-        rank's communicator has finished: queued kernels may still use what it frees. (Other
-        communicators' streams never touch the rank's handles, and may be stuck on a dead
-        rank of theirs.)"""
+    def _marks(self, handles: _RankHandles) -> list[tuple[Any, int]]:
+        """Events recorded now on the work streams of the rank's communicator: once they
+        have fired, no work queued so far can use the rank's handles. (Other communicators'
+        streams never touch them, and may be stuck on a dead rank of theirs.)"""
         marks = []
         if handles.streams is not None:
             for device, stream in handles.streams.streams.items():
                 event = self.rt.new_event(device)
                 self.rt.record_event(event, stream, device)
                 marks.append((event, device))
-        self._graveyard.append((marks, release))
+        return marks
+
+    def _bury(self, handles: _RankHandles, release: Callable[[], None]) -> None:
+        """Runs ``release`` (in ``collect``) once the work queued so far on the streams of the
+        rank's communicator has finished: queued kernels may still use what it frees."""
+        self._graveyard.append((self._marks(handles), release))
+
+    def close_before_free(self, pid: int, base: int, wait_s: float) -> tuple[int, int]:
+        """Unmaps, before returning, every mapping of the allocation at ``base`` in the
+        sessions of process ``pid`` (the kernel's pid of their data-socket connections): the
+        rank's allocator is about to cudaFree it (its free channel, ``smddp.server.gpu_free``).
+
+        Why closing now is safe: torch's allocator returns only segments none of whose blocks
+        is allocated, and a block smddp used was kept alive until the op's reply, after
+        which the rank's stream waits on the op's done event; so no later op can name the
+        segment. But the free is not synchronised with the GPU (release_block runs just
+        before cudaFree, which syncs the rank's own context, not smddpd's streams): work
+        smddpd queued may still be running on it. So the mappings close once an event
+        recorded now on each of the communicator's work streams has fired, waited for here
+        outside the daemon's lock for at most ``wait_s``; a mapping whose work is not done
+        by then is closed later, as before (``collect``).
+
+        Returns:
+            (mappings closed before returning, mappings left to close later).
+        """
+        with self._lock:
+            pending: list[tuple[list[tuple[Any, int]], tuple[bytes, int, int]]] = []
+            for session, handles in list(self._ranks.items()):
+                if getattr(session, "peer_pid", None) != pid:
+                    continue
+                for key in [k for k in handles.mappings if k[0] == base]:
+                    mapping = handles.mappings.pop(key)
+                    pending.append(
+                        (
+                            self._marks(handles),
+                            (mapping.handle, mapping.buffer_id, mapping.device),
+                        )
+                    )
+        deadline = time.monotonic() + wait_s
+        done = [False] * len(pending)
+        step = 0
+        while True:
+            for i, (marks, _) in enumerate(pending):
+                if not done[i]:
+                    try:
+                        done[i] = all(self.rt.event_done(e, d) for e, d in marks)
+                    except CudaCallError:
+                        done[i] = True  # a failed query will not succeed later
+            if all(done) or time.monotonic() >= deadline:
+                break
+            time.sleep(_GATE_POLL_S[min(step, len(_GATE_POLL_S) - 1)])
+            step += 1
+        closed = deferred = 0
+        with self._lock:
+            for (marks, key), finished in zip(pending, done):
+                if not finished:
+                    self._graveyard.append((marks, lambda k=key: self._unref(self._memory, k)))
+                    deferred += 1
+                    continue
+                for e, d in marks:
+                    self._quietly(lambda e=e, d=d: self.rt.destroy_event(e, d))
+                self._quietly(lambda k=key: self._unref(self._memory, k))
+                closed += 1
+        return closed, deferred
 
     def collect(self) -> None:
         """Releases what ``_bury`` set aside whose work has finished (never blocks)."""
@@ -695,7 +760,8 @@ class GpuOps:
                 raise InvalidRequest("a GPU send names one input and a GPU recv one output")
             if a.in_bytes[0] != b.out_bytes[0]:
                 raise InvalidRequest(
-                    f"send of {a.in_bytes[0]} bytes from rank {a.rank} meets a recv of {b.out_bytes[0]} bytes"
+                    f"send of {a.in_bytes[0]} bytes from rank {a.rank} meets a recv of "
+                    f"{b.out_bytes[0]} bytes"
                 )
             work = _Work(self, comm, [a, b])
             work.copy(b.device, b.outputs[0], work.inp(a, 0, b.device), a.in_bytes[0], a.device)
@@ -708,7 +774,8 @@ def _check_all_gpu(ranks: Sequence[int], reqs: Sequence[pb.OpRequest]) -> None:
         host = [r for r in ranks if r not in gpu]
         raise InvalidRequest(
             f"{describe_request(reqs[0])} mixes GPU and host tensors: {rank_list(gpu)} on GPUs, "
-            f"{rank_list(host)} in host memory (every rank must pass tensors on the same kind of device)"
+            f"{rank_list(host)} in host memory (every rank must pass tensors on the same kind of "
+            "device)"
         )
 
 
@@ -832,7 +899,8 @@ class _Work:
                 for d in ranks:
                     if s.in_bytes[d.rank] != d.out_bytes[s.rank]:
                         raise InvalidRequest(
-                            f"{self.who}: rank {s.rank} sends {s.in_bytes[d.rank]} bytes to rank {d.rank} "
+                            f"{self.who}: rank {s.rank} sends {s.in_bytes[d.rank]} bytes to rank "
+                            f"{d.rank} "
                             f"but rank {d.rank} expects {d.out_bytes[s.rank]} from rank {s.rank} "
                             "(input and output split sizes disagree)"
                         )

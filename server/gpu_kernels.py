@@ -92,7 +92,7 @@ SPECS: dict[int, DtypeSpec] = {
 
 # int32 and int64 overflow in one step: signed overflow is undefined in C, so + and * go
 # through the unsigned type, which wraps as numpy does.
-_UNSIGNED = {pb.INT32: "unsigned int", pb.INT64: "unsigned long long"}
+_UNSIGNED: dict[int, str] = {pb.INT32: "unsigned int", pb.INT64: "unsigned long long"}
 
 
 def combine_expr(dtype: int, reduce_op: int) -> str:
@@ -116,9 +116,15 @@ def combine_expr(dtype: int, reduce_op: int) -> str:
         return "(a <= b || a != a) ? a : b" if spec.kind == "float" else "a <= b ? a : b"
     if reduce_op == pb.MAX:
         return "(a >= b || a != a) ? a : b" if spec.kind == "float" else "a >= b ? a : b"
-    symbol = {pb.SUM: "+", pb.AVG: "+", pb.PRODUCT: "*", pb.BAND: "&", pb.BOR: "|", pb.BXOR: "^"}[
-        reduce_op
-    ]
+    symbols: dict[int, str] = {
+        pb.SUM: "+",
+        pb.AVG: "+",
+        pb.PRODUCT: "*",
+        pb.BAND: "&",
+        pb.BOR: "|",
+        pb.BXOR: "^",
+    }
+    symbol = symbols[reduce_op]
     wide = _UNSIGNED.get(dtype)
     if wide is not None and symbol in "+*":
         return f"({spec.compute})(({wide})a {symbol} ({wide})b)"
@@ -222,16 +228,19 @@ def reduce_module(dtype: int, reduce_op: int, fan_in: int, fan_out: int) -> str:
     )
     if divide:
         out.append(
-            f"__device__ __forceinline__ C divide(C a) {{ return load(store(a / load(store((C)({fan_in}))))); }}"
+            "__device__ __forceinline__ C divide(C a) "
+            f"{{ return load(store(a / load(store((C)({fan_in}))))); }}"
         )
     out.append(
-        f"union alignas({VECTOR_BYTES}) Vec {{ unsigned long long raw[{VECTOR_BYTES // 8}]; T e[{per_vector}]; }};"
+        f"union alignas({VECTOR_BYTES}) Vec "
+        f"{{ unsigned long long raw[{VECTOR_BYTES // 8}]; T e[{per_vector}]; }};"
     )
     name = kernel_name(dtype, reduce_op, fan_in, fan_out, vectorized=False)
     out.append(f'extern "C" __global__ void {name}({params}) {{')
     out.append("  const unsigned long long stride = (unsigned long long)blockDim.x * gridDim.x;")
     out.append(
-        "  for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {"
+        "  for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; "
+        "i < n; i += stride) {"
     )
     out.append("    T r;")
     for p, ranks in enumerate(passes):
@@ -247,7 +256,8 @@ def reduce_module(dtype: int, reduce_op: int, fan_in: int, fan_out: int) -> str:
     out.append(f'extern "C" __global__ void {name}({params}) {{')
     out.append("  const unsigned long long stride = (unsigned long long)blockDim.x * gridDim.x;")
     out.append(
-        "  for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {"
+        "  for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; "
+        "i < n; i += stride) {"
     )
     out.append("    Vec r;")
     for p, ranks in enumerate(passes):

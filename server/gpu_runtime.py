@@ -93,7 +93,8 @@ class CupyRuntime:
         except ImportError as exc:
             raise GpuUnavailable(
                 f"CuPy is not installed in the daemon's environment ({exc}); install the "
-                "'cuda' extra where smddpd runs (pip install '.[cuda]' in smddp's checkout, i.e. cupy-cuda12x)"
+                "'cuda' extra where smddpd runs (pip install '.[cuda]' in smddp's checkout, i.e. "
+                "cupy-cuda12x)"
             ) from None
         self.cp = cupy
         self.rt = cupy.cuda.runtime
@@ -140,7 +141,8 @@ class CupyRuntime:
         device = self._uuids.get(uuid)
         if device is None:
             raise CudaCallError(
-                f"no GPU with UUID {cuda_driver.uuid_text(uuid)} among the daemon's {len(self._uuids)}"
+                f"no GPU with UUID {cuda_driver.uuid_text(uuid)} among the daemon's "
+                f"{len(self._uuids)}"
             )
         return device
 

@@ -95,7 +95,8 @@ class _NodeChunk:
         theirs = describe(frame.kind, frame.dtype, frame.count, frame.root, frame.reduce_op)
         node = frame.src_node
         raise OpMismatch(
-            f"{self.layout.name()}: {rank_list(list(self.nodes[node]))} (node {self.node_ids[node]}) "
+            f"{self.layout.name()}: {rank_list(list(self.nodes[node]))} (node "
+            f"{self.node_ids[node]}) "
             f"called {theirs} as op #{self.req0.seq} while {rank_list(list(self.local))} (node "
             f"{self.node_ids[self.me]}) called {describe_request(self.req0)}"
         )
@@ -104,7 +105,8 @@ class _NodeChunk:
         for rank, a in zip(self.local, arrays):
             if a.size != n:
                 raise InvalidRequest(
-                    f"{describe_request(self.req0)}: rank {rank}'s {what} holds {a.size} elements of "
+                    f"{describe_request(self.req0)}: rank {rank}'s {what} holds {a.size} elements "
+                    "of "
                     f"this chunk where {n} were expected (tensors of mismatched sizes?)"
                 )
 
@@ -200,7 +202,8 @@ def _gather_like(c: _NodeChunk, everywhere: bool) -> None:
     for out in outs:
         if out.size != n * c.world:
             raise InvalidRequest(
-                f"{describe_request(c.req0)}: an output holds {out.size} elements, not {n * c.world}"
+                f"{describe_request(c.req0)}: an output holds {out.size} elements, not "
+                f"{n * c.world}"
             )
     receivers = c.others() if everywhere else ([root_node] if root_node != c.me else [])
     for j in receivers:
@@ -231,7 +234,8 @@ def _scatter(c: _NodeChunk) -> None:
         data = c.input(root)
         if data.size != n * c.world:
             raise InvalidRequest(
-                f"{describe_request(c.req0)}: the root's input holds {data.size} elements, not {n * c.world}"
+                f"{describe_request(c.req0)}: the root's input holds {data.size} elements, not "
+                f"{n * c.world}"
             )
         for j in c.others():
             c.send(j, 0, [data[r * n : (r + 1) * n] for r in c.nodes[j]])
@@ -285,7 +289,8 @@ def _all_to_all(c: _NodeChunk) -> None:
         for d in c.local:
             if sends[s][d].size != recvs[d][s].size:
                 raise InvalidRequest(
-                    f"all_to_all: rank {s} sends {sends[s][d].size} elements to rank {d} but rank {d} "
+                    f"all_to_all: rank {s} sends {sends[s][d].size} elements to rank {d} but rank "
+                    f"{d} "
                     f"expects {recvs[d][s].size} (input and output split sizes disagree)"
                 )
             copy_into([recvs[d][s]], sends[s][d])
@@ -294,7 +299,8 @@ def _all_to_all(c: _NodeChunk) -> None:
         data = c.recv(i, 0)
         if data.size != expect:
             raise InvalidRequest(
-                f"all_to_all: {rank_list(c.nodes[i])} sent {data.size} elements to {rank_list(c.local)} "
+                f"all_to_all: {rank_list(c.nodes[i])} sent {data.size} elements to "
+                f"{rank_list(c.local)} "
                 f"which expect {expect} (input and output split sizes disagree)"
             )
         off = 0

@@ -132,6 +132,7 @@ def execute_p2p(send: pb.OpRequest, recv: pb.OpRequest, src: Arena, dst: Arena) 
     out = dst.view(recv.output, dtype)
     if data.size != out.size:
         raise InvalidRequest(
-            f"send of {data.size} elements from rank {recv.root} meets a recv of {out.size} elements"
+            f"send of {data.size} elements from rank {recv.root} meets a recv of {out.size} "
+            "elements"
         )
     copy_into([out], data)

@@ -17,11 +17,14 @@ from smddp.v1 import smddp_pb2 as pb
 from smddp.wire import KIND_NAMES, WIRE_CODES, dtype_name
 
 # The *_created series double the output and say nothing a scrape's timestamps don't.
-disable_created_metrics()
+disable_created_metrics()  # type: ignore[no-untyped-call]  # prometheus_client leaves it bare
 
 # The ranks count region ops into the same buckets (smddp.region), so both paths add up.
 _LATENCY_BUCKETS = rg.LATENCY_BUCKETS
 ERROR_NAMES = {v.number: v.name.lower() for v in pb.ErrorKind.DESCRIPTOR.values}
+
+# One op kind and dtype's series: ops, bytes, duration, skew (resolved once, see _op_children).
+_OpChildren = tuple[Counter, Counter, Histogram, Histogram]
 
 
 class Metrics:
@@ -98,7 +101,7 @@ class Metrics:
             if name != "error_kind_unspecified":
                 self.errors.labels(name)
         self._job_ranks: dict[str, set[str]] = {}
-        self._children: dict[tuple[int, int], tuple] = {}
+        self._children: dict[tuple[int, int], _OpChildren] = {}
         self._skew_children: dict[int, Histogram] = {}
 
     def watch(
@@ -116,7 +119,7 @@ class Metrics:
         self.jobs.set_function(job_count)
         self.shm_bytes.set_function(arena_bytes)
 
-    def _op_children(self, kind: int, dtype_code: int) -> tuple:
+    def _op_children(self, kind: int, dtype_code: int) -> _OpChildren:
         key = (kind, dtype_code)
         children = self._children.get(key)
         if children is None:  # labels() costs microseconds per call: resolve once per op and dtype
@@ -163,13 +166,15 @@ class Metrics:
             _add_observations(
                 c_duration, ops[row, rg.C_DUR_BUCKET :], int(ops[row, rg.C_DUR_SUM]) / 1e9
             )
-        for kind in np.flatnonzero(skew[:, rg.K_COUNT]):
-            c_skew = self._skew_children.get(int(kind))
+        for skew_row in np.flatnonzero(skew[:, rg.K_COUNT]):
+            c_skew = self._skew_children.get(int(skew_row))
             if c_skew is None:
-                c_skew = self._skew_children[int(kind)] = self.skew.labels(
-                    KIND_NAMES.get(int(kind), "unknown")
+                c_skew = self._skew_children[int(skew_row)] = self.skew.labels(
+                    KIND_NAMES.get(int(skew_row), "unknown")
                 )
-            _add_observations(c_skew, skew[kind, rg.K_BUCKET :], int(skew[kind, rg.K_SUM]) / 1e9)
+            _add_observations(
+                c_skew, skew[skew_row, rg.K_BUCKET :], int(skew[skew_row, rg.K_SUM]) / 1e9
+            )
         if world_size > 1:
             for rank in np.flatnonzero(last):
                 self.straggler.labels(job_id, str(int(rank))).inc(int(last[rank]))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import cast
 
 import grpc
 
@@ -58,7 +59,7 @@ class PeerControl:
         node_id: str,
         peer: pb.PeerRequest,
         node_ids: list[str],
-        transport: int,
+        transport: pb.Transport,
         timeout: float,
     ) -> int:
         """Asks node ``node_id`` to let this node join the communicator; its data port.
@@ -84,7 +85,10 @@ class PeerControl:
         Raises:
             grpc.RpcError: it did not take the news.
         """
-        request = pb.AbortRequest(peer=peer, kind=kind, message=message[:65536])
+        # cast: protoc's stubs type an enum field as its enum class alone; an int is what it holds.
+        request = pb.AbortRequest(
+            peer=peer, kind=cast("pb.ErrorKind", kind), message=message[:65536]
+        )
         self.stub(address, node_id).Abort(request, timeout=timeout)
 
     def status(
@@ -102,7 +106,7 @@ class PeerControl:
 
     def meet_future(
         self, address: str, node_id: str, request: pb.MeetRequest, timeout: float
-    ) -> grpc.Future:
+    ) -> grpc.Future[pb.RendezvousReply]:
         """Starts a Meet call at the rendezvous root ``address``; the call's future."""
         return self.stub(address, node_id).Meet.future(request, timeout=timeout)
 

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-TRANSPORT_NAMES = {pb.TCP: "tcp", pb.UCX: "ucx"}
+TRANSPORT_NAMES: dict[int, str] = {pb.TCP: "tcp", pb.UCX: "ucx"}
 
 
 def server_credentials(cert: str, key: str, ca: str) -> grpc.ServerCredentials:
@@ -82,7 +82,8 @@ class PeerService(pb_grpc.PeerServicer, EdgeService):
         peers = comm.peers
         if not 0 <= req.node < len(peers.node_ids) or req.node == peers.my_node:
             raise InvalidRequest(
-                f"node index {req.node} is not a peer of this node in job {comm.job_id} comm {comm.comm_id}"
+                f"node index {req.node} is not a peer of this node in job {comm.job_id} comm "
+                f"{comm.comm_id}"
             )
         return comm, peers
 

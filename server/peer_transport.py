@@ -356,8 +356,9 @@ class CommPeers:
                 for p in payloads:
                     if len(p):
                         # As bytes: a memoryview cannot carry ml_dtypes' bfloat16 ('E').
+                        # (numpy declares ndarray.__buffer__ for Python 3.12+ only: ignore.)
                         sock.sendall(
-                            memoryview(np.ascontiguousarray(p).view(np.uint8))
+                            memoryview(np.ascontiguousarray(p).view(np.uint8))  # type: ignore[arg-type]
                             if isinstance(p, np.ndarray)
                             else p
                         )
@@ -411,11 +412,13 @@ class CommPeers:
         if not status.pending:
             ranks = list(self.layout.nodes[node])
             return (
-                f"{name} says {rank_list(ranks)} {'has' if len(ranks) == 1 else 'have'} not called it "
+                f"{name} says {rank_list(ranks)} {'has' if len(ranks) == 1 else 'have'} not called "
+                "it "
                 f"({status.ops_completed} ops completed there)"
             )
         waits = [
-            f"op #{p.seq} {p.description} waits for {rank_list(list(p.missing_ranks))} since {p.waited_seconds:.1f} s"
+            f"op #{p.seq} {p.description} waits for {rank_list(list(p.missing_ranks))} since "
+            f"{p.waited_seconds:.1f} s"
             for p in status.pending
         ]
         return f"{name} says " + "; ".join(waits)
@@ -446,7 +449,8 @@ class CommPeers:
                 if frame.src_node != node:
                     raise ConnectionError("malformed frame header")
                 frame.payload = np.empty(nbytes, dtype=np.uint8)
-                recv_into(sock, memoryview(frame.payload))
+                # numpy declares ndarray.__buffer__ for Python 3.12+ only.
+                recv_into(sock, memoryview(frame.payload))  # type: ignore[arg-type]
                 ftype = frame.ftype
                 if ftype == FRAME_HEARTBEAT:
                     continue
@@ -500,8 +504,10 @@ class CommPeers:
         if over:
             self._on_failure(
                 pb.INVALID,
-                f"{self.layout.name()}: rank {frame.src_rank} on node {self.node_ids[frame.src_node]} sent "
-                f"{frame.payload.nbytes} bytes to rank {frame.dst_rank} before it posted the receive, and "
+                f"{self.layout.name()}: rank {frame.src_rank} on node "
+                f"{self.node_ids[frame.src_node]} sent "
+                f"{frame.payload.nbytes} bytes to rank {frame.dst_rank} before it posted the "
+                "receive, and "
                 f"this daemon may hold no more: {over}",
             )
         if waiter is not None:
@@ -520,7 +526,8 @@ class CommPeers:
                 self._check_open()
                 if node in self._gone:
                     raise PeerError(
-                        f"op #{seq}: the ranks of node {self.node_ids[node]} have all left the communicator"
+                        f"op #{seq}: the ranks of node {self.node_ids[node]} have all left the "
+                        "communicator"
                     )
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -616,7 +623,7 @@ class PeerNetwork:
         self,
         host: str,
         data_port: int,
-        transport: int,
+        transport: pb.Transport,
         find_peers: Callable[[str, str, bytes], CommPeers | None],
         control: PeerControl,
         ucx_port: int = 0,

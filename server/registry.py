@@ -115,7 +115,9 @@ class Registry:
         self.peer_address = peer_address
         self.network = network
         self.rendezvous = RendezvousTable(config.max_jobs)
-        self._forwarded: set[grpc.Future] = set()  # Meet calls to other daemons in flight
+        self._forwarded: set[grpc.Future[pb.RendezvousReply]] = (
+            set()
+        )  # Meet calls to other daemons in flight
         self._stopping = False
         self._lock = threading.Lock()
 
@@ -143,7 +145,8 @@ class Registry:
         _check_token(where, req.job_token)
         if not 1 <= req.world_size <= cfg.max_ranks_per_job:
             raise LimitExceeded(
-                f"{where}: world_size {req.world_size} is outside 1..{cfg.max_ranks_per_job} (--max-ranks-per-job)"
+                f"{where}: world_size {req.world_size} is outside 1..{cfg.max_ranks_per_job} "
+                "(--max-ranks-per-job)"
             )
         if req.rank >= req.world_size:
             raise InvalidRequest(f"{where}: rank {req.rank} is outside a world of {req.world_size}")
@@ -225,7 +228,8 @@ class Registry:
                     )
                 if req.arena_bytes // 4 < comm.chunk_bytes:
                     raise InvalidRequest(
-                        f"{where} rank {req.rank}: arena of {req.arena_bytes} bytes is smaller than "
+                        f"{where} rank {req.rank}: arena of {req.arena_bytes} bytes is smaller "
+                        "than "
                         f"4 x the communicator's chunk of {comm.chunk_bytes} bytes"
                     )
             session = Session(
@@ -280,7 +284,8 @@ class Registry:
                 or seen & set(ranks)
             ):
                 raise InvalidRequest(
-                    f"{where}: node {spec.node_id} lists ranks {ranks[:16]}: expected ascending, distinct "
+                    f"{where}: node {spec.node_id} lists ranks {ranks[:16]}: expected ascending, "
+                    "distinct "
                     f"ranks below {req.world_size} that no other node lists"
                 )
             seen |= set(ranks)
@@ -301,7 +306,8 @@ class Registry:
                     parse_address(spec.peer_address)
                 except ValueError:
                     raise InvalidRequest(
-                        f"{where}: node {spec.node_id} has no valid peer address ({quote(spec.peer_address)})"
+                        f"{where}: node {spec.node_id} has no valid peer address "
+                        f"({quote(spec.peer_address)})"
                     ) from None
         return nodes, my_node
 
@@ -320,7 +326,8 @@ class Registry:
         where = f"rendezvous of job {req.job_id[:64]}"
         if not JOB_ID.match(req.job_id):
             raise InvalidRequest(
-                f"rendezvous of job {quote(req.job_id)}: job_id must be 1-128 characters of A-Z a-z 0-9 . _ : -"
+                f"rendezvous of job {quote(req.job_id)}: job_id must be 1-128 characters of A-Z "
+                "a-z 0-9 . _ : -"
             )
         _check_token(where, req.job_token)
         if req.root:
@@ -336,7 +343,8 @@ class Registry:
                 )
         if self.network is None:
             raise FailedPrecondition(
-                f"{where}: the root is another daemon ({req.root}) but this one has no peers (--peer-bind off)"
+                f"{where}: the root is another daemon ({req.root}) but this one has no peers "
+                "(--peer-bind off)"
             )
         try:
             parse_address(req.root)
@@ -376,7 +384,8 @@ class Registry:
                     except grpc.RpcError as exc:
                         raise RemoteRefusal(
                             exc.code(),
-                            f"{where}: the root's daemon at {req.root}: {exc.details() or exc.code()}",
+                            f"{where}: the root's daemon at {req.root}: "
+                            f"{exc.details() or exc.code()}",
                         ) from None
             finally:
                 with self._lock:
@@ -485,11 +494,13 @@ class Registry:
             if job.owner is None:
                 if self._owned_jobs() >= self.config.max_jobs:
                     raise LimitExceeded(
-                        f"{comm.name()}: the daemon already serves {self.config.max_jobs} jobs (--max-jobs)"
+                        f"{comm.name()}: the daemon already serves {self.config.max_jobs} jobs "
+                        "(--max-jobs)"
                     )
                 if any(j.owner == uid for j in self._jobs.get(comm.job_id, ()) if j is not job):
                     raise Unauthenticated(
-                        f"{comm.name()} {session.label()}: wrong job token: uid {uid} already runs job "
+                        f"{comm.name()} {session.label()}: wrong job token: uid {uid} already runs "
+                        "job "
                         f"{comm.job_id} here with another token"
                     )
                 self._ranks_per_uid.take(uid, where=comm.name())
@@ -502,7 +513,8 @@ class Registry:
                 job.buffers.uid = uid
             elif job.owner != uid:
                 raise PermissionDenied(
-                    f"{comm.name()}: uid {uid} may not join job {comm.job_id}, which belongs to uid {job.owner}"
+                    f"{comm.name()}: uid {uid} may not join job {comm.job_id}, which belongs to "
+                    f"uid {job.owner}"
                 )
             else:
                 self._ranks_per_uid.take(uid, where=comm.name())
@@ -534,7 +546,10 @@ class Registry:
 
     def deregister(self, session: Session) -> None:
         """Removes a rank that left cleanly (destroy_process_group)."""
-        why = f"{session.comm.name()}: {session.label()} has left the communicator (destroy_process_group)"
+        why = (
+            f"{session.comm.name()}: {session.label()} has left the communicator "
+            "(destroy_process_group)"
+        )
         self._drop(session, why, pb.RANK_FAILED, logging.INFO)
 
     def connection_lost(self, session: Session, detail: str) -> None:

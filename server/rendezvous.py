@@ -104,7 +104,8 @@ class RendezvousTable:
         where = f"rendezvous of job {job_id[:64]}"
         if world_size > MAX_WORLD:
             raise InvalidRequest(
-                f"{where}: the daemons' rendezvous serves jobs of up to {MAX_WORLD} ranks; a larger job "
+                f"{where}: the daemons' rendezvous serves jobs of up to {MAX_WORLD} ranks; a "
+                "larger job "
                 "passes its node layout to Register itself (as torch jobs do from their store)"
             )
         if not job_id or not world_size > 0 or rank >= world_size:
@@ -152,7 +153,8 @@ class RendezvousTable:
             for other, (other_node, other_address) in meeting.arrivals.items():
                 if other_node == node_id and other_address != peer_address:
                     raise FailedPrecondition(
-                        f"{where}: two daemons claim node id {node_id}: {other_address} (rank {other}) and "
+                        f"{where}: two daemons claim node id {node_id}: {other_address} (rank "
+                        f"{other}) and "
                         f"{peer_address} (rank {rank}); give each node its own --node-id"
                     )
             meeting.arrivals[rank] = (node_id, peer_address)

@@ -46,6 +46,8 @@ class TcpNode:
         tls: tuple[ssl.SSLContext, ssl.SSLContext] | None = None,
     ) -> None:
         self._on_connection = on_connection
+        self._server_tls: ssl.SSLContext | None
+        self._client_tls: ssl.SSLContext | None
         self._server_tls, self._client_tls = tls if tls is not None else (None, None)
         self._stopping = False
         family = socket.AF_INET6 if ":" in host else socket.AF_INET

@@ -134,7 +134,9 @@ class TlsSocket:
         while True:
             with self._lock:
                 try:
-                    return self._tls.read(n, buffer)
+                    # typeshed: read() takes a bytearray and returns bytes; given any writable
+                    # buffer it fills that and returns the count, as the ssl docs say.
+                    return self._tls.read(n, buffer)  # type: ignore[arg-type, return-value]
                 except ssl.SSLWantReadError:
                     pass
                 except ssl.SSLZeroReturnError:

@@ -120,7 +120,8 @@ def unavailable_reason() -> str | None:
         return None
     return (
         f"UCX transport unavailable: importing ucxx failed ({type(_IMPORT_ERROR).__name__}: "
-        f"{_IMPORT_ERROR}); install smddp's ucx extra where smddpd runs (pip install '.[ucx]' in smddp's checkout)"
+        f"{_IMPORT_ERROR}); install smddp's ucx extra where smddpd runs (pip install '.[ucx]' in "
+        "smddp's checkout)"
     )
 
 

@@ -34,9 +34,9 @@ class RefuseUndecodable(grpc.ServerInterceptor):
 
     def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler | None:
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
         handler = continuation(handler_call_details)
         if handler is None or handler.request_deserializer is None:
             return handler
@@ -51,22 +51,32 @@ class RefuseUndecodable(grpc.ServerInterceptor):
                     f"{method}: undecodable request message of {len(data)} bytes ({exc})"
                 )
 
+        behavior: Callable[..., Any]
         if handler.request_streaming:
             kind = "stream_stream" if handler.response_streaming else "stream_unary"
             stream_behavior = getattr(handler, kind)
 
-            def behavior(requests: Iterator[Any], context: grpc.ServicerContext, *args: Any) -> Any:
+            def stream_refusing(
+                requests: Iterator[Any], context: grpc.ServicerContext, *args: Any
+            ) -> Any:
                 return stream_behavior((_refuse(r, context) for r in requests), context, *args)
 
-            original = stream_behavior
+            behavior, original = stream_refusing, stream_behavior
         else:
             kind = "unary_stream" if handler.response_streaming else "unary_unary"
             unary_behavior = getattr(handler, kind)
 
-            def behavior(request: Any, context: grpc.ServicerContext, *args: Any) -> Any:  # type: ignore[misc]
+            def unary_refusing(request: Any, context: grpc.ServicerContext, *args: Any) -> Any:
                 return unary_behavior(_refuse(request, context), context, *args)
 
-            original = unary_behavior
+            behavior, original = unary_refusing, unary_behavior
         # The health service's Watch answers through a callback when it says so; keep that.
-        behavior.experimental_non_blocking = getattr(original, "experimental_non_blocking", False)  # type: ignore[attr-defined]
-        return handler._replace(request_deserializer=tolerant, **{kind: behavior})
+        # (grpc reads the attribute off the function; function attributes have no types.)
+        behavior.experimental_non_blocking = getattr(  # type: ignore[attr-defined]
+            original, "experimental_non_blocking", False
+        )
+        # grpc's handlers are namedtuples at run time; typeshed's RpcMethodHandler says not.
+        replaced: grpc.RpcMethodHandler[Any, Any] = handler._replace(  # type: ignore[attr-defined]
+            request_deserializer=tolerant, **{kind: behavior}
+        )
+        return replaced

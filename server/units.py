@@ -28,7 +28,10 @@ _DECIMAL = {"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _UNITS = {**_BINARY, **_DECIMAL}
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*")
 
-SIZE_HELP = "bytes, with an optional unit: KiB, MiB, GiB, TiB (K, M, G, T mean the same), or kB, MB, GB, TB (powers of 1000)"
+SIZE_HELP = (
+    "bytes, with an optional unit: KiB, MiB, GiB, TiB (K, M, G, T mean the same), "
+    "or kB, MB, GB, TB (powers of 1000)"
+)
 
 
 def is_size(name: str) -> bool:
@@ -59,6 +62,7 @@ def parse_size(value: str | int) -> int:
         whole, frac = number.split(".")
         # Exact arithmetic: 1.5GiB is 1610612736, whatever a float would round it to.
         numerator = (int(whole) * 10 ** len(frac) + int(frac)) * factor
+        count: int  # match.groups() is typed str | Any
         count, rest = divmod(numerator, 10 ** len(frac))
         if rest:
             raise ValueError(f"{value!r} is not a whole number of bytes")

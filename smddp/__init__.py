@@ -21,7 +21,7 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -104,6 +104,7 @@ def _explain_env_rendezvous() -> None:
         yield first
         yield from gen
 
+    # A mark on the function itself (what the getattr above checks); mypy knows no such attribute.
     env_handler._smddp = True  # type: ignore[attr-defined]
     handlers["env"] = env_handler
 
@@ -112,22 +113,23 @@ class _RegisterAfterImport(importlib.abc.MetaPathFinder):
     """Registers the backend right after ``torch`` (with torch.distributed) finishes importing."""
 
     def find_spec(
-        self, fullname: str, path: object, target: ModuleType | None = None
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
         if fullname != _TRIGGER:
             return None
         sys.meta_path.remove(self)
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)  # type: ignore[arg-type]
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None or spec.loader is None:
             return spec
         loader = spec.loader
-        original = loader.exec_module  # type: ignore[union-attr]
+        original = loader.exec_module
 
         def exec_module(module: ModuleType) -> None:
             original(module)
             _register()
 
-        loader.exec_module = exec_module  # type: ignore[method-assign,union-attr]
+        # Wrapping the loader's method in place is the point; mypy forbids assigning to methods.
+        loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec
 
 

@@ -66,9 +66,9 @@ class Launch:
 def _int(env: MutableMapping[str, str], *names: str) -> int | None:
     for name in names:
         value = env.get(name)
-        if value not in (None, ""):
+        if value:  # neither unset nor empty
             try:
-                return int(value)  # type: ignore[arg-type]
+                return int(value)
             except ValueError:
                 return None
     return None
@@ -187,9 +187,9 @@ def _master_host(env: MutableMapping[str, str]) -> str | None:
         env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
     )
     if nodelist:
-        hosts = expand_nodelist(nodelist)
-        if hosts:
-            return hosts[0]
+        nodes = expand_nodelist(nodelist)
+        if nodes:
+            return nodes[0]
     return None
 
 
@@ -220,10 +220,14 @@ def fill(env: MutableMapping[str, str] | None = None) -> str | None:
         host = "127.0.0.1" if launch.single_node else _master_host(env)
         if host is None:
             return (
-                f"smddp: this job was started by {launch.launcher} across nodes ({launch.world_size} "
-                f"ranks, {launch.local_world_size} on this node) and no rendezvous host is known: set "
-                "MASTER_ADDR to the host name or address of rank 0's node (and MASTER_PORT to a free "
-                "port there) for every rank, e.g. mpirun -x MASTER_ADDR=node1 -x MASTER_PORT=29500 ..."
+                f"smddp: this job was started by {launch.launcher} across nodes "
+                f"({launch.world_size} "
+                f"ranks, {launch.local_world_size} on this node) and no rendezvous host is known: "
+                "set "
+                "MASTER_ADDR to the host name or address of rank 0's node (and MASTER_PORT to a "
+                "free "
+                "port there) for every rank, e.g. mpirun -x MASTER_ADDR=node1 -x MASTER_PORT=29500 "
+                "..."
             )
         env[ENV_MASTER_ADDR] = host
     if ENV_MASTER_PORT not in env:

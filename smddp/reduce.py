@@ -25,7 +25,8 @@ PARALLEL_MIN_BYTES = 1 << 20
 _THREADS = max(1, min(8, os.cpu_count() or 1))
 _pool = ThreadPoolExecutor(max_workers=_THREADS, thread_name_prefix="smddp-reduce")
 
-_UFUNCS = {
+# Keyed by int: ops carry the enum's value as a plain int.
+_UFUNCS: dict[int, np.ufunc] = {
     pb.SUM: np.add,
     pb.AVG: np.add,
     pb.MIN: np.minimum,
@@ -36,7 +37,7 @@ _UFUNCS = {
     pb.BXOR: np.bitwise_xor,
 }
 # bool has no arithmetic in numpy that stays bool for every op; use logic.
-_BOOL_UFUNCS = {
+_BOOL_UFUNCS: dict[int, np.ufunc] = {
     pb.SUM: np.logical_or,
     pb.MAX: np.logical_or,
     pb.BOR: np.logical_or,

@@ -26,6 +26,12 @@ MSG_OP_REPLY = 4
 # reply carries them as SCM_RIGHTS in rank order, once every rank has attached.
 MSG_PEER_ARENAS = 5
 MSG_PEER_ARENAS_REPLY = 6
+# A rank's free channel (close before free, backend/csrc/free_channel.cpp): a connection that opens
+# with MSG_FREE_ATTACH (an AttachRequest, no memfd) and then carries SegmentFree requests and
+# SegmentFreeReply answers. backend/csrc/free_channel.cpp repeats these three numbers.
+MSG_FREE_ATTACH = 7
+MSG_FREE = 8
+MSG_FREE_REPLY = 9
 MAX_MESSAGE_BYTES = 1 << 20
 
 DATA_SOCKET_SUFFIX = ".data"
@@ -96,7 +102,7 @@ def wire_dtype(dtype: np.dtype) -> int | None:
     return code
 
 
-FLOAT_DTYPES = frozenset({pb.FLOAT16, pb.BFLOAT16, pb.FLOAT32, pb.FLOAT64})
+FLOAT_DTYPES: frozenset[int] = frozenset({pb.FLOAT16, pb.BFLOAT16, pb.FLOAT32, pb.FLOAT64})
 
 KIND_NAMES: dict[int, str] = {
     pb.ALL_REDUCE: "all_reduce",
@@ -121,9 +127,9 @@ REDUCE_NAMES: dict[int, str] = {
     pb.BOR: "BOR",
     pb.BXOR: "BXOR",
 }
-REDUCING_KINDS = frozenset({pb.ALL_REDUCE, pb.REDUCE, pb.REDUCE_SCATTER})
-ROOTED_KINDS = frozenset({pb.BROADCAST, pb.REDUCE, pb.GATHER, pb.SCATTER})
-P2P_KINDS = frozenset({pb.SEND, pb.RECV})
+REDUCING_KINDS: frozenset[int] = frozenset({pb.ALL_REDUCE, pb.REDUCE, pb.REDUCE_SCATTER})
+ROOTED_KINDS: frozenset[int] = frozenset({pb.BROADCAST, pb.REDUCE, pb.GATHER, pb.SCATTER})
+P2P_KINDS: frozenset[int] = frozenset({pb.SEND, pb.RECV})
 
 
 def dtype_name(dtype: int) -> str:
@@ -194,7 +200,7 @@ def unpack(data: bytes) -> tuple[int, bytes]:
     return data[0], data[1:]
 
 
-def rank_list(ranks: list[int]) -> str:
+def rank_list(ranks: Sequence[int]) -> str:
     """Formats ranks compactly: ``rank 3``, ``ranks 0-2``, ``ranks 0, 2, 5-7``."""
     ranks = sorted(ranks)
     runs: list[list[int]] = []  # [first, last] of each run of consecutive ranks

@@ -36,6 +36,20 @@ import pytest
 from ci_skips import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Removes the fake GPU's folders (tests/gpu/fake_device.py) of rank processes that were
+    killed before their exit handler ran: /dev/shm is memory, and nothing else frees it."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir():
+        return
+    for folder in shm.glob("sfg*-*"):
+        pid = folder.name[3:].split("-", 1)[0]
+        if not pid.isdigit() or Path(f"/proc/{pid}").exists():
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 DAEMON_COMMAND = (sys.executable, "-m", "smddp.server")
 START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 10.0
@@ -68,7 +82,8 @@ class DaemonProcess:
             self.proc.kill()
             self.proc.wait()
             pytest.fail(
-                f"smddpd did not exit within {timeout_s} s of {signal.Signals(sig).name}:\n{self.log()}"
+                f"smddpd did not exit within {timeout_s} s of "
+                f"{signal.Signals(sig).name}:\n{self.log()}"
             )
 
 

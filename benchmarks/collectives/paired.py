@@ -7,7 +7,8 @@ Every rank joins a gloo default group and an smddp group (``new_group(backend="s
 for each op and size it runs rounds of ``--per-round`` calls on one backend then the other,
 timing each blocking call. A figure is the median over a rank's calls; the row shows the
 worst rank's. Alternating rounds in one run makes the ratio robust to a noisy machine (the
-absolute figures are not). Also: a DDP step (an MLP of 8.4M parameters) against the same
+absolute figures are not). The case ``solo_all_reduce`` times all_reduce on groups of one
+rank (``new_group([rank])``), which smddp runs in place. Also: a DDP step (an MLP of 8.4M parameters) against the same
 step under ``no_sync`` for both backends, and single-core copy and add of the same sizes.
 busbw follows nccl-tests: all_reduce 2(n-1)/n x bytes / time, all_gather (n-1)/n x output
 bytes / time, broadcast bytes / time.
@@ -32,6 +33,7 @@ CASES = (
     ("all_reduce", 16 << 20),
     ("all_reduce", 64 << 20),
     ("barrier", 0),
+    ("solo_all_reduce", 4),  # on groups of one rank: new_group([rank]) of each backend
     ("broadcast", 16 << 20),
     ("all_gather", 16 << 20),
 )
@@ -61,7 +63,7 @@ def _time_case(
     out = torch.empty(n * world, dtype=torch.float32)
 
     def call(group: Any) -> None:
-        if op == "all_reduce":
+        if op in ("all_reduce", "solo_all_reduce"):
             dist.all_reduce(t, group=group)
         elif op == "barrier":
             dist.barrier(group=group)
@@ -80,7 +82,7 @@ def _time_case(
         for name, g in order:
             dist.barrier(group=groups["gloo"])
             for _ in range(per):
-                if op == "all_reduce":
+                if op in ("all_reduce", "solo_all_reduce"):
                     t.fill_(1.0)
                 start = time.perf_counter()
                 call(g)
@@ -146,9 +148,15 @@ def _rank_main(
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     groups = {"smddp": dist.new_group(backend="smddp"), "gloo": dist.group.WORLD}
+    solo: dict[str, Any] = {}
+    if any(op == "solo_all_reduce" for op, _ in cases):
+        for b in ("smddp", "gloo"):
+            # Every rank takes part in making every group, members or not.
+            solo[b] = [dist.new_group([r], backend=b) for r in range(world)][rank]
     mine: dict[str, Any] = {"cases": {}}
     for op, nbytes in cases:
-        mine["cases"][f"{op}:{nbytes}"] = _time_case(op, nbytes, groups, world, rank)
+        on = solo if op == "solo_all_reduce" else groups
+        mine["cases"][f"{op}:{nbytes}"] = _time_case(op, nbytes, on, world, rank)
     if world == 2 and ddp_steps:
         mine["ddp"] = _ddp_step(groups, rank, ddp_steps)
     everyone: list[Any] = [None] * world
@@ -217,11 +225,12 @@ def markdown(
     lines = [head, "| --- |" + " --- | --- | --- |" * len(worlds)]
     for op, nbytes in cases:
         key = f"{op}:{nbytes}"
-        label = (
-            "barrier"
-            if op == "barrier"
-            else f"{op} {_size(nbytes)}" + (" out" if op == "all_gather" else "")
-        )
+        if op == "barrier":
+            label = "barrier"
+        elif op == "solo_all_reduce":
+            label = f"all_reduce {_size(nbytes)}, group of one rank"
+        else:
+            label = f"{op} {_size(nbytes)}" + (" out" if op == "all_gather" else "")
         cells = []
         for r in results:
             c = r["cases"][key]
@@ -233,7 +242,8 @@ def markdown(
     lines.append(
         "Single-core reference: "
         + ", ".join(
-            f"{_size(n)} copy {_fmt_t(v['copy'])} ({n / v['copy'] / 1e9:.1f} GB/s), add {_fmt_t(v['add'])}"
+            f"{_size(n)} copy {_fmt_t(v['copy'])} ({n / v['copy'] / 1e9:.1f} GB/s), add "
+            f"{_fmt_t(v['add'])}"
             for n, v in ref.items()
         )
     )
@@ -247,7 +257,8 @@ def markdown(
             lines.append("| --- | --- | --- | --- |")
             for b in ("smddp", "gloo"):
                 lines.append(
-                    f"| {b} | {_fmt_t(d[b]['step_s'])} | {_fmt_t(d[b]['no_sync_s'])} | {_fmt_t(d[b]['overhead_s'])} |"
+                    f"| {b} | {_fmt_t(d[b]['step_s'])} | {_fmt_t(d[b]['no_sync_s'])} | "
+                    f"{_fmt_t(d[b]['overhead_s'])} |"
                 )
             ratio = (
                 d["smddp"]["overhead_s"] / d["gloo"]["overhead_s"]
@@ -287,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
         cases = tuple(c for c in CASES if f"{c[0]}:{c[1]}" in wanted)
         if not cases:
             p.error(
-                f"--cases: none of {args.cases} is a case ({', '.join(f'{o}:{n}' for o, n in CASES)})"
+                f"--cases: none of {args.cases} is a case "
+                f"({', '.join(f'{o}:{n}' for o, n in CASES)})"
             )
     results = [run(int(w), args.ddp_steps, cases) for w in args.world_sizes.split(",")]
     ref = {n: _reference(n) for n in (1 << 20, 16 << 20, 64 << 20)}

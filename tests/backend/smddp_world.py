@@ -129,7 +129,8 @@ def run_world(
                 if time.monotonic() > deadline:
                     silent = sorted(set(range(world_size)) - set(values))
                     raise WorldFailure(
-                        f"world of {world_size}: ranks {silent} did not finish within {timeout_s:.0f} s"
+                        f"world of {world_size}: ranks {silent} did not finish within "
+                        f"{timeout_s:.0f} s"
                     ) from None
                 continue
             if kind == "error":

@@ -3,7 +3,8 @@
 Under a torch outside it, ``import smddp.backend`` (and SageMaker's import) raise an ImportError
 that names the range, the torch found and what to do, instead of failing later inside torch;
 ``import smddp`` (which registers the backend whenever torch is there) says the same as a
-warning, so that torch stays usable for a numpy job or another backend. The pyproject's torch extra states the same range.
+warning, so that torch stays usable for a numpy job or another backend. The pyproject's torch extra
+states the same range.
 """
 
 from __future__ import annotations

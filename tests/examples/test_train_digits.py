@@ -24,6 +24,18 @@ def _torchrun():
     return [found] if found else [sys.executable, "-m", "torch.distributed.run"]
 
 
+def _rank_stdout(log_dir: Path, local_rank: int) -> str:
+    """What one rank printed, from its own file under torchrun's ``--log-dir``.
+
+    Not from torchrun's output: there the ranks' tee'd lines pass through torchrun's
+    block-buffered stdout, which can be flushed in the middle of a line, and its line-buffered
+    stderr (the ranks' stderr) shares the pipe, so a stderr line can land inside a stdout line.
+    """
+    files = sorted(log_dir.glob(f"*/attempt_0/{local_rank}/stdout.log"))
+    assert len(files) == 1, files
+    return files[0].read_text()
+
+
 def _load_example(monkeypatch):
     # With SMDDP_EXAMPLE_BACKEND set the module skips the smddp import, so
     # this works whether or not the backend is installed.
@@ -50,8 +62,8 @@ def test_train_digits(backend, tmp_path, monkeypatch):
         "--nproc-per-node",
         "2",
         "--tee",
-        "3",  # prefix every output line with its local rank: "[default0]:"
-        "--log-dir",
+        "3",  # every rank's output also on torchrun's, "[default0]:" before each line
+        "--log-dir",  # and in a file per rank, which the checks read
         str(tmp_path / "torchrun-logs"),
         str(SCRIPT),
         "--model-dir",
@@ -70,22 +82,25 @@ def test_train_digits(backend, tmp_path, monkeypatch):
     out = proc.stdout
     assert proc.returncode == 0, f"torchrun exited {proc.returncode}:\n{out}"
 
+    printed = [_rank_stdout(tmp_path / "torchrun-logs", r) for r in range(2)]
+
     # Per-epoch all-reduced losses are printed by rank 0 only.
-    epoch_lines = [line for line in out.splitlines() if "average training loss" in line]
-    assert len(epoch_lines) == 15, out
-    assert all(line.startswith("[default0]:") for line in epoch_lines), out
+    epoch_lines = [
+        [line for line in text.splitlines() if "average training loss" in line] for text in printed
+    ]
+    assert [len(lines) for lines in epoch_lines] == [15, 0], out
 
     # Final accuracy, printed by rank 0 only.
-    acc = re.findall(r"^\[default(\d)\]:final accuracy: ([0-9.]+)$", out, re.MULTILINE)
-    assert [rank for rank, _ in acc] == ["0"], out
-    accuracy = float(acc[0][1])
+    acc = [re.findall(r"^final accuracy: ([0-9.]+)$", text, re.MULTILINE) for text in printed]
+    assert [len(found) for found in acc] == [1, 0], out
+    accuracy = float(acc[0][0])
     assert accuracy > 0.90, out
 
     # Exactly one checkpoint, written by rank 0; no other rank claims a save.
     ckpt = model_dir / "model.pt"
     assert sorted(p.name for p in model_dir.iterdir()) == ["model.pt"]
-    saves = [line for line in out.splitlines() if "saved checkpoint" in line]
-    assert saves == [f"[default0]:rank 0 saved checkpoint to {ckpt}"], out
+    saves = [[line for line in text.splitlines() if "saved checkpoint" in line] for text in printed]
+    assert saves == [[f"rank 0 saved checkpoint to {ckpt}"], []], out
 
     # The checkpoint loads into the example's model and reproduces the accuracy.
     example = _load_example(monkeypatch)

@@ -59,8 +59,13 @@ class Proc:
                 self.ready.set()
         self.ready.set()  # ended: whoever waits must look at the exit status
 
+    def text(self) -> str:
+        """All its output so far, to parse (``output`` is cut to a failure message's size)."""
+        return "\n".join(self.lines)
+
     def output(self) -> str:
-        return "\n".join(self.lines)[-6000:]
+        """The last 6000 characters of its output, for a failure message."""
+        return self.text()[-6000:]
 
 
 def start(cmd: list[str], env: dict[str, str]) -> Proc:

@@ -3,7 +3,8 @@
 Started directly (the test sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) or by torchrun
 (which sets them). Trains a small MLP with DistributedDataParallel until its process group
 fails, writes what it saw to ``<out>/rank<R>.json``, tries a plain all_reduce (its message goes
-in the record as ``after``), destroys the process group and lets the error end the process, so that a survivor exits with status 1 of its own accord.
+in the record as ``after``), destroys the process group and lets the error end the process, so that
+a survivor exits with status 1 of its own accord.
 
 SPEC fields:
 - ``out``: folder for the result files.
@@ -115,7 +116,8 @@ def train(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
         opt.step()
         if step == 0:
             say(
-                f"ready {rank} {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')} {time.time():.3f}"
+                f"ready {rank} {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')} "
+                f"{time.time():.3f}"
             )
         else:
             say(f"step {step}")

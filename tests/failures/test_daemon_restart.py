@@ -3,7 +3,8 @@
 Two torch ranks on a system daemon. Rank 0 is inside an all_reduce (rank 1 holds back)
 when the daemon gets SIGTERM; a new daemon then starts on the same socket. Rank 0's op
 fails at once, and every rank's next op fails with SmddpDaemonLostError: the next with the
-daemon's parting "smddpd is shutting down", later ones saying the daemon went away; nothing hangs, and the ranks still destroy their process
+daemon's parting "smddpd is shutting down", later ones saying the daemon went away; nothing hangs,
+and the ranks still destroy their process
 group and exit 0. A new job then runs on the new daemon.
 """
 

@@ -118,8 +118,10 @@ def other_user() -> None:
         ]
         hint = f"; others cannot enter {', '.join(sorted(blocked))}" if blocked else ""
         pytest.fail(
-            f"uid {NOBODY} cannot import smddp.client with {sys.executable}{hint} (the venv must come "
-            f"from a Python that every user may run, as scripts/setup.sh makes it, in a folder others "
+            f"uid {NOBODY} cannot import smddp.client with {sys.executable}{hint} (the venv must "
+            "come "
+            "from a Python that every user may run, as scripts/setup.sh makes it, in a folder "
+            "others "
             f"may enter):\n{probe.stderr[-1500:]}",
             pytrace=False,
         )
@@ -416,7 +418,8 @@ def test_limits_give_errors_that_name_them(start_daemon):
         (
             register_request(job_id="first", job_token=token, comm_id="big", arena_bytes=2 << 20),
             exhausted,
-            "job first comm big rank 0: arena_bytes 2097152 is outside 65536..1048576 (--max-arena-bytes)",
+            "job first comm big rank 0: arena_bytes 2097152 is outside 65536..1048576 "
+            "(--max-arena-bytes)",
         ),
         (
             register_request(job_id="first", job_token=b"t" * 2000, comm_id="1"),

@@ -196,7 +196,8 @@ REFUSALS = {
     "plain daemon to TLS": (
         None,
         "node1",
-        r"refused our connection: it closed our connection unanswered: it takes peer connections over TLS only "
+        r"refused our connection: it closed our connection unanswered: it takes peer connections "
+        r"over TLS only "
         r"\(--tls-cert\), and this daemon has no TLS",
     ),
     "certificate of another node": (

@@ -63,22 +63,24 @@ def test_restart_recovers(tmp_path: Path) -> None:
             rc = wait_exit(run, f"run {run_no}", timeout_s=170)
         finally:
             kill_all([run])
-        text = run.output()
-        assert rc == 0, f"run {run_no} did not recover:\n{text}"
+        # All of it: attempt 0's lines (its failure, its daemon) come first, and a long output
+        # (warnings, a traceback) would push them out of the last 6000 characters.
+        text = run.text()
+        assert rc == 0, f"run {run_no} did not recover:\n{run.output()}"
         # Attempt 0 failed on purpose; attempt 1 trained every step on every rank, in step.
         failed_at = [float(m[1]) for m in re.finditer(rf"^failing {VICTIM} ([\d.]+)$", text, re.M)]
-        assert len(failed_at) == 1, text
+        assert len(failed_at) == 1, run.output()
         ready = {
             int(m[1]): float(m[2]) for m in re.finditer(r"^ready (\d+) 1 ([\d.]+)$", text, re.M)
         }
-        assert sorted(ready) == list(range(WORLD)), text
+        assert sorted(ready) == list(range(WORLD)), run.output()
         records = [json.loads((out / f"rank{r}-a1.json").read_text()) for r in range(WORLD)]
         for got in records:
             assert got["steps"] == STEPS and "type" not in got, got
             assert got["params"] == records[0]["params"], "the ranks' models differ after training"
         # Each attempt had an embedded daemon of its own; both are gone, folders and all.
         daemons = STARTED.findall(text)
-        assert len(daemons) == 2 and daemons[0][0] != daemons[1][0], text
+        assert len(daemons) == 2 and daemons[0][0] != daemons[1][0], run.output()
         deadline = time.monotonic() + 30
         while not all(
             _gone(int(pid)) and not os.path.exists(os.path.dirname(path)) for path, pid in daemons

@@ -14,7 +14,8 @@ dist.init_process_group(backend="smddp")
 t = torch.ones(2) * (dist.get_rank() + 1)
 dist.all_reduce(t)
 print(
-    f"no-import ok rank={dist.get_rank()} sum={t[0].item():g} backend_loaded_with_torch={backend_loaded_with_torch}",
+    f"no-import ok rank={dist.get_rank()} sum={t[0].item():g} "
+    f"backend_loaded_with_torch={backend_loaded_with_torch}",
     flush=True,
 )
 dist.destroy_process_group()

@@ -276,7 +276,8 @@ def ordering_rank(rank: int, world: int, init_file: str, device: int) -> dict[st
         if not bool((got == value).all()):
             bad = int((got != value).sum())
             out["failures"].append(
-                f"rank {rank}: {what}: {bad} of {t.numel()} elements are not {value} (e.g. {got[got != value][:3].tolist()})"
+                f"rank {rank}: {what}: {bad} of {t.numel()} elements are not {value} (e.g. "
+                f"{got[got != value][:3].tolist()})"
             )
 
     # 1. Inputs written by a slow kernel: the daemon must wait for the ready event; the call
@@ -568,7 +569,9 @@ def memory_rank(rank: int, world: int, init_file: str, device: int) -> dict[str,
     2. A forced allocator retry, on rank 0: a 1 GiB tensor the daemon has mapped is deleted
        (cached by torch's allocator, not freed), ballast leaves 0.5 GiB free, and 1.25 GiB is
        asked for: cudaMalloc fails, the allocator frees its cached segments and retries,
-       which succeeds only if the daemon's mapping no longer pins the freed segment.
+       which succeeds only if the daemon's mapping no longer pins the freed segment: with
+       close before free (backend/cuda_free_hook.py) the allocator's hook has smddpd unmap
+       it inside the retry, before cudaFree.
     """
     dev = init(rank, world, init_file, device)
     gib = 1 << 30
@@ -620,5 +623,94 @@ def memory_rank(rank: int, world: int, init_file: str, device: int) -> dict[str,
     dist.barrier()
     dist.all_reduce(small)
     out["small_ok"] = bool((small == float(world) ** 3).all())  # three all_reduces of ones
+    from smddp.backend import cuda_free_hook
+
+    channel = cuda_free_hook.installed()
+    out["hook"] = channel.stats() if channel is not None else None
     dist.destroy_process_group()
     return out
+
+
+def free_hook_rank(
+    rank: int, world: int, init_file: str, library: str, daemon_pid: int
+) -> dict[str, Any]:
+    """Close before free on the fake GPU, through the allocator hook's own entry point.
+
+    The hook's C library (``backend/csrc/free_channel.cpp``, built by the test; torch's tracker part
+    needs a CUDA torch) is installed on the rank's free channel. A mapped allocation's free
+    is announced by the call the tracker makes (``smddp_fc_segment_free``): the daemon must
+    have unmapped it when the call returns, and the next op on it maps it afresh with the
+    right bits. Then, rank 0 only, a daemon that cannot answer (stopped with SIGSTOP): the
+    call returns after the bound, with a log line, and the channel still works afterwards.
+    """
+    import ctypes
+    import signal
+    import tempfile
+
+    from smddp.backend import cuda_free_hook
+
+    init(rank, world, init_file, FAKE)
+    out: dict[str, Any] = {}
+    check = Checker(rank)
+    x = to_torch(host_values(rank, 513, torch.float32), torch.device("cpu"))
+    dist.all_reduce(x)  # the group's GPU path exists from here on, x's allocation is mapped
+    check.same(
+        "first all_reduce",
+        x,
+        host_reduce([host_values(r, 513, torch.float32) for r in range(world)], pb.SUM),
+    )
+    comm = dist.group.WORLD.comm  # the world is the SmddpProcessGroup itself
+    channel = cuda_free_hook.install(
+        comm.session, comm.cuda.exporter, library=lambda: ctypes.CDLL(library)
+    )
+    out["installed"] = channel is not None
+    (alloc,) = [a for a in _fake.allocations if a.base <= x.data_ptr() < a.base + a.size]
+    out["watched"] = channel.stats()["watched"] if channel else 0
+    opens_before = _count_lines(alloc.path + ".opens")
+    code = channel.segment_free(alloc.base, alloc.size) if channel else -1
+    out["code"] = code
+    out["closed_at_return"] = os.path.exists(alloc.path + ".closed")
+    # The allocation is still there (the fake never reuses it): an op on it maps it again.
+    x.copy_(to_torch(host_values(rank, 513, torch.float32, salt=3), torch.device("cpu")))
+    dist.all_reduce(x)
+    out["reopened"] = _count_lines(alloc.path + ".opens") - opens_before
+    check.same(
+        "all_reduce after close before free",
+        x,
+        host_reduce([host_values(r, 513, torch.float32, salt=3) for r in range(world)], pb.SUM),
+    )
+    dist.barrier()
+    if rank == 0 and channel is not None:
+        with tempfile.TemporaryFile() as stderr:
+            saved = os.dup(2)
+            os.dup2(stderr.fileno(), 2)
+            # Announced as exported again (a real free is followed by a new allocation,
+            # which the exporter announces; this one was only announced freed).
+            channel.watch(alloc.base)
+            os.kill(daemon_pid, signal.SIGSTOP)
+            try:
+                start = time.monotonic()
+                out["stopped_code"] = channel.segment_free(alloc.base, alloc.size)
+                out["stopped_s"] = time.monotonic() - start
+            finally:
+                os.kill(daemon_pid, signal.SIGCONT)
+                os.dup2(saved, 2)
+                os.close(saved)
+            stderr.seek(0)
+            out["stopped_log"] = stderr.read().decode(errors="replace")
+        # The late answer to that request is dropped; the next one gets its own.
+        channel.watch(alloc.base)
+        out["after_code"] = channel.segment_free(alloc.base, alloc.size)
+        out["stats"] = channel.stats()
+    dist.barrier()
+    out["failures"] = check.failures
+    dist.destroy_process_group()
+    return out
+
+
+def _count_lines(path: str) -> int:
+    try:
+        with open(path) as f:
+            return sum(1 for _ in f)
+    except FileNotFoundError:
+        return 0

@@ -12,9 +12,11 @@ replied. Work on this "GPU" happens at once, so streams only check and log.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import mmap
 import os
+import shutil
 import struct
 import tempfile
 from contextlib import contextmanager
@@ -28,7 +30,12 @@ from smddp import cuda_driver
 UUID0 = bytes([0xA0]) * 16  # gpu_fakes.uuid(0): the daemon's fake sees the same GPU
 MEM_PREFIX = b"fakeipc:"
 EVENT_PREFIX = b"fakeevt:"
-_folder = tempfile.mkdtemp(prefix="sfg", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+# One folder per rank process, named for its pid: removed when the process exits (the daemon's
+# mappings outlive the names), and by tests/conftest.py's sweep when it was killed.
+_folder = tempfile.mkdtemp(
+    prefix=f"sfg{os.getpid()}-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None
+)
+atexit.register(shutil.rmtree, _folder, True)
 
 
 class _Allocation:

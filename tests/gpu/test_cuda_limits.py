@@ -22,7 +22,8 @@ def test_capture_is_refused_and_a_2_31_element_all_reduce_is_exact(
     measure(f"capture refused: {r0['capture'][:160]}")
     measure(
         f"int8 all_reduce of 2^31+17 elements, 2 ranks: "
-        f"{'exact' if all(r['big_ok'] for r in results) else 'WRONG'} at both ends, {r0['big_s']:.2f} s"
+        f"{'exact' if all(r['big_ok'] for r in results) else 'WRONG'} at both ends, "
+        f"{r0['big_s']:.2f} s"
     )
     for r in results:
         assert "cannot run inside CUDA graph capture" in r["capture"], r["capture"]

@@ -115,3 +115,49 @@ def test_a_freed_allocation_is_unmapped_by_the_rank_s_next_op(
         assert not r["failures"], r["failures"]
         assert not r["closed_before"], f"rank {rank}: unmapped before the daemon was told"
         assert r["closed_after"], f"rank {rank}: the freed allocation is still mapped"
+
+
+@pytest.mark.timeout(300)
+def test_close_before_free_through_the_allocator_hook_s_entry_point(
+    start_daemon, spawn_ranks, tmp_path
+) -> None:
+    """The hook's C library on a real daemon's free channel: the daemon has unmapped a
+    segment when the hook's call returns, the next op maps it afresh (right bits); a
+    stopped daemon makes the call return after the bound with a log line."""
+    from cuda_ranks import free_hook_rank
+
+    from smddp.backend import cuda_free_hook
+
+    library = cuda_free_hook.compile_library(cuda_free_hook.CHANNEL_SOURCES, tmp_path)
+    daemon = start_daemon(env=dict(os.environ, SMDDP_TEST_GPU_RUNTIME=FAKE_RUNTIME))
+    env = dict(
+        os.environ,
+        SMDDP_SOCKET=daemon.socket,
+        SMDDP_EMBEDDED="0",
+        SMDDP_TEST_CUDA_DEVICE=FAKE_DEVICE,
+        SMDDP_FREE_WAIT_MS="1500",
+    )
+    results = spawn_ranks(
+        free_hook_rank,
+        2,
+        2,
+        str(tmp_path / "init"),
+        str(library),
+        daemon.proc.pid,
+        env=env,
+        timeout_s=240,
+    ).join()
+    for rank, r in enumerate(results):
+        assert not r["failures"], r["failures"]
+        assert r["installed"] and r["watched"] >= 1, r
+        assert r["code"] == cuda_free_hook.FreeChannel.CLOSED, r
+        assert r["closed_at_return"], f"rank {rank}: still mapped when the hook's call returned"
+        assert r["reopened"] == 1, f"rank {rank}: the next op did not map it afresh: {r}"
+    r0 = results[0]
+    assert r0["stopped_code"] == cuda_free_hook.FreeChannel.TIMEOUT, r0
+    assert 1.4 <= r0["stopped_s"] < 10, r0
+    assert "did not confirm unmapping GPU segment" in r0["stopped_log"], r0["stopped_log"]
+    assert "within 1500 ms; freeing it anyway" in r0["stopped_log"]
+    # The stopped request's late answer was dropped; the next call got its own.
+    assert r0["after_code"] in (cuda_free_hook.FreeChannel.CLOSED,), r0
+    assert r0["stats"]["timeouts"] == 1 and r0["stats"]["failed"] == 0, r0

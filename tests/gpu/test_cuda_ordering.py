@@ -31,5 +31,6 @@ def test_events_order_the_daemon_and_the_ranks(world: int, daemon, spawn_ranks, 
     # for the GPU, only for the daemon to queue the work.
     for rank, r in enumerate(results):
         assert r["gpu_busy_after_wait"], (
-            f"rank {rank}: all_reduce returned only after the GPU was idle ({r['host_wait_s']:.3f} s)"
+            f"rank {rank}: all_reduce returned only after the GPU was idle ({r['host_wait_s']:.3f} "
+            "s)"
         )

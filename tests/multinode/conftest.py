@@ -4,7 +4,8 @@
   peers on an ephemeral loopback port); needs no privileges.
 - ``netns_nodes(n)``: ``n`` network namespaces joined by a bridge (``netns_cluster``), one
   smddpd inside each, listening for peers on the namespace's address; skipped when this
-  process is not root, failed with ``ip``'s error when root cannot create namespaces. Everything is removed at teardown,
+  process is not root, failed with ``ip``'s error when root cannot create namespaces. Everything is
+  removed at teardown,
   also when the test fails.
 - ``launch_world(program, nodes, node_of_rank, spec)``: one process per rank, started on its
   node (inside the namespace for netns nodes) with the ``env://`` variables, SMDDP_NODE_ID
@@ -69,7 +70,8 @@ def _stop_daemons(nodes: Sequence[Node]) -> None:
             rc = node.daemon.stop(signal.SIGTERM)
             if rc != 0:
                 bad.append(
-                    f"smddpd of {node.node_id} exited {rc} after SIGTERM:\n{node.daemon.log()[-LOG_TAIL:]}"
+                    f"smddpd of {node.node_id} exited {rc} after "
+                    f"SIGTERM:\n{node.daemon.log()[-LOG_TAIL:]}"
                 )
     assert not bad, "\n".join(bad)
 
@@ -239,7 +241,8 @@ class World:
                     continue
             self.kill()
             pytest.fail(
-                f"ranks {ended or 'some'} did not print {marker!r}:\n{self._failures(set(range(len(self.procs))))}"
+                f"ranks {ended or 'some'} did not print "
+                f"{marker!r}:\n{self._failures(set(range(len(self.procs))))}"
             )
 
     def send(self, line: str) -> None:

@@ -6,7 +6,8 @@ file that every rank reads, OUT the pickle this rank leaves its result in.
 
 Programs:
 - ``collectives``: every collective on the default group and on subgroups (each a layout of
-  its own), against references computed here, independently of smddp. Inputs are deterministic functions of a key, so a rank rebuilds every other rank's
+  its own), against references computed here, independently of smddp. Inputs are deterministic
+  functions of a key, so a rank rebuilds every other rank's
   input. Reductions follow smddp's documented order across nodes: each node's ranks in rank
   order, then the node partials in node order (nodes ordered by their lowest rank), in the
   tensor's dtype, so floating-point results are expected bit for bit. A failed check is
@@ -178,7 +179,8 @@ class Checks:
         self.counts[section] += 1
         if got.dtype != want.dtype or got.shape != want.shape:
             self.failures.append(
-                f"{section} {name}: got {tuple(got.shape)} {got.dtype}, want {tuple(want.shape)} {want.dtype}"
+                f"{section} {name}: got {tuple(got.shape)} {got.dtype}, want {tuple(want.shape)} "
+                f"{want.dtype}"
             )
         elif bits(got) != bits(want):
             g, w = got.reshape(-1), want.reshape(-1)
@@ -537,7 +539,8 @@ def main() -> None:
         t1 = time.monotonic()
         result = PROGRAMS[program](spec)
         print(
-            f"rank {dist.get_rank()}: joined in {t1 - t0:.1f} s, {program} took {time.monotonic() - t1:.1f} s",
+            f"rank {dist.get_rank()}: joined in {t1 - t0:.1f} s, {program} took "
+            f"{time.monotonic() - t1:.1f} s",
             file=sys.stderr,
             flush=True,
         )

@@ -87,12 +87,15 @@ def run_groups(launch_world, nodes, node_of_rank, groups, timeout_s) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(480)
 def test_collectives_loopback(peer_transport, loopback_nodes, launch_world):
     nodes = loopback_nodes(3, peer_transport.args, peer_transport.env)
     for node in nodes:
         assert f"data over {peer_transport.name}" in node.daemon.log(), node.daemon.log()
-    run_groups(launch_world, nodes, LOOPBACK_NODE_OF_RANK, LOOPBACK_GROUPS, timeout_s=240)
+    # 9 ranks and 3 daemons on 2 cores: with other work on the machine the matrix took over
+    # 240 s (ranks 2-8 done after 75-181 s, ranks 0 and 1 still running at 240 s). The
+    # deadline only bounds a hang; what is checked is the results.
+    run_groups(launch_world, nodes, LOOPBACK_NODE_OF_RANK, LOOPBACK_GROUPS, timeout_s=420)
 
 
 @pytest.mark.netns

@@ -62,7 +62,8 @@ def test_topology_of_a_registered_multinode_job(loopback_nodes, launch_world):
         data_port = topo["data_port"]
         assert topo["peer_transport"] == "TCP" and data_port > 0, topo
         assert lines[0].startswith(
-            f"node {node.node_id}  peers at {addresses[node.node_id]}, data over tcp port {data_port}  CPUs "
+            f"node {node.node_id}  peers at {addresses[node.node_id]}, data over tcp port "
+            f"{data_port}  CPUs "
         ), text
         local = ", ".join(map(str, RANKS[node.node_id]))
         assert f"  job {job['job_id']} comm 0: 2 node(s), local ranks {local}" in lines, text
@@ -74,8 +75,9 @@ def test_topology_of_a_registered_multinode_job(loopback_nodes, launch_world):
 
     world.send("go")
     assert [r["sum"] for r in world.join()] == [[4.0] * 4] * 4
-    # Once the ranks have left, the daemons forget the job.
-    deadline = time.monotonic() + 10
+    # Once the ranks have left, the daemons forget the job. 30 s: each look runs smddpctl twice,
+    # a Python start each, which takes seconds on a loaded machine.
+    deadline = time.monotonic() + 30
     while True:
         jobs = [
             json.loads(smddpctl("--socket", n.daemon.socket, "--json", "topology"))["jobs"]

@@ -467,6 +467,37 @@ def test_a_freed_allocation_is_closed_when_the_ranks_next_op_runs() -> None:
     assert [c[1] for c in w.rt.calls("close_memory")] == old_address + third_address
 
 
+def test_close_before_free_unmaps_the_process_s_segment_before_answering() -> None:
+    """A rank's free channel (server/gpu_free.py) names a segment about to be freed: every
+    mapping of it in that process's sessions is closed before close_before_free returns,
+    once the daemon's streams passed it; another process's mappings stay; the next op maps
+    the memory afresh; work still queued past the bound defers the close to ``collect``."""
+    w = World([0, 0])
+    for r, s in enumerate(w.sessions):
+        s.peer_pid = 4000 + r  # type: ignore[attr-defined]
+    bufs = [w.buffer(r, 64, pb.FLOAT32) for r in range(2)]
+    _all_reduce_pair(w, bufs, 1)
+    mine, theirs = bufs[0].alloc, bufs[1].alloc
+    opened = {c[1]: c[3] for c in w.rt.calls("open_memory")}
+    assert w.ops.close_before_free(4000, mine.base, 1.0) == (1, 0)
+    assert [c[1] for c in w.rt.calls("close_memory")] == [opened[mine.handle]]
+    # Another process's segment at the same base is not this process's to close.
+    assert w.ops.close_before_free(4000, theirs.base, 1.0) == (0, 0)
+    vals = [fill(b, 5 + r) for r, b in enumerate(bufs)]
+    _all_reduce_pair(w, bufs, 2)
+    assert [c[1] for c in w.rt.calls("open_memory")].count(mine.handle) == 2
+    assert bits(bufs[0].array()) == bits(host_reduce(vals, pb.SUM))
+    # The daemon's work on it is still queued: not closed within the bound, closed later.
+    w.rt.pending_marks = True
+    start = time.monotonic()
+    assert w.ops.close_before_free(4000, mine.base, 0.2) == (0, 1)
+    assert time.monotonic() - start >= 0.2
+    assert len(w.rt.calls("close_memory")) == 1
+    w.rt.pending_marks = False
+    w.ops.collect()
+    assert len(w.rt.calls("close_memory")) == 2
+
+
 def test_a_new_allocation_at_a_freed_base_gets_a_fresh_mapping() -> None:
     """The free and the new allocation at the same base arrive with one op: the old mapping
     closes, the new one (another buffer id, even under the same handle bytes) is opened."""

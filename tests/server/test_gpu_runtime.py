@@ -3,7 +3,8 @@ real CuPy, where installed, is not used).
 
 The stand-in has the signatures of CuPy's ``cupy.cuda.runtime`` (statuses, return values,
 CUDARuntimeError with ``.status``), ``Device`` and ``ExternalStream`` contexts, the NVRTC
-bindings ``cupy.cuda.nvrtc`` and ``cupy.cuda.function.Module``; it records the calls, so these tests pin down how the daemon calls CuPy:
+bindings ``cupy.cuda.nvrtc`` and ``cupy.cuda.function.Module``; it records the calls, so these tests
+pin down how the daemon calls CuPy:
 which device is current, which flags go with IPC opens and copies, how a "not ready" event
 query and an already enabled peer are read, and the kernel's arguments.
 """

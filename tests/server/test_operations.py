@@ -76,8 +76,21 @@ class Smddpd:
 
     proc: subprocess.Popen
     socket: str
-    http_port: int
     log_path: Path
+    _http_port: int = 0
+
+    @property
+    def http_port(self) -> int:
+        """The port its HTTP server took, from its "smddpd serving" log line.
+
+        It is started with port 0: a free port picked here and bound by the daemon a second
+        later could be taken in between.
+        """
+        if not self._http_port:
+            found = re.search(r"HTTP 127\.0\.0\.1:(\d+)", self.log())
+            assert found, f"smddpd logged no HTTP listener:\n{self.log()}"
+            self._http_port = int(found[1])
+        return self._http_port
 
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.http_port}{path}"
@@ -98,7 +111,8 @@ class Smddpd:
             self.proc.kill()
             self.proc.wait()
             pytest.fail(
-                f"smddpd did not exit within {STOP_TIMEOUT_S} s of {signal.Signals(sig).name}:\n{self.log()}"
+                f"smddpd did not exit within {STOP_TIMEOUT_S} s of "
+                f"{signal.Signals(sig).name}:\n{self.log()}"
             )
 
 
@@ -118,21 +132,21 @@ def _wait_serving(d: Smddpd) -> None:
             d.proc.kill()
             d.proc.wait()
             pytest.fail(
-                f"smddpd never reported SERVING ({exc.code().name}), exit {d.proc.returncode}:\n{d.log()}"
+                f"smddpd never reported SERVING ({exc.code().name}), exit "
+                f"{d.proc.returncode}:\n{d.log()}"
             )
     pytest.fail(f"smddpd's health Watch ended before SERVING:\n{d.log()}")
 
 
 @pytest.fixture
 def launch() -> Iterator[Callable[..., Smddpd]]:
-    """``launch(*args, env=None)`` starts smddpd on a private socket and a free HTTP port."""
+    """``launch(*args, env=None)`` starts smddpd on a private socket and an HTTP port it picks."""
     folder = Path(tempfile.mkdtemp(prefix="smddp-ops-"))  # short: sun_path holds 108 bytes
     started: list[Smddpd] = []
 
     def start(*args: str, env: dict[str, str] | None = None, wait: bool = True) -> Smddpd:
         n = len(started)
         sock = str(folder / f"d{n}.sock")
-        port = _free_port()
         log_path = folder / f"d{n}.log"
         # No peer listener: these tests use one node, and the default peer port is shared.
         cmd = [
@@ -142,7 +156,7 @@ def launch() -> Iterator[Callable[..., Smddpd]]:
             "--socket",
             sock,
             "--http-bind",
-            f"127.0.0.1:{port}",
+            "127.0.0.1:0",
             "--peer-bind",
             "off",
             *args,
@@ -151,7 +165,7 @@ def launch() -> Iterator[Callable[..., Smddpd]]:
             proc = subprocess.Popen(
                 cmd, env=_clean_env(env), stdin=subprocess.DEVNULL, stdout=log, stderr=log
             )
-        d = Smddpd(proc, sock, port, log_path)
+        d = Smddpd(proc, sock, log_path)
         started.append(d)
         if wait:
             _wait_serving(d)

@@ -473,7 +473,8 @@ def test_a_mismatch_across_nodes_is_counted_on_each_node(start_daemon) -> None:
     # node that failed the group first, which may be either (issue 15 report: across nodes,
     # a mismatch can give the ranks two messages, each exact).
     views = {
-        f"job {name} comm 0: rank {them} (node node{them}) called all_reduce({theirs}, 8 x float32) as op #1 "
+        f"job {name} comm 0: rank {them} (node node{them}) called all_reduce({theirs}, 8 x "
+        "float32) as op #1 "
         f"while rank {me} (node node{me}) called all_reduce({mine}, 8 x float32)"
         for me, mine, them, theirs in ((0, "SUM", 1, "MAX"), (1, "MAX", 0, "SUM"))
     }
@@ -548,7 +549,8 @@ def test_ucx_with_tls_is_refused_at_start(tmp_path: Path, how: str) -> None:
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.splitlines()[-1] == (
-        "smddpd: error: peer_transport ucx carries no TLS: use tcp with --tls-cert, or ucx on a trusted "
+        "smddpd: error: peer_transport ucx carries no TLS: use tcp with --tls-cert, or ucx on a "
+        "trusted "
         "network without it"
     )
     assert not sock.exists()
@@ -585,7 +587,8 @@ def test_the_daemons_rendezvous_takes_up_to_200_ranks(start_daemon) -> None:
     with pytest.raises(ConnectError) as info:
         rendezvous(name, token, 0, 201, root=root, socket_path=daemons[1].socket, timeout_s=10)
     assert str(info.value).endswith(
-        f"rendezvous of job {name}: the daemons' rendezvous serves jobs of up to 200 ranks; a larger job "
+        f"rendezvous of job {name}: the daemons' rendezvous serves jobs of up to 200 ranks; a "
+        "larger job "
         "passes its node layout to Register itself (as torch jobs do from their store)"
     ), info.value
 
@@ -673,7 +676,8 @@ def as_nobody(code, env):
 
 def main():
     os.environ.clear(); os.environ.update(base_env)
-    # 1. Root's daemon without --socket takes the system socket; a client without SMDDP_SOCKET finds it.
+    # 1. Root's daemon without --socket takes the system socket; a client without SMDDP_SOCKET finds
+    # it.
     system = start()
     serving("/run/smddp/smddpd.sock", system)
     st = os.stat("/run/smddp/smddpd.sock")
@@ -778,9 +782,11 @@ def test_where_daemons_and_clients_find_each_other() -> None:
         if d.startswith("/tmp/")
     })  # fmt: skip
     script = (
-        "mount -t tmpfs -o mode=0755 tmpfs /run && mkdir /run/host-tmp && mount --bind /tmp /run/host-tmp "
+        "mount -t tmpfs -o mode=0755 tmpfs /run && mkdir /run/host-tmp && mount --bind /tmp "
+        "/run/host-tmp "
         "&& mount -t tmpfs -o mode=1777 tmpfs /tmp "
-        '&& for d in $KEEP; do mkdir -p "/tmp/$d" && mount --bind "/run/host-tmp/$d" "/tmp/$d" || exit 1; done '
+        '&& for d in $KEEP; do mkdir -p "/tmp/$d" && mount --bind "/run/host-tmp/$d" "/tmp/$d" || '
+        "exit 1; done "
         '&& umount /run/host-tmp && rmdir /run/host-tmp && exec "$@"'
     )
     proc = subprocess.run(
@@ -806,7 +812,8 @@ def test_where_daemons_and_clients_find_each_other() -> None:
         "folder": "0o700",
     }  # fmt: skip
     assert seen["forbidden"] == (
-        "no smddpd answers at /run/smddp/smddpd.sock, /tmp/smddp-0/smddpd.sock and SMDDP_EMBEDDED=0 forbids "
+        "no smddpd answers at /run/smddp/smddpd.sock, /tmp/smddp-0/smddpd.sock and "
+        "SMDDP_EMBEDDED=0 forbids "
         "starting one"
     )
     # The embedded daemon: its socket in a 0700 temporary folder, said once in the log, gone

@@ -336,6 +336,30 @@ class AttachReply(_message.Message):
     error: str
     def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
 
+class SegmentFree(_message.Message):
+    __slots__ = ("alloc_base", "nbytes", "seq", "wait_ms")
+    ALLOC_BASE_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    alloc_base: int
+    nbytes: int
+    seq: int
+    wait_ms: int
+    def __init__(self, alloc_base: _Optional[int] = ..., nbytes: _Optional[int] = ..., seq: _Optional[int] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+
+class SegmentFreeReply(_message.Message):
+    __slots__ = ("seq", "closed", "deferred", "error")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    CLOSED_FIELD_NUMBER: _ClassVar[int]
+    DEFERRED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    closed: int
+    deferred: int
+    error: str
+    def __init__(self, seq: _Optional[int] = ..., closed: _Optional[int] = ..., deferred: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+
 class Region(_message.Message):
     __slots__ = ("offset", "nbytes")
     OFFSET_FIELD_NUMBER: _ClassVar[int]
