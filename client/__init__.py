@@ -8,6 +8,7 @@ Example (every process of the job runs this with its own rank)::
 """
 
 from smddp.client.communicator import Communicator, Handle, connect, rendezvous
+from smddp.client.config import ClientConfig
 from smddp.client.errors import (
     DaemonLostError,
     MismatchError,
@@ -19,6 +20,7 @@ from smddp.client.errors import (
 )
 
 __all__ = [
+    "ClientConfig",
     "Communicator",
     "DaemonLostError",
     "Handle",

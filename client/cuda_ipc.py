@@ -10,10 +10,11 @@ Close before free: torch's caching allocator returns segments to the driver (``e
 its retry after an out-of-memory) while the daemon may still have them mapped, which pins the
 memory. Where the allocator hook is installed (``backend/cuda_free_hook.py``, ``on_export``
 tells it each allocation exported) smddpd unmaps a segment before its free. Otherwise, and
-for memory the hook does not see, before each op ``sweep`` checks the cached allocations against the driver (only when
-the allocator's count of freed segments moved, if one is given) and logs the ones that are
-gone; each communicator sends the daemon what was logged since its previous op
-(``CudaOp.freed``), and the daemon closes those mappings once its streams have passed them.
+for memory the hook does not see, before each op ``sweep`` checks the cached allocations
+against the driver (only when the allocator's count of freed segments moved, if one is
+given) and logs the ones that are gone; each communicator sends the daemon what was logged
+since its previous op (``CudaOp.freed``), and the daemon closes those mappings once its
+streams have passed them.
 
 This uses the CUDA driver directly (``smddp.cuda_driver``) rather than torch's
 ``storage._share_cuda_()``: that call moves the storage behind torch's inter-process

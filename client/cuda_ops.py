@@ -21,10 +21,11 @@ from typing import TYPE_CHECKING, Protocol, cast
 from smddp.client.cuda_ipc import IpcExporter
 from smddp.client.errors import UnsupportedError
 from smddp.v1 import smddp_pb2 as pb
-from smddp.wire import NUMPY_DTYPES, dtype_name, reduce_op_check
+from smddp.wire import dtype_name, numpy_dtype, reduce_op_check
 
 if TYPE_CHECKING:
-    from smddp.client.communicator import Communicator, Handle
+    from smddp.client.inflight import GpuSubmitter as Communicator
+    from smddp.client.inflight import InFlight as Handle
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,7 @@ class DeviceArray:
 
     @property
     def nbytes(self) -> int:
-        return self.count * NUMPY_DTYPES[self.dtype].itemsize
+        return self.count * numpy_dtype(self.dtype).itemsize
 
 
 class OpEvents(Protocol):

@@ -1,6 +1,6 @@
 """Finding a daemon, or starting a private one for the job when none answers.
 
-A system daemon (``/run/smddp/smddpd.sock``, or ``SMDDP_SOCKET``) is used whenever it
+A system daemon (``/run/smddp/smddpd.sock``, or ``ClientConfig.socket``) is used whenever it
 answers its health check. Otherwise the job's local leader starts ``smddpd`` on a socket in
 a private temporary folder; it lives as long as the job: it exits once its owner process is
 gone and no rank is registered, and removes its folder on the way out. A daemon that could
@@ -24,13 +24,13 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from smddp.client.config import ENV_EMBEDDED, ENV_SOCKET, ClientConfig
+from smddp.client.discovery import candidates as socket_candidates
 from smddp.client.errors import ConnectError
 from smddp.client.session import grpc_channel
-from smddp.wire import socket_candidates
 
 log = logging.getLogger("smddp")
 
-ENV_EMBEDDED = "SMDDP_EMBEDDED"  # "0" forbids starting a private daemon
 START_TIMEOUT_S = 60.0
 FOLDER_PREFIX = "smddp-job-"
 SOCKET_NAME = "smddpd.sock"
@@ -43,35 +43,44 @@ def daemon_answers(path: str, timeout_s: float = 2.0) -> bool:
         return False
     try:
         stub = health_pb2_grpc.HealthStub(grpc_channel(path))
-        reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+        # typeshed's HealthStub declares no methods (a lapse of the stub): Check, typed here.
+        check: grpc.UnaryUnaryMultiCallable[
+            health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse
+        ] = stub.Check  # type: ignore[attr-defined]
+        reply = check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
     except grpc.RpcError:
         return False
-    return reply.status == health_pb2.HealthCheckResponse.SERVING
+    serving: bool = reply.status == health_pb2.HealthCheckResponse.SERVING
+    return serving
 
 
-def find_or_start_daemon(peer_host: str | None = None) -> str:
+def find_or_start_daemon(peer_host: str | None = None, config: ClientConfig | None = None) -> str:
     """The socket of a daemon for this node: a running one, or a new embedded one.
 
     Args:
         peer_host: for a job that spans nodes, the address other nodes reach this one at;
             an embedded daemon then listens for peers on an ephemeral port.
+        config: the client's configuration (default: from the environment).
 
     Raises:
         ConnectError: none answers and starting one is forbidden or fails.
     """
-    candidates = socket_candidates()
+    config = config or ClientConfig.from_env()
+    candidates = socket_candidates(config)
     for path in candidates:
         if daemon_answers(path):
             log.warning(
-                "smddp: using the smddpd that answers at %s (a daemon of this node, not started by this job)",
+                "smddp: using the smddpd that answers at %s (a daemon of this node, not started "
+                "by this job)",
                 path,
             )
             return path
-    if os.environ.get(ENV_EMBEDDED) == "0":
+    if not config.embedded:
         raise ConnectError(
-            f"no smddpd answers at {', '.join(candidates)} and {ENV_EMBEDDED}=0 forbids starting one"
+            f"no smddpd answers at {', '.join(candidates)} and {ENV_EMBEDDED}=0 forbids "
+            "starting one"
         )
-    return start_embedded_daemon(tried=candidates, peer_host=peer_host)
+    return start_embedded_daemon(tried=candidates, peer_host=peer_host, config=config)
 
 
 def _listening(path: str) -> bool:
@@ -138,8 +147,17 @@ def _dead_socket(path: str, now: float) -> bool:
     )
 
 
-def start_embedded_daemon(tried: list[str] | None = None, peer_host: str | None = None) -> str:
+def start_embedded_daemon(
+    tried: list[str] | None = None,
+    peer_host: str | None = None,
+    config: ClientConfig | None = None,
+) -> str:
     """Starts smddpd for this job on a private socket and waits until it serves.
+
+    Args:
+        tried: the sockets where no daemon answered, for the log line.
+        peer_host: as for ``find_or_start_daemon``.
+        config: the client's configuration (default: from the environment).
 
     Returns:
         The new daemon's socket path.
@@ -147,11 +165,12 @@ def start_embedded_daemon(tried: list[str] | None = None, peer_host: str | None 
     Raises:
         ConnectError: the daemon exited or did not become ready in time.
     """
+    config = config or ClientConfig.from_env()
     clean_stale_folders()
     folder = tempfile.mkdtemp(prefix=FOLDER_PREFIX)  # mode 0700: only this user reaches it
     path = os.path.join(folder, SOCKET_NAME)
     env = dict(os.environ)
-    env.pop("SMDDP_SOCKET", None)
+    env.pop(ENV_SOCKET, None)
     cmd = [
         sys.executable,
         "-m",
@@ -177,7 +196,7 @@ def start_embedded_daemon(tried: list[str] | None = None, peer_host: str | None 
             else ["--peer-bind", "off"]
         ),
         "--log-level",
-        os.environ.get("SMDDP_EMBEDDED_LOG_LEVEL", "WARNING"),
+        config.embedded_log_level,
     ]
     proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + START_TIMEOUT_S

@@ -1,7 +1,8 @@
 """One rank's connection to its node daemon: registration, arena attach, op channel.
 
-Ops travel on the data socket by default (``SMDDP_OP_CHANNEL=socket``); the gRPC Ops stream
-(``SMDDP_OP_CHANNEL=grpc``) carries the same messages where a plain socket is unwelcome.
+Ops travel on the data socket by default (``ClientConfig.op_channel``, ``SMDDP_OP_CHANNEL``:
+``socket``); the gRPC Ops stream (``grpc``) carries the same messages where a plain socket is
+unwelcome.
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ import select
 import socket
 import threading
 import time
+from collections.abc import Iterator
 
 import grpc
 import numpy as np
 
 from smddp.client.arena import ClientArena
+from smddp.client.config import ENV_OP_CHANNEL, OP_CHANNELS
 from smddp.client.errors import ConnectError, DaemonLostError, OpError, op_error
 from smddp.v1 import smddp_pb2 as pb
 from smddp.v1 import smddp_pb2_grpc as pb_grpc
@@ -35,7 +38,6 @@ from smddp.wire import (
     unpack,
 )
 
-ENV_OP_CHANNEL = "SMDDP_OP_CHANNEL"
 REGISTER_TIMEOUT_S = 30.0
 RECV_SLICE_S = 1.0  # how often a waiting rank checks its own deadline
 
@@ -60,9 +62,10 @@ class DaemonSession:
         self,
         socket_path: str,
         register: pb.RegisterRequest,
-        op_channel: str | None = None,
+        op_channel: str = "socket",
     ) -> None:
-        """Registers with the daemon at ``socket_path`` and attaches a new arena.
+        """Registers with the daemon at ``socket_path`` and attaches a new arena; its ops
+        travel on ``op_channel`` (``socket`` or ``grpc``).
 
         Raises:
             ConnectError: the daemon is unreachable or refused the rank.
@@ -108,8 +111,8 @@ class DaemonSession:
         self._sock.settimeout(RECV_SLICE_S)
         self._buf = bytearray(MAX_MESSAGE_BYTES)
         self._view = memoryview(self._buf)
-        mode = op_channel or os.environ.get(ENV_OP_CHANNEL, "socket")
-        if mode not in ("socket", "grpc"):
+        mode = op_channel
+        if mode not in OP_CHANNELS:
             raise ConnectError(f"{ENV_OP_CHANNEL}={mode!r}: expected 'socket' or 'grpc'")
         self._stream_requests: queue.Queue[pb.OpRequest | None] | None = None
         self._stream_replies: queue.Queue[pb.OpReply | Exception] | None = None
@@ -145,7 +148,7 @@ class DaemonSession:
         requests: queue.Queue[pb.OpRequest | None] = queue.Queue()
         replies: queue.Queue[pb.OpReply | Exception] = queue.Queue()
 
-        def iterate():
+        def iterate() -> Iterator[pb.OpRequest]:
             # The first message names the session; the daemon ignores the fields afterwards.
             first = True
             while True:
@@ -345,7 +348,8 @@ class DaemonSession:
                 )
             except grpc.RpcError:
                 pass  # the daemon is gone; there is nothing left to leave
-        if getattr(self, "_stream_requests", None) is not None:
-            self._stream_requests.put(None)
+        requests = getattr(self, "_stream_requests", None)  # unset if the attach failed
+        if requests is not None:
+            requests.put(None)
         self._sock.close()
         self.arena.close()

@@ -99,7 +99,7 @@ class ShmPath:
         self._alive = daemon_alive
         self._gone = daemon_gone
         # Scalar access through a memoryview costs a third of numpy's.
-        self.q = memoryview(region).cast("q")
+        self.q = region.data.cast("q")
         self.base = v.slot_base[rank]
         self.bases = v.slot_base
         self.others = [
@@ -215,9 +215,9 @@ class ShmPath:
         sig = self.view.signature(self.rank, seq) or (0,) * SIG_WORDS
         self.error = op_error(
             pb.TIMEOUT,
-            f"{self.name}: op #{seq} {describe(*sig[G_KIND : G_OP + 1])} timed out: {rank_list(lagging or [-1])} "
-            f"never arrived while {rank_list(arrived)} waited {waited:.1f} s (timeout {self.timeout_s:.1f} s; "
-            "smddpd did not answer in time)",
+            f"{self.name}: op #{seq} {describe(*sig[G_KIND : G_OP + 1])} timed out: "
+            f"{rank_list(lagging or [-1])} never arrived while {rank_list(arrived)} waited "
+            f"{waited:.1f} s (timeout {self.timeout_s:.1f} s; smddpd did not answer in time)",
         )
         raise self.error
 

@@ -34,12 +34,13 @@ from smddp.server.peer_wire import FRAME_DATA, Frame
 from smddp.v1 import smddp_pb2 as pb
 from smddp.wire import (
     KIND_NAMES,
-    NUMPY_DTYPES,
     P2P_KINDS,
     REDUCING_KINDS,
     ROOTED_KINDS,
+    WIRE_CODES,
     describe_request,
     dtype_name,
+    numpy_dtype,
     rank_list,
     reduce_op_check,
 )
@@ -345,7 +346,7 @@ class Communicator:
                     if self.buffers is None or self.buffers.try_take(req.input.nbytes):
                         try:
                             pending.sent = session.arena.view(  # type: ignore[union-attr]
-                                req.input, NUMPY_DTYPES[req.dtype]
+                                req.input, numpy_dtype(req.dtype)
                             ).copy()
                             early = True
                         except SmddpError:
@@ -388,7 +389,7 @@ class Communicator:
     def _validate(self, session: Session, req: pb.OpRequest) -> None:
         if req.kind not in KIND_NAMES:
             raise InvalidRequest(f"unknown op kind {req.kind}")
-        if req.kind != pb.BARRIER and req.dtype not in NUMPY_DTYPES:
+        if req.kind != pb.BARRIER and req.dtype not in WIRE_CODES:
             raise InvalidRequest(f"unknown dtype {req.dtype} in {KIND_NAMES[req.kind]}")
         if req.parts < 1 or req.part >= req.parts:
             raise InvalidRequest(f"chunk {req.part} of {req.parts} is impossible")
@@ -469,7 +470,7 @@ class Communicator:
         assert self.peers is not None and session.arena is not None
         if req.kind == pb.SEND:
             node = next(i for i, ranks in enumerate(self.nodes) if req.root in ranks)
-            data = session.arena.view(req.input, NUMPY_DTYPES[req.dtype])
+            data = session.arena.view(req.input, numpy_dtype(req.dtype))
 
             def send() -> None:
                 try:
@@ -494,7 +495,7 @@ class Communicator:
                         "meets "
                         f"{describe_request(req)} on {session.label()}"
                     )
-                out = session.arena.view(req.output, NUMPY_DTYPES[req.dtype])  # type: ignore[union-attr]
+                out = session.arena.view(req.output, numpy_dtype(req.dtype))  # type: ignore[union-attr]
                 data = frame.payload.view(out.dtype)
                 if data.size != out.size:
                     raise InvalidRequest(

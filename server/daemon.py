@@ -93,11 +93,8 @@ class Daemon:
         self.config = config
         self.gpu = DaemonGpu(config.gpu_chunk_bytes)  # CuPy itself waits for the first GPU op
         self.metrics = Metrics()
-        self.registry = Registry(config, self.metrics, self.gpu)
-        self.metrics.watch(
-            self.registry.session_count, self.registry.job_count, self.registry.arena_bytes,
-            self.registry.drain_metrics,
-        )  # fmt: skip
+        # Made by start(), once the peer listener (if any) knows its address.
+        self.registry: Registry
         self.health = health.HealthServicer(experimental_non_blocking=True)
         self.stopped = threading.Event()
         self.stopping = False
@@ -142,8 +139,16 @@ class Daemon:
             options=[("grpc.max_receive_message_length", 4 << 20), ("grpc.so_reuseport", 0)],
             interceptors=[RefuseUndecodable()],
         )
+        peer_server, address = None, ""
         if cfg.peer_bind and cfg.peer_bind != "off":
-            self._start_peers()
+            peer_server, address = self._bind_peers()
+        self.registry = Registry(cfg, self.metrics, self.gpu, self._peers, address)
+        self.metrics.watch(
+            self.registry.session_count, self.registry.job_count, self.registry.arena_bytes,
+            self.registry.drain_metrics,
+        )  # fmt: skip
+        if peer_server is not None:
+            self._serve_peers(peer_server)
         pb_grpc.add_NodeServicer_to_server(NodeService(self.registry), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
@@ -212,8 +217,9 @@ class Daemon:
         comm = self.registry.find_comm(job_id, comm_id, proof)
         return comm.peers if comm is not None else None
 
-    def _start_peers(self) -> None:
-        """The Peer service (gRPC) on --peer-bind, and the data listener on its host."""
+    def _bind_peers(self) -> tuple[grpc.Server, str]:
+        """Binds the Peer service's port (gRPC) on --peer-bind and makes the data listener on
+        its host; returns the server, not yet serving, and the address to advertise."""
         cfg = self.config
         host = parse_address(cfg.peer_bind)[0]
         tls_files = (cfg.tls_cert, cfg.tls_key, cfg.tls_ca) if cfg.tls_cert else None
@@ -233,7 +239,6 @@ class Daemon:
             options=[("grpc.max_receive_message_length", 1 << 20), ("grpc.so_reuseport", 0)],
             interceptors=[RefuseUndecodable()],
         )
-        pb_grpc.add_PeerServicer_to_server(PeerService(self.registry, self._peers), server)
         try:
             if tls_files:
                 port = server.add_secure_port(cfg.peer_bind, server_credentials(*tls_files))
@@ -248,14 +253,18 @@ class Daemon:
             raise RuntimeError(
                 f"cannot listen for other daemons on {cfg.peer_bind} (--peer-bind){detail}"
             )
-        server.start()
         self._peer_grpc = server
+        address = advertise_address(host, port, cfg.advertise)
+        self.listeners.append(f"peer control {host}:{port} (advertised {address})")
+        return server, address
+
+    def _serve_peers(self, server: grpc.Server) -> None:
+        """Starts the Peer service and the data listener that ``_bind_peers`` made."""
+        assert self._peers is not None
+        pb_grpc.add_PeerServicer_to_server(PeerService(self.registry, self._peers), server)
+        server.start()
         self._peers.start()
-        self.registry.network = self._peers
-        self.registry.peer_address = advertise_address(host, port, cfg.advertise)
-        self.listeners.append(
-            f"peer control {host}:{port} (advertised {self.registry.peer_address})"
-        )
+        host = parse_address(self.config.peer_bind)[0]
         self.listeners.append(f"peer data tcp {host}:{self._peers.tcp_port}")
         if self._peers.transport == pb.UCX:
             self.listeners.append(f"peer data ucx port {self._peers.data_port}")

@@ -25,7 +25,7 @@ from smddp.server.domain import Layout, op_signature
 from smddp.server.errors import InvalidRequest, OpMismatch
 from smddp.server.peer_wire import FRAME_DATA, Frame
 from smddp.v1 import smddp_pb2 as pb
-from smddp.wire import NUMPY_DTYPES, describe, describe_request, rank_list
+from smddp.wire import WIRE_CODES, describe, describe_request, numpy_dtype, rank_list
 
 
 class Peers(Protocol):
@@ -56,7 +56,9 @@ class _NodeChunk:
         self.reqs = reqs
         self.arenas = arenas
         self.req0 = reqs[self.local[0]]
-        self.dtype = NUMPY_DTYPES.get(self.req0.dtype, np.dtype(np.uint8))
+        self.dtype = (
+            numpy_dtype(self.req0.dtype) if self.req0.dtype in WIRE_CODES else np.dtype(np.uint8)
+        )
         self.world = layout.world_size
         self.node_of = {r: i for i, ranks in enumerate(self.nodes) for r in ranks}
 

@@ -23,7 +23,7 @@ from smddp.reduce import copy_into, reduce_into
 from smddp.server.arena import Arena
 from smddp.server.errors import InvalidRequest
 from smddp.v1 import smddp_pb2 as pb
-from smddp.wire import NUMPY_DTYPES, describe_request
+from smddp.wire import describe_request, numpy_dtype
 
 
 def _views(
@@ -53,7 +53,7 @@ def execute(reqs: Sequence[pb.OpRequest], arenas: Sequence[Arena]) -> None:
     kind = req0.kind
     if kind == pb.BARRIER or req0.direct:
         return
-    dtype = NUMPY_DTYPES[req0.dtype]
+    dtype = numpy_dtype(req0.dtype)
     world = len(reqs)
     if kind == pb.ALL_TO_ALL:
         _all_to_all(reqs, arenas, dtype)
@@ -127,7 +127,7 @@ def execute_p2p(send: pb.OpRequest, recv: pb.OpRequest, src: Arena, dst: Arena) 
     Raises:
         InvalidRequest: sizes disagree or regions lie outside the arenas.
     """
-    dtype = NUMPY_DTYPES[send.dtype]
+    dtype = numpy_dtype(send.dtype)
     data = src.view(send.input, dtype)
     out = dst.view(recv.output, dtype)
     if data.size != out.size:

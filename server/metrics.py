@@ -14,7 +14,7 @@ from prometheus_client.metrics_core import Metric
 
 from smddp import region as rg
 from smddp.v1 import smddp_pb2 as pb
-from smddp.wire import KIND_NAMES, NUMPY_DTYPES, dtype_name
+from smddp.wire import KIND_NAMES, WIRE_CODES, dtype_name
 
 # The *_created series double the output and say nothing a scrape's timestamps don't.
 disable_created_metrics()  # type: ignore[no-untyped-call]  # prometheus_client leaves it bare
@@ -126,7 +126,7 @@ class Metrics:
             op = KIND_NAMES.get(kind, "unknown")
             dtype = (
                 dtype_name(dtype_code)
-                if dtype_code in NUMPY_DTYPES and kind != pb.BARRIER
+                if dtype_code in WIRE_CODES and kind != pb.BARRIER
                 else "none"
             )
             children = (

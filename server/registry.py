@@ -85,8 +85,15 @@ class Registry:
     """Thread-safe tables of communicators and sessions, and the rules for joining them."""
 
     def __init__(
-        self, config: DaemonConfig, metrics: Metrics | None = None, gpu: GpuSupply | None = None
+        self,
+        config: DaemonConfig,
+        metrics: Metrics | None = None,
+        gpu: GpuSupply | None = None,
+        network: PeerNetwork | None = None,
+        peer_address: str = "",
     ) -> None:
+        """``network``: the daemon's connections to other daemons (None when --peer-bind is
+        off); ``peer_address``: HOST:PORT they reach this one at ("" then)."""
         self._gpu = gpu
         self.config = config
         self.started = time.time()
@@ -105,8 +112,8 @@ class Registry:
             "waiting Rendezvous calls", config.max_pending_rendezvous, "--max-pending-rendezvous"
         )
         # HOST:PORT other daemons reach this one at; "" when the peer listener is off.
-        self.peer_address = ""
-        self.network: PeerNetwork | None = None  # set by the daemon when peers are enabled
+        self.peer_address = peer_address
+        self.network = network
         self.rendezvous = RendezvousTable(config.max_jobs)
         self._forwarded: set[grpc.Future[pb.RendezvousReply]] = (
             set()

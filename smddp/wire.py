@@ -11,19 +11,11 @@ from __future__ import annotations
 import os
 import socket
 import struct
-from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, TypeVar, overload
+from collections.abc import Sequence
 
 import numpy as np
 
 from smddp.v1 import smddp_pb2 as pb
-
-if TYPE_CHECKING:
-    from _collections_abc import dict_items, dict_keys, dict_values
-
-_K = TypeVar("_K")
-_V = TypeVar("_V")
-_T = TypeVar("_T")
 
 # Data socket framing: one SOCK_SEQPACKET message is a 1-byte type and a serialized proto.
 MSG_ATTACH = 1
@@ -45,91 +37,73 @@ MAX_MESSAGE_BYTES = 1 << 20
 DATA_SOCKET_SUFFIX = ".data"
 
 
-class _DtypeTable(dict[_K, _V]):
-    """A dtype table whose bfloat16 entry appears at its first use (see the module docstring).
-
-    Looking it up, testing for it or listing the table imports ml_dtypes and completes both
-    tables; nothing else triggers the import.
-    """
-
-    def __init__(self, items: dict[_K, _V], is_bfloat16: Callable[[object], bool]) -> None:
-        super().__init__(items)
-        self._is_bfloat16 = is_bfloat16
-
-    def __missing__(self, key: _K) -> _V:
-        if self._is_bfloat16(key) and _load_bfloat16():
-            return dict.__getitem__(self, key)
-        raise KeyError(key)
-
-    def __contains__(self, key: object) -> bool:
-        return super().__contains__(key) or (
-            self._is_bfloat16(key) and _load_bfloat16() and super().__contains__(key)
-        )
-
-    @overload
-    def get(self, key: _K, /) -> _V | None: ...
-    @overload
-    def get(self, key: _K, /, default: _V | _T) -> _V | _T: ...
-    def get(self, key: _K, default: object = None) -> object:
-        try:
-            return self[key]
-        except KeyError:
-            return default
-
-    def __iter__(self) -> Iterator[_K]:
-        _load_bfloat16()
-        return dict.__iter__(self)
-
-    def __len__(self) -> int:
-        _load_bfloat16()
-        return dict.__len__(self)
-
-    def keys(self) -> dict_keys[_K, _V]:
-        _load_bfloat16()
-        return dict.keys(self)
-
-    def values(self) -> dict_values[_K, _V]:
-        _load_bfloat16()
-        return dict.values(self)
-
-    def items(self) -> dict_items[_K, _V]:
-        _load_bfloat16()
-        return dict.items(self)
+# The one dtype table: wire code -> numpy dtype. bfloat16's numpy dtype exists only once
+# ml_dtypes is imported, so its entry is added at its first use (``_bfloat16``).
+_NUMPY: dict[int, np.dtype] = {
+    pb.FLOAT16: np.dtype(np.float16),
+    pb.FLOAT32: np.dtype(np.float32),
+    pb.FLOAT64: np.dtype(np.float64),
+    pb.INT8: np.dtype(np.int8),
+    pb.UINT8: np.dtype(np.uint8),
+    pb.INT16: np.dtype(np.int16),
+    pb.INT32: np.dtype(np.int32),
+    pb.INT64: np.dtype(np.int64),
+    pb.BOOL: np.dtype(np.bool_),
+}
+_WIRE: dict[np.dtype, int] = {v: k for k, v in _NUMPY.items()}
+# Every wire dtype, in the order error messages list them; membership needs no ml_dtypes.
+WIRE_CODES: tuple[int, ...] = (
+    pb.FLOAT16,
+    pb.BFLOAT16,
+    pb.FLOAT32,
+    pb.FLOAT64,
+    pb.INT8,
+    pb.UINT8,
+    pb.INT16,
+    pb.INT32,
+    pb.INT64,
+    pb.BOOL,
+)
 
 
-def _load_bfloat16() -> bool:
-    """Imports ml_dtypes and adds bfloat16 to both tables (once); True when it is there."""
-    # dict's own keys view: its lookup is dict's, not the table's __contains__.
-    if pb.BFLOAT16 not in dict.keys(NUMPY_DTYPES):
+def _bfloat16() -> np.dtype:
+    """Imports ml_dtypes and adds bfloat16 to the table (once)."""
+    found = _NUMPY.get(pb.BFLOAT16)
+    if found is None:
         import ml_dtypes
 
-        bf16 = np.dtype(ml_dtypes.bfloat16)
-        dict.__setitem__(NUMPY_DTYPES, pb.BFLOAT16, bf16)
-        dict.__setitem__(WIRE_DTYPES, bf16, pb.BFLOAT16)
-    return True
+        found = np.dtype(ml_dtypes.bfloat16)
+        _WIRE[found] = pb.BFLOAT16
+        _NUMPY[pb.BFLOAT16] = found
+    return found
 
 
-NUMPY_DTYPES: dict[int, np.dtype] = _DtypeTable(
-    {
-        pb.FLOAT16: np.dtype(np.float16),
-        pb.FLOAT32: np.dtype(np.float32),
-        pb.FLOAT64: np.dtype(np.float64),
-        pb.INT8: np.dtype(np.int8),
-        pb.UINT8: np.dtype(np.uint8),
-        pb.INT16: np.dtype(np.int16),
-        pb.INT32: np.dtype(np.int32),
-        pb.INT64: np.dtype(np.int64),
-        pb.BOOL: np.dtype(np.bool_),
-    },
-    lambda code: code == pb.BFLOAT16,
-)
-# A numpy dtype named bfloat16 exists only once ml_dtypes is imported (by whoever made it).
-WIRE_DTYPES: dict[np.dtype, int] = _DtypeTable(
-    {v: k for k, v in dict.items(NUMPY_DTYPES)}, lambda dt: getattr(dt, "name", None) == "bfloat16"
-)
+def numpy_dtype(code: int) -> np.dtype:
+    """The numpy dtype of wire dtype ``code``.
+
+    Raises:
+        KeyError: ``code`` is no wire dtype (``code in WIRE_CODES`` says so beforehand).
+    """
+    found = _NUMPY.get(code)
+    if found is None:
+        if code != pb.BFLOAT16:
+            raise KeyError(code)
+        found = _bfloat16()
+    return found
+
+
+def wire_dtype(dtype: np.dtype) -> int | None:
+    """The wire code of numpy ``dtype``, or None when the wire does not carry it."""
+    code = _WIRE.get(dtype)
+    # A numpy dtype named bfloat16 exists only once ml_dtypes is imported (by whoever made it).
+    if code is None and getattr(dtype, "name", None) == "bfloat16":
+        _bfloat16()
+        code = _WIRE.get(dtype)
+    return code
+
+
 FLOAT_DTYPES: frozenset[int] = frozenset({pb.FLOAT16, pb.BFLOAT16, pb.FLOAT32, pb.FLOAT64})
 
-# Keyed by int: the enums' values arrive as plain ints (the data socket's frames, the tables).
 KIND_NAMES: dict[int, str] = {
     pb.ALL_REDUCE: "all_reduce",
     pb.BROADCAST: "broadcast",
@@ -162,8 +136,10 @@ def dtype_name(dtype: int) -> str:
     """Returns the torch-style name of a wire dtype, e.g. ``float32``."""
     if dtype == pb.BFLOAT16:
         return "bfloat16"
-    np_dtype = NUMPY_DTYPES.get(dtype)
-    return "bool" if np_dtype == np.bool_ else (np_dtype.name if np_dtype else f"dtype#{dtype}")
+    if dtype not in WIRE_CODES:
+        return f"dtype#{dtype}"
+    np_dtype = numpy_dtype(dtype)
+    return "bool" if np_dtype == np.bool_ else np_dtype.name
 
 
 def reduce_op_check(dtype: int, reduce_op: int) -> str | None:
@@ -171,7 +147,10 @@ def reduce_op_check(dtype: int, reduce_op: int) -> str | None:
     if reduce_op not in REDUCE_NAMES:
         return f"unknown reduce op {reduce_op}"
     if reduce_op in (pb.BAND, pb.BOR, pb.BXOR) and dtype in FLOAT_DTYPES:
-        return f"{REDUCE_NAMES[reduce_op]} is only defined for integer and bool tensors, not {dtype_name(dtype)}"
+        return (
+            f"{REDUCE_NAMES[reduce_op]} is only defined for integer and bool tensors, not "
+            f"{dtype_name(dtype)}"
+        )
     if reduce_op == pb.AVG and dtype not in FLOAT_DTYPES:
         return f"AVG is only defined for floating-point tensors, not {dtype_name(dtype)}"
     return None
@@ -199,7 +178,8 @@ def describe(kind: int, dtype: int, count: int, root: int, reduce_op: int) -> st
 
 
 def describe_request(req: pb.OpRequest) -> str:
-    """``describe`` applied to an OpRequest; a GPU op says so: ``all_reduce(SUM, 8 x float32 on GPU)``."""
+    """``describe`` applied to an OpRequest; a GPU op says so:
+    ``all_reduce(SUM, 8 x float32 on GPU)``."""
     text = describe(req.kind, req.dtype, req.count, req.root, req.reduce_op)
     return text[:-1] + " on GPU)" if req.HasField("cuda") else text
 
@@ -223,19 +203,13 @@ def unpack(data: bytes) -> tuple[int, bytes]:
 def rank_list(ranks: Sequence[int]) -> str:
     """Formats ranks compactly: ``rank 3``, ``ranks 0-2``, ``ranks 0, 2, 5-7``."""
     ranks = sorted(ranks)
-    parts: list[str] = []
-    start: int | None = None
-    prev = 0  # read only once start is set
+    runs: list[list[int]] = []  # [first, last] of each run of consecutive ranks
     for r in ranks:
-        if start is None:
-            start = prev = r
-        elif r == prev + 1:
-            prev = r
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
         else:
-            parts.append(f"{start}" if start == prev else f"{start}-{prev}")
-            start = prev = r
-    if start is not None:
-        parts.append(f"{start}" if start == prev else f"{start}-{prev}")
+            runs.append([r, r])
+    parts = [f"{a}" if a == b else f"{a}-{b}" for a, b in runs]
     label = "rank" if len(ranks) == 1 else "ranks"
     return f"{label} {', '.join(parts)}"
 

@@ -43,6 +43,7 @@ from smddp.wire import (
     MSG_OP_REPLY,
     MSG_PEER_ARENAS,
     MSG_PEER_ARENAS_REPLY,
+    WIRE_CODES,
     pack,
     unpack,
 )
@@ -281,18 +282,7 @@ COLLECTIVES = [
     pb.SEND,
     pb.RECV,
 ]
-DTYPES = [
-    pb.FLOAT16,
-    pb.BFLOAT16,
-    pb.FLOAT32,
-    pb.FLOAT64,
-    pb.INT8,
-    pb.UINT8,
-    pb.INT16,
-    pb.INT32,
-    pb.INT64,
-    pb.BOOL,
-]
+DTYPES = list(WIRE_CODES)
 
 
 @st.composite

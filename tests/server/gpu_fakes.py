@@ -29,7 +29,7 @@ import c_subset
 from smddp.server import gpu_kernels
 from smddp.server.gpu import CudaCallError
 from smddp.v1 import smddp_pb2 as pb
-from smddp.wire import NUMPY_DTYPES
+from smddp.wire import numpy_dtype
 
 CLIENT_BASE = 0x7F00_0000_0000  # where fake ranks' allocations start (their address space)
 DAEMON_BASE = 0x1000_0000_0000  # where the daemon's fake mappings start
@@ -208,7 +208,7 @@ class FakeRuntime:
             raise CudaCallError(
                 "launching the reduction kernel: CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES"
             )
-        np_dtype = NUMPY_DTYPES[dtype]
+        np_dtype = numpy_dtype(dtype)
         nbytes = launch.count * np_dtype.itemsize
         off = launch.start * np_dtype.itemsize
         if launch.vectorized:
@@ -291,11 +291,11 @@ class Buffer:
 
     @property
     def nbytes(self) -> int:
-        return self.count * NUMPY_DTYPES[self.dtype].itemsize
+        return self.count * numpy_dtype(self.dtype).itemsize
 
     def array(self) -> np.ndarray:
         return self.alloc.data[self.offset : self.offset + self.nbytes].view(
-            NUMPY_DTYPES[self.dtype]
+            numpy_dtype(self.dtype)
         )
 
     def message(self) -> pb.CudaBuffer:

@@ -31,7 +31,7 @@ import c_subset
 from smddp.reduce import reduce_into
 from smddp.server import gpu_kernels
 from smddp.v1 import smddp_pb2 as pb
-from smddp.wire import NUMPY_DTYPES, REDUCE_NAMES, dtype_name, reduce_op_check
+from smddp.wire import REDUCE_NAMES, dtype_name, numpy_dtype, reduce_op_check, wire_dtype
 
 DTYPES = list(gpu_kernels.SPECS)
 COMBOS = [(d, op) for d in DTYPES for op in REDUCE_NAMES if reduce_op_check(d, op) is None]
@@ -55,7 +55,7 @@ _BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 def sample(dtype: int, n: int, seed: int) -> np.ndarray:
     """Values that exercise rounding, overflow, wrap-around and NaN/inf handling."""
     rng = np.random.default_rng(seed)
-    np_dtype = NUMPY_DTYPES[dtype]
+    np_dtype = numpy_dtype(dtype)
     if dtype == pb.BOOL:
         return rng.integers(0, 2, n).astype(np.bool_)
     if np_dtype.kind in "iu":
@@ -73,7 +73,7 @@ def sample(dtype: int, n: int, seed: int) -> np.ndarray:
 
 def storage(x: np.ndarray) -> np.ndarray:
     """The element bits as the kernels' storage type sees them."""
-    spec = gpu_kernels.SPECS[[k for k, v in NUMPY_DTYPES.items() if v == x.dtype][0]]
+    spec = gpu_kernels.SPECS[wire_dtype(x.dtype)]
     return x.view(c_subset.CTYPES[spec.storage])
 
 

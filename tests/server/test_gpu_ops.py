@@ -33,12 +33,12 @@ from smddp.reduce import reduce_into
 from smddp.server import gpu
 from smddp.server.errors import FailedPrecondition, InvalidRequest
 from smddp.v1 import smddp_pb2 as pb
-from smddp.wire import NUMPY_DTYPES, dtype_name
+from smddp.wire import dtype_name, numpy_dtype
 
 
 def fill(buf: Buffer, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
-    dt = NUMPY_DTYPES[buf.dtype]
+    dt = numpy_dtype(buf.dtype)
     if dt == np.bool_:
         values = rng.integers(0, 2, buf.count).astype(np.bool_)
     elif dt.kind in "iu":
@@ -84,7 +84,7 @@ class World:
     def buffer(
         self, rank: int, count: int, dtype: int, alloc_bytes: int | None = None, offset: int = 0
     ) -> Buffer:
-        nbytes = count * NUMPY_DTYPES[dtype].itemsize
+        nbytes = count * numpy_dtype(dtype).itemsize
         alloc = self.rt.allocate(alloc_bytes or nbytes + offset, self.devices[rank])
         return Buffer(alloc, offset, count, dtype)
 
@@ -112,7 +112,7 @@ def test_all_reduce_in_place_matches_host_path(dtype: int, world: int) -> None:
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_collective_matches_host_path(dtype: int, world: int) -> None:
     n = 77
-    op = pb.BXOR if NUMPY_DTYPES[dtype].kind in "biu" else pb.PRODUCT
+    op = pb.BXOR if numpy_dtype(dtype).kind in "biu" else pb.PRODUCT
     root = world - 1
 
     # broadcast
@@ -141,7 +141,7 @@ def test_every_collective_matches_host_path(dtype: int, world: int) -> None:
     vals = [fill(b, r) for r, b in enumerate(srcs)]
     outs = []
     for _ in range(world):
-        size = NUMPY_DTYPES[dtype].itemsize * n
+        size = numpy_dtype(dtype).itemsize * n
         alloc = w.rt.allocate(world * size + 100, 0)
         outs.append([Buffer(alloc, 100 + s * size, n, dtype) for s in range(world)])
     w.run([request(pb.ALL_GATHER, dtype, n, r, [srcs[r]], outs[r]) for r in range(world)])

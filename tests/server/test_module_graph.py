@@ -1,9 +1,10 @@
-"""The daemon's modules import each other in one direction only.
+"""The daemon's modules, and the client's, the backend's and the shared ones, import each
+other in one direction only.
 
-Every module of ``smddp.server`` is imported (so that none is dead or broken on import), and
-its imports of other ``smddp.server`` modules are read from the source, those under
-``if TYPE_CHECKING:`` and inside functions included: a cycle hidden behind a type-only or a
-lazy import is still two rooms that lean on each other.
+Every module of ``smddp.server`` and ``smddp.client`` is imported (so that none is dead or
+broken on import), and its imports of other smddp modules are read from the source, those
+under ``if TYPE_CHECKING:`` and inside functions included: a cycle hidden behind a type-only
+or a lazy import is still two rooms that lean on each other.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from pathlib import Path
 
 import pytest
 
+import smddp
+import smddp.backend
+import smddp.client
 import smddp.server
 
 pytestmark = pytest.mark.timeout(60)
@@ -81,16 +85,100 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+# The packages whose modules join the whole-tree graph (the generated stubs, smddp.v1, are
+# left out: they import nothing of ours).
+PACKAGES = {
+    "smddp": smddp,
+    "smddp.client": smddp.client,
+    "smddp.backend": smddp.backend,
+    "smddp.server": smddp.server,
+}
+
+
+def _tree_modules() -> dict[str, Path]:
+    """Every module of PACKAGES by its dotted name, each package's ``__init__`` included."""
+    found: dict[str, Path] = {}
+    for package, module in PACKAGES.items():
+        root = Path(module.__file__ or "").parent
+        found[package] = root / "__init__.py"
+        for info in pkgutil.iter_modules([str(root)]):
+            if not info.ispkg:
+                found[f"{package}.{info.name}"] = root / f"{info.name}.py"
+    return found
+
+
+def _tree_imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """The modules of ``known`` that module ``name`` imports, anywhere in its source.
+
+    ``from a.b import c`` counts as an import of ``a.b.c`` where that is a module, else of
+    ``a.b``; ``import a.b`` of ``a.b``. Relative imports are resolved against ``name``'s
+    package.
+    """
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level:
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                module = f"{base}.{module}".rstrip(".")
+            targets = []
+            for a in node.names:
+                sub = f"{module}.{a.name}"
+                targets.append(sub if sub in known else module)
+        else:
+            continue
+        found.update(t for t in targets if t in known)
+    found.discard(name)
+    return found
+
+
+def _tree_graph() -> dict[str, set[str]]:
+    modules = _tree_modules()
+    return {name: _tree_imports(name, path, set(modules)) for name, path in modules.items()}
+
+
 def test_every_module_imports():
     for name in _modules():
         if name == "__main__":
             continue  # runs the daemon when imported
         importlib.import_module(f"{PACKAGE}.{name}")
+    root = Path(smddp.client.__file__ or "").parent
+    for info in pkgutil.iter_modules([str(root)]):
+        importlib.import_module(f"smddp.client.{info.name}")
 
 
 def test_no_import_cycle():
     cycle = _cycle(_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_no_import_cycle_in_the_whole_tree():
+    # client/, backend/ and smddp/ too, and across them: the client never leans on the
+    # backend, nor the shared modules on either (TYPE_CHECKING and lazy imports included).
+    cycle = _cycle(_tree_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_the_layers_point_one_way():
+    graph = _tree_graph()
+    for name, imports in graph.items():
+        if name.startswith("smddp.client"):
+            assert not {i for i in imports if i.startswith(("smddp.backend", "smddp.server"))}, name
+        if name.startswith("smddp.server"):
+            assert not {i for i in imports if i.startswith(("smddp.backend", "smddp.client"))}, name
+
+
+def test_the_tree_reader_sees_every_kind_of_import():
+    graph = _tree_graph()
+    assert "smddp.client.engine" in graph["smddp.client.communicator"]  # a plain import
+    assert "smddp.client.cuda_ops" in graph["smddp.client.communicator"]  # TYPE_CHECKING
+    assert "smddp.client.communicator" in graph["smddp.client"]  # from a package's __init__
+    assert "smddp.client" in graph["smddp.backend.process_group"]  # from smddp.client import X
+    assert "smddp.launch_env" in graph["smddp"]  # from smddp import module
+    assert "smddp.wire" in graph["smddp.server.communicator"]  # across packages
 
 
 def test_the_checker_sees_a_cycle():

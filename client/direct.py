@@ -1,0 +1,199 @@
+"""The direct path: large ops on one node, the ranks moving data between their arenas.
+
+Each rank maps the others' arenas; an op's ``n`` elements per rank are cut into chunks that
+fit a buffer (``ClientConfig.direct_chunk_bytes``), and the chunks are pipelined through
+DIRECT_BUFFERS buffers at the same offsets in every rank's arena, so that one chunk's
+copy-in runs beside the previous one's reduction and the one before's copy-out, one
+synchronisation in the control region per chunk. Each collective is a ``Work``: a
+generator per chunk whose yields are its synchronisation points.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Callable, Iterator
+
+import numpy as np
+
+from smddp.client.errors import SmddpError
+from smddp.client.inflight import InFlight
+from smddp.client.region_ops import reduce_rank_order
+from smddp.client.shm import ShmPath
+
+# A chunk's buffer is reused DIRECT_BUFFERS chunks later: at least the number of steps a
+# chunk's work spans (all_reduce: copy in, reduce, copy out), so that no rank overwrites a
+# buffer another still reads.
+DIRECT_BUFFERS = 3
+
+# work(a, b, bufs): the steps of the chunk of elements [a, b), given every rank's buffer.
+Work = Callable[[int, int, list[np.ndarray]], Iterator[None]]
+
+
+def all_reduce_work(data: np.ndarray, reduce_op: int, me: int, w: int) -> Work:
+    """all_reduce: rank r reduces segment r of each chunk from every rank's buffer, in rank
+    order, then everyone copies the other segments from their owners' buffers."""
+
+    def work(a: int, b: int, bufs: list[np.ndarray]) -> Iterator[None]:
+        m = b - a
+        lo, hi = m * me // w, m * (me + 1) // w
+        # Only the others read our buffer, and only their own segments: ours stays home.
+        np.copyto(bufs[me][:lo], data[a : a + lo])
+        np.copyto(bufs[me][hi:], data[a + hi : b])
+        yield
+        mine = data[a + lo : a + hi]
+        result = bufs[me][lo:hi]  # for the others; it aliases none of the inputs
+        reduce_rank_order(
+            result, [mine if j == me else x[lo:hi] for j, x in enumerate(bufs)], reduce_op
+        )
+        np.copyto(mine, result)  # still in this core's cache
+        yield
+        for j in range(w):
+            if j != me:
+                lo_j, hi_j = m * j // w, m * (j + 1) // w
+                np.copyto(data[a + lo_j : a + hi_j], bufs[j][lo_j:hi_j])
+
+    return work
+
+
+def broadcast_work(data: np.ndarray, root: int, me: int) -> Work:
+    """broadcast: the root fills its buffer, the others copy from it."""
+
+    def work(a: int, b: int, bufs: list[np.ndarray]) -> Iterator[None]:
+        if me == root:
+            np.copyto(bufs[me], data[a:b])
+        yield
+        if me != root:
+            np.copyto(data[a:b], bufs[root])
+
+    return work
+
+
+def all_gather_work(outs: list[np.ndarray], src: np.ndarray, me: int) -> Work:
+    """all_gather: each rank fills its buffer, then copies every other rank's."""
+
+    def work(a: int, b: int, bufs: list[np.ndarray]) -> Iterator[None]:
+        np.copyto(bufs[me], src[a:b])
+        np.copyto(outs[me][a:b], bufs[me])  # from the cache, not from src again
+        yield
+        for j, out in enumerate(outs):
+            if j != me:
+                np.copyto(out[a:b], bufs[j])
+
+    return work
+
+
+class DirectOps:
+    """A rank's direct buffers: where they lie in every arena, and which one is next."""
+
+    def __init__(self, rank: int, base: int, area_bytes: int, chunk_bytes: int, align: int):
+        self.rank = rank
+        self.base = base
+        self.buffer = max(align, min(chunk_bytes, area_bytes // DIRECT_BUFFERS) // align * align)
+        self._count = 0  # chunks run so far: every rank numbers them alike
+
+    def runner(
+        self,
+        op: InFlight,
+        shm: ShmPath,
+        maps: list[np.ndarray],
+        seq: int,
+        signature: tuple[int, int, int, int, int],
+        dtype: np.dtype,
+        n: int,
+        work: Work,
+    ) -> Callable[[], None]:
+        """The op, ready to run in some thread; it sets ``op.event`` when it is over.
+
+        ``signature``: (kind, wire dtype, count, root, reduce op). For each chunk,
+        ``work(a, b, bufs)`` gets the chunk's element range and every rank's buffer (mapped
+        from the peers' arenas, rank order) and runs in steps: the code up to its first
+        yield, then up to the next, and so on. The chunks are pipelined: step t runs chunk
+        t's first step, chunk t-1's second, and so on, and then every rank waits until all
+        have finished step t, in the control region (the first time with the op's
+        signature, which the ranks compare). So a chunk's step may read what the other ranks
+        wrote in its earlier steps, and the op needs one synchronisation per chunk plus one
+        per step of a chunk beyond the first two, none after its last step. Buffers are used
+        in turn: one is written again only after every rank has passed the last step that
+        reads it.
+        """
+        kind, code, count, root, reduce_op = signature
+        s = dtype.itemsize
+        size = self.buffer
+        per = max(1, size // s)
+        chunks = max(1, -(-n // per))
+        # Which buffer each chunk uses, fixed now: every rank numbers them alike.
+        first_buffer = self._count
+        self._count += chunks
+        area = self.base
+        event = op.event
+        assert event is not None
+
+        def run() -> None:
+            first = True
+            try:
+                shm.check()
+                parity = shm.next_parity()
+                active: collections.deque[Iterator[None]] = collections.deque()
+                c = 0
+                while True:
+                    if c < chunks:
+                        a, b = c * per, min(n, (c + 1) * per)
+                        base = area + ((first_buffer + c) % DIRECT_BUFFERS) * size
+                        bufs = [pm[base : base + (b - a) * s].view(dtype) for pm in maps]
+                        active.append(work(a, b, bufs))
+                        c += 1
+                    for _ in range(len(active)):  # oldest chunk first
+                        steps = active.popleft()
+                        try:
+                            next(steps)
+                        except StopIteration:
+                            continue
+                        active.append(steps)
+                    if not active and c == chunks:
+                        break
+                    if first:
+                        target = shm.publish(seq, parity, kind, code, count, root, reduce_op)
+                        shm.wait(target, seq)
+                        shm.agree(seq, parity)
+                        first = False
+                    else:
+                        shm.wait(shm.bump(), seq)
+                shm.done(seq, parity, kind, code, count * s)
+            except SmddpError as exc:
+                op.error = exc
+            except Exception as exc:  # a bug must fail the op, not hang its waiters
+                op.error = SmddpError(
+                    f"rank {self.rank}: op #{seq} failed in the progress thread: {exc!r}"
+                )
+            finally:
+                op.pending = 0
+                event.set()
+
+        return run
+
+
+def claimable(
+    run: Callable[[], None], event: threading.Event
+) -> tuple[Callable[[], None], Callable[[bool], bool]]:
+    """``run`` as two entries of which only the first to come runs it: ``queued()`` for the
+    progress thread, and ``steal(alone)`` for a caller that waits (it runs it when ``alone``:
+    nothing else is queued, so the ranks' order stays). A thread handoff each way costs tens
+    of microseconds on a busy host, which a blocking call saves this way.
+    """
+    claim = threading.Lock()
+
+    def queued() -> None:
+        if claim.acquire(blocking=False):
+            run()
+        else:
+            # The caller runs it: what was queued after it must still wait for it.
+            event.wait()
+
+    def steal(alone: bool) -> bool:
+        if alone and claim.acquire(blocking=False):
+            run()
+            return True
+        return False
+
+    return queued, steal

@@ -1,0 +1,228 @@
+"""The region path's ops: what each collective copies into its slot and reads back out.
+
+An op whose data fits a slot's buffer runs in the communicator's control region
+(``shm.ShmPath``): ``fill(parity)`` copies this rank's input into its buffer, the rank
+publishes the op's signature and arrives; completing it waits for the others, checks that
+every rank called the same op, then runs ``finish(parity)`` (reduce or copy out, in rank
+order). This module holds the region (mapped at the first op that needs it), the one op
+whose completion is still due, and each collective's fill and finish.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import cast
+
+import numpy as np
+
+from smddp.client.errors import DaemonLostError, SmddpError
+from smddp.client.inflight import InFlight, RegionWait
+from smddp.client.shm import ShmPath
+from smddp.reduce import _BOOL_UFUNCS, _UFUNCS
+from smddp.region import DEFAULT_DATA_BYTES, H_ALARM
+from smddp.v1 import smddp_pb2 as pb
+
+Step = Callable[[int], None]
+Steps = tuple[Step | None, Step | None]  # (fill, finish), each given the op's parity
+
+
+def reduce_rank_order(out: np.ndarray, ins: list[np.ndarray], reduce_op: int) -> None:
+    """Reduces ``ins`` in rank order into ``out`` (``out`` aliases none of them)."""
+    op = cast("pb.ReduceOp", reduce_op)  # the tables' keys are the enum's values
+    uf = _BOOL_UFUNCS[op] if out.dtype == np.bool_ else _UFUNCS[op]
+    uf(ins[0], ins[1], out=out)
+    for x in ins[2:]:
+        uf(out, x, out=out)
+    if reduce_op == pb.AVG:
+        np.divide(out, np.asarray(len(ins), dtype=out.dtype), out=out)
+
+
+class RegionOps:
+    """One rank's ops in its communicator's control region."""
+
+    def __init__(
+        self,
+        name: str,
+        rank: int,
+        timeout_s: float,
+        open_region: Callable[[], tuple[list[np.ndarray], np.ndarray]],
+        daemon_alive: Callable[[], bool],
+        daemon_gone: Callable[[], DaemonLostError],
+    ) -> None:
+        """``open_region()`` maps the peers' arenas and the region (the daemon hands them)."""
+        self.name = name
+        self.rank = rank
+        self.timeout_s = timeout_s
+        self._open_region = open_region
+        self._alive = daemon_alive
+        self._gone = daemon_gone
+        self._shm: ShmPath | None = None
+        self.peer_maps: list[np.ndarray] = []
+        self.open: InFlight | None = None  # its op whose completion is still due
+
+    @property
+    def shm(self) -> ShmPath:
+        """The control region, mapped at the first op that needs it."""
+        if self._shm is None:
+            self.peer_maps, region = self._open_region()
+            self._shm = ShmPath(
+                self.name, self.rank, region, self.timeout_s, self._alive, self._gone
+            )
+        return self._shm
+
+    def data_bytes(self) -> int:
+        """The size of a slot's data buffer (the largest op the region carries)."""
+        return self._shm.data_bytes if self._shm is not None else DEFAULT_DATA_BYTES
+
+    def begin(self) -> ShmPath:
+        """Before a new op: the region, with the previous op's data read.
+
+        Its data must be read before this rank arrives at the next op (double buffering lets
+        the others run one op ahead, not two).
+        """
+        shm = self.shm
+        if self.open is not None:
+            self.complete(self.open)
+        return shm
+
+    def start(
+        self,
+        op: InFlight,
+        shm: ShmPath,
+        seq: int,
+        kind: int,
+        code: int,
+        count: int,
+        root: int,
+        reduce_op: int,
+        nbytes: int,
+        steps: Steps,
+    ) -> bool:
+        """Copies this rank's input in and arrives at op ``seq``; False (the error in ``op``)
+        when the communicator has failed."""
+        fill, finish = steps
+        try:
+            shm.check()
+            parity = shm.next_parity()
+            if fill is not None:
+                fill(parity)
+            target = shm.publish(seq, parity, kind, code, count, root, reduce_op)
+        except SmddpError as exc:
+            op.error = exc
+            return False
+        op.pending = 1
+        op.region = RegionWait(seq, parity, target, finish, kind, code, nbytes)
+        return True
+
+    def complete(self, op: InFlight) -> None:
+        """Waits for the others at the op's synchronisation, checks that the ranks agree,
+        then runs the op's finish (reduce or copy out)."""
+        wait = op.region
+        if not op.pending or wait is None:
+            return
+        shm = self.shm
+        try:
+            shm.wait(wait.target, wait.seq)
+            shm.agree(wait.seq, wait.parity)
+            if wait.finish is not None:
+                wait.finish(wait.parity)
+            shm.done(wait.seq, wait.parity, wait.kind, wait.dtype, wait.nbytes)
+        except SmddpError as exc:
+            op.error = exc
+        finally:
+            op.pending = 0
+            if self.open is op:
+                self.open = None
+
+    def ready(self, op: InFlight) -> bool:
+        """True when completing ``op`` would not wait (every rank arrived, or an alarm)."""
+        wait = op.region
+        shm = self._shm
+        if wait is None or shm is None:
+            return True
+        q = shm.q
+        return all(q[w] >= wait.target for _, w, _ in shm.others) or bool(q[H_ALARM])
+
+    # -- each collective's fill and finish -----------------------------------------------------
+
+    def all_reduce(self, data: np.ndarray, reduce_op: int) -> Steps:
+        """Every rank's buffer in, the reduction of all of them out."""
+        me, n, dtype = self.rank, data.size, data.dtype
+
+        def fill(p: int) -> None:
+            np.copyto(self.shm.sized(p, dtype, n)[me], data)
+
+        def finish(p: int) -> None:
+            reduce_rank_order(data, self.shm.sized(p, dtype, n), reduce_op)
+
+        return fill, finish
+
+    def broadcast(self, data: np.ndarray, root: int) -> Steps:
+        """The root's buffer in, copied out everywhere else."""
+        me, n = self.rank, data.size
+
+        def fill(p: int) -> None:
+            if me == root:
+                np.copyto(self.shm.typed(p, data.dtype)[me][:n], data)
+
+        def finish(p: int) -> None:
+            if me != root:
+                np.copyto(data, self.shm.typed(p, data.dtype)[root][:n])
+
+        return fill, finish
+
+    def reduce(self, data: np.ndarray, root: int, reduce_op: int) -> Steps:
+        """Every rank's buffer in, their reduction out on the root."""
+        me, n = self.rank, data.size
+
+        def fill(p: int) -> None:
+            np.copyto(self.shm.typed(p, data.dtype)[me][:n], data)
+
+        def finish(p: int) -> None:
+            if me == root:
+                bufs = self.shm.typed(p, data.dtype)
+                reduce_rank_order(data, [b[:n] for b in bufs], reduce_op)
+
+        return fill, finish
+
+    def gather(self, src: np.ndarray, outs: list[np.ndarray] | None) -> Steps:
+        """Every rank's buffer in; out into ``outs`` where there are some (all_gather, gather)."""
+        me, n = self.rank, src.size
+
+        def fill(p: int) -> None:
+            np.copyto(self.shm.typed(p, src.dtype)[me][:n], src)
+
+        def finish(p: int) -> None:
+            if outs is not None:
+                bufs = self.shm.typed(p, src.dtype)
+                for j, o in enumerate(outs):
+                    np.copyto(o, src if j == me else bufs[j][:n])
+
+        return fill, finish
+
+    def scatter(
+        self,
+        kind: int,
+        out: np.ndarray,
+        ins: list[np.ndarray] | None,
+        root: int,
+        reduce_op: int,
+    ) -> Steps:
+        """Each rank's inputs in, one after the other; out: the root's block for this rank
+        (scatter), or the reduction of every rank's block for it (reduce_scatter)."""
+        me, n = self.rank, out.size
+
+        def fill(p: int) -> None:
+            if ins is not None:
+                mine = self.shm.typed(p, out.dtype)[me]
+                for j, x in enumerate(ins):
+                    np.copyto(mine[j * n : (j + 1) * n], x)
+
+        def finish(p: int) -> None:
+            bufs = self.shm.typed(p, out.dtype)
+            if kind == pb.SCATTER:
+                np.copyto(out, bufs[root][me * n : (me + 1) * n])
+            else:
+                reduce_rank_order(out, [b[me * n : (me + 1) * n] for b in bufs], reduce_op)
+
+        return fill, finish
