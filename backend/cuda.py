@@ -20,7 +20,6 @@ runs, and replays would never reach the daemon.
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import logging
 import os
@@ -313,9 +312,6 @@ class CudaCollectives:
             t.data_ptr(), t.numel(), WIRE_DTYPES[t.dtype], device_api().device_index(t)
         )
 
-    def _all_reduce_one(self, b: torch.Tensor, op: int, ev: _OpEvents) -> object:
-        return self.comm.cuda.all_reduce(self._array(b), op, ev)
-
     def _run(
         self,
         device: int,
@@ -364,57 +360,45 @@ class CudaCollectives:
 
     # -- collectives --------------------------------------------------------------------------
 
+    def _in_place(
+        self,
+        device: int,
+        t: torch.Tensor,
+        call: Callable[[DeviceArray, _OpEvents], object],
+        what: str,
+    ) -> SmddpWork:
+        """An op whose result lands in ``t`` itself (through a contiguous stand-in if need be)."""
+        copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []
+        b = self._out(t, copy_back)
+        return self._run(device, [b], [t], copy_back, lambda ev: call(self._array(b), ev), what)
+
     def allreduce(
         self, tensors: list[torch.Tensor], opts: c10d.AllreduceOptions, what: str = "all_reduce"
     ) -> SmddpWork:
         """all_reduce of each tensor (one op each; ``all_reduce_coalesced`` passes several)."""
         op = reduce_op(opts.reduceOp, what)
         device = self._device(what, tensors)
-        works = []
-        for t in tensors:
-            copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []
-            b = self._out(t, copy_back)
-            works.append(
-                self._run(
-                    device,
-                    [b],
-                    [t],
-                    copy_back,
-                    functools.partial(self._all_reduce_one, b, op),
-                    what=what,
-                )
-            )
+        works = [
+            self._in_place(device, t, lambda a, ev: self.comm.cuda.all_reduce(a, op, ev), what)
+            for t in tensors
+        ]
         return works[0] if len(works) == 1 else _joined(works, list(tensors))
 
     def broadcast(self, tensors: list[torch.Tensor], opts: c10d.BroadcastOptions) -> SmddpWork:
         what = "broadcast"
         device = self._device(what, tensors)
-        copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []
         (t,) = tensors
-        b = self._out(t, copy_back)
-        return self._run(
-            device,
-            [b],
-            [t],
-            copy_back,
-            lambda ev: self.comm.cuda.broadcast(self._array(b), opts.rootRank, ev),
-            what=what,
+        return self._in_place(
+            device, t, lambda a, ev: self.comm.cuda.broadcast(a, opts.rootRank, ev), what
         )
 
     def reduce(self, tensors: list[torch.Tensor], opts: c10d.ReduceOptions) -> SmddpWork:
         what = "reduce"
         op = reduce_op(opts.reduceOp, what)
         device = self._device(what, tensors)
-        copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []
         (t,) = tensors
-        b = self._out(t, copy_back)
-        return self._run(
-            device,
-            [b],
-            [t],
-            copy_back,
-            lambda ev: self.comm.cuda.reduce(self._array(b), opts.rootRank, op, ev),
-            what=what,
+        return self._in_place(
+            device, t, lambda a, ev: self.comm.cuda.reduce(a, opts.rootRank, op, ev), what
         )
 
     def allgather(self, outs: list[torch.Tensor], src: torch.Tensor) -> SmddpWork:

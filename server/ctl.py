@@ -14,7 +14,8 @@ import os
 import sys
 import time
 from collections import defaultdict
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import grpc
 from google.protobuf.json_format import MessageToDict
@@ -82,6 +83,20 @@ def _node(args: argparse.Namespace) -> tuple[str, pb_grpc.NodeStub]:
     return target, pb_grpc.NodeStub(grpc.insecure_channel(target))
 
 
+_Reply = TypeVar("_Reply")
+
+
+def _ask(
+    args: argparse.Namespace, call: Callable[[pb_grpc.NodeStub], _Reply]
+) -> tuple[str, _Reply]:
+    """Makes one call on the node's daemon; a failed call is the command's exit message."""
+    target, stub = _node(args)
+    try:
+        return target, call(stub)
+    except grpc.RpcError as exc:
+        raise _fail(target, exc) from None
+
+
 def _print_json(message: Any) -> None:
     print(
         json.dumps(
@@ -127,11 +142,7 @@ def cmd_health(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    target, stub = _node(args)
-    try:
-        st = stub.Status(pb.StatusRequest(), timeout=TIMEOUT_S)
-    except grpc.RpcError as exc:
-        raise _fail(target, exc) from None
+    _, st = _ask(args, lambda stub: stub.Status(pb.StatusRequest(), timeout=TIMEOUT_S))
     if args.json:
         _print_json(st)
         return 0
@@ -162,11 +173,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_topology(args: argparse.Namespace) -> int:
-    target, stub = _node(args)
-    try:
-        topo = stub.Topology(pb.TopologyRequest(), timeout=TIMEOUT_S)
-    except grpc.RpcError as exc:
-        raise _fail(target, exc) from None
+    _, topo = _ask(args, lambda stub: stub.Topology(pb.TopologyRequest(), timeout=TIMEOUT_S))
     if args.json:
         _print_json(topo)
         return 0
@@ -325,11 +332,8 @@ def print_summary(target: str, summary: dict[str, Any]) -> None:
 
 
 def cmd_metrics(args: argparse.Namespace) -> int:
-    target, stub = _node(args)
-    try:
-        text = stub.Metrics(pb.MetricsRequest(), timeout=TIMEOUT_S).exposition
-    except grpc.RpcError as exc:
-        raise _fail(target, exc) from None
+    target, reply = _ask(args, lambda stub: stub.Metrics(pb.MetricsRequest(), timeout=TIMEOUT_S))
+    text = reply.exposition
     if args.raw and args.json:
         from prometheus_client.parser import text_string_to_metric_families
 

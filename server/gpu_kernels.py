@@ -27,6 +27,7 @@ the PTX ``cvt`` instructions, bfloat16 ones are bit manipulation.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from smddp.v1 import smddp_pb2 as pb
@@ -235,44 +236,45 @@ def reduce_module(dtype: int, reduce_op: int, fan_in: int, fan_out: int) -> str:
         f"union alignas({VECTOR_BYTES}) Vec "
         f"{{ unsigned long long raw[{VECTOR_BYTES // 8}]; T e[{per_vector}]; }};"
     )
-    name = kernel_name(dtype, reduce_op, fan_in, fan_out, vectorized=False)
-    out.append(f'extern "C" __global__ void {name}({params}) {{')
-    out.append("  const unsigned long long stride = (unsigned long long)blockDim.x * gridDim.x;")
-    out.append(
-        "  for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; "
-        "i < n; i += stride) {"
-    )
-    out.append("    T r;")
-    for p, ranks in enumerate(passes):
-        if p:
-            out.append(f"    {PASS_BARRIER}")
-        out.append("    {")
-        out += body("((const T*)in{})[i]", "r", "      ", ranks, p == 0, p == len(passes) - 1)
-        out.append("    }")
-    out += [f"    ((T*)out{o})[i] = r;" for o in range(fan_out)]
-    out.append("  }")
-    out.append("}")
-    name = kernel_name(dtype, reduce_op, fan_in, fan_out, vectorized=True)
-    out.append(f'extern "C" __global__ void {name}({params}) {{')
-    out.append("  const unsigned long long stride = (unsigned long long)blockDim.x * gridDim.x;")
-    out.append(
-        "  for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; "
-        "i < n; i += stride) {"
-    )
-    out.append("    Vec r;")
-    for p, ranks in enumerate(passes):
-        if p:
-            out.append(f"    {PASS_BARRIER}")
-        out.append("    {")
-        out += [f"      const Vec v{r} = ((const Vec*)in{r})[i];" for r in ranks]
-        out.append("#pragma unroll")
-        out.append(f"      for (int k = 0; k < {per_vector}; ++k) {{")
-        out += body("v{}.e[k]", "r.e[k]", "        ", ranks, p == 0, p == len(passes) - 1)
-        out.append("      }")
-        out.append("    }")
-    out += [f"    ((Vec*)out{o})[i] = r;" for o in range(fan_out)]
-    out.append("  }")
-    out.append("}")
+
+    def kernel(
+        vectorized: bool, value: str, one_pass: Callable[[range, bool, bool], list[str]]
+    ) -> None:
+        """One grid-stride kernel over elements (``T``) or 16-byte vectors (``Vec``)."""
+        name = kernel_name(dtype, reduce_op, fan_in, fan_out, vectorized=vectorized)
+        out.append(f'extern "C" __global__ void {name}({params}) {{')
+        out.append(
+            "  const unsigned long long stride = (unsigned long long)blockDim.x * gridDim.x;"
+        )
+        out.append(
+            "  for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x "
+            "+ threadIdx.x; i < n; i += stride) {"
+        )
+        out.append(f"    {value} r;")
+        for p, ranks in enumerate(passes):
+            if p:
+                out.append(f"    {PASS_BARRIER}")
+            out.append("    {")
+            out.extend(one_pass(ranks, p == 0, p == len(passes) - 1))
+            out.append("    }")
+        out.extend(f"    (({value}*)out{o})[i] = r;" for o in range(fan_out))
+        out.append("  }")
+        out.append("}")
+
+    def scalar_pass(ranks: range, first: bool, last: bool) -> list[str]:
+        return body("((const T*)in{})[i]", "r", "      ", ranks, first, last)
+
+    def vector_pass(ranks: range, first: bool, last: bool) -> list[str]:
+        return [
+            *(f"      const Vec v{r} = ((const Vec*)in{r})[i];" for r in ranks),
+            "#pragma unroll",
+            f"      for (int k = 0; k < {per_vector}; ++k) {{",
+            *body("v{}.e[k]", "r.e[k]", "        ", ranks, first, last),
+            "      }",
+        ]
+
+    kernel(False, "T", scalar_pass)
+    kernel(True, "Vec", vector_pass)
     return "\n".join(out) + "\n"
 
 
