@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from smddp.client import Communicator, Handle
-from smddp.client.communicator import _flat
+from smddp.client.checks import check_reduce, check_root, code_of, flat, per_rank
 from smddp.client.errors import UnsupportedError
 from smddp.v1 import smddp_pb2 as pb
 
@@ -49,21 +49,21 @@ class SoloOps:
 
     def all_reduce(self, array: np.ndarray, reduce_op: int = pb.SUM) -> Handle:
         """The identity, after the client's checks (AVG over one rank divides by one)."""
-        flat = _flat(array, "all_reduce", writable=True)
-        self.comm._check_reduce(flat.dtype, reduce_op)
+        data = flat(array, "all_reduce", writable=True)
+        check_reduce(code_of(data.dtype), reduce_op)
         return self._done()
 
     def broadcast(self, array: np.ndarray, root: int) -> Handle:
         """The identity: the only rank is the root."""
-        _flat(array, "broadcast", writable=True)
-        self.comm._check_root(root, "broadcast")
+        flat(array, "broadcast", writable=True)
+        check_root(root, self.comm.world_size, "broadcast")
         return self._done()
 
     def reduce(self, array: np.ndarray, root: int, reduce_op: int = pb.SUM) -> Handle:
         """The identity on the root, the only rank."""
-        flat = _flat(array, "reduce", writable=True)
-        self.comm._check_root(root, "reduce")
-        self.comm._check_reduce(flat.dtype, reduce_op)
+        data = flat(array, "reduce", writable=True)
+        check_root(root, self.comm.world_size, "reduce")
+        check_reduce(code_of(data.dtype), reduce_op)
         return self._done()
 
     def all_gather(self, outputs: Sequence[np.ndarray], array: np.ndarray) -> Handle:
@@ -72,14 +72,14 @@ class SoloOps:
 
     def gather(self, outputs: Sequence[np.ndarray] | None, array: np.ndarray, root: int) -> Handle:
         """On the root (the only rank) ``outputs[0]`` becomes a copy of ``array``."""
-        self.comm._check_root(root, "gather")
+        check_root(root, self.comm.world_size, "gather")
         return self._gather_like(outputs, array, "gather")
 
     def _gather_like(
         self, outputs: Sequence[np.ndarray] | None, array: np.ndarray, what: str
     ) -> Handle:
-        src = _flat(array, what)
-        outs = self.comm._per_rank(outputs, src.size, src.dtype, what, writable=True)
+        src = flat(array, what)
+        outs = per_rank(outputs, self.comm.world_size, src.size, src.dtype, what, writable=True)
         handle = self._done()
         if outs is not None:
             np.copyto(outs[0], src)
@@ -89,14 +89,14 @@ class SoloOps:
         self, output: np.ndarray, inputs: Sequence[np.ndarray], reduce_op: int = pb.SUM
     ) -> Handle:
         """``output`` becomes a copy of ``inputs[0]`` (a reduction over one rank)."""
-        out = _flat(output, "reduce_scatter", writable=True)
-        self.comm._check_reduce(out.dtype, reduce_op)
+        out = flat(output, "reduce_scatter", writable=True)
+        check_reduce(code_of(out.dtype), reduce_op)
         return self._scatter_like(out, inputs, "reduce_scatter")
 
     def scatter(self, output: np.ndarray, inputs: Sequence[np.ndarray] | None, root: int) -> Handle:
         """``output`` becomes a copy of the root's (this rank's) ``inputs[0]``."""
-        out = _flat(output, "scatter", writable=True)
-        self.comm._check_root(root, "scatter")
+        out = flat(output, "scatter", writable=True)
+        check_root(root, self.comm.world_size, "scatter")
         return self._scatter_like(out, inputs, "scatter")
 
     def _scatter_like(
@@ -105,7 +105,7 @@ class SoloOps:
         if inputs is None:
             # Only the root passes inputs, and the root is this rank.
             raise UnsupportedError(f"{what}: the root (rank 0) must pass its input tensors")
-        ins = self.comm._per_rank(inputs, out.size, out.dtype, what, writable=False)
+        ins = per_rank(inputs, self.comm.world_size, out.size, out.dtype, what, writable=False)
         handle = self._done()
         np.copyto(out, ins[0])  # type: ignore[index]
         return handle
@@ -115,8 +115,8 @@ class SoloOps:
         communicator, whose daemon reports the mismatch as it does for any world."""
         if len(inputs) != 1 or len(outputs) != 1:
             raise UnsupportedError("all_to_all: expected 1 input and 1 output tensors")
-        src = _flat(inputs[0], "all_to_all")
-        out = _flat(outputs[0], "all_to_all", writable=True)
+        src = flat(inputs[0], "all_to_all")
+        out = flat(outputs[0], "all_to_all", writable=True)
         if src.dtype != out.dtype:
             raise UnsupportedError("all_to_all: every input and output must have the same dtype")
         if src.size != out.size:

@@ -59,7 +59,6 @@ from smddp.wire import P2P_KINDS
 if TYPE_CHECKING:
     from smddp.client.cuda_ops import CudaCollectives
 
-_flat = flat  # its old name: backend/solo.py (branch lean) imports it from here
 
 __all__ = [
     "DEFAULT_ARENA_BYTES",
@@ -316,22 +315,6 @@ class Communicator:
         return self._cuda
 
     # The checks under their old names: backend/solo.py (branch lean) calls them.
-    def _check_root(self, root: int, what: str) -> None:
-        check_root(root, self.world_size, what)
-
-    def _check_reduce(self, dtype: np.dtype, reduce_op: int) -> None:
-        check_reduce(code_of(dtype), reduce_op)
-
-    def _per_rank(
-        self,
-        arrays: Sequence[np.ndarray] | None,
-        n: int,
-        dtype: np.dtype,
-        what: str,
-        writable: bool,
-    ) -> list[np.ndarray] | None:
-        return per_rank(arrays, self.world_size, n, dtype, what, writable)
-
     # -- collectives --------------------------------------------------------------------------
 
     def all_reduce(self, array: np.ndarray, reduce_op: int = pb.SUM) -> Handle:
