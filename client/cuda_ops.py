@@ -18,10 +18,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, cast
 
+from smddp.client.checks import check_reduce, check_root
 from smddp.client.cuda_ipc import IpcExporter
 from smddp.client.errors import UnsupportedError
 from smddp.v1 import smddp_pb2 as pb
-from smddp.wire import dtype_name, numpy_dtype, reduce_op_check
+from smddp.wire import dtype_name, numpy_dtype
 
 if TYPE_CHECKING:
     from smddp.client.inflight import GpuSubmitter as Communicator
@@ -136,17 +137,6 @@ class CudaCollectives:
         )
         return self.comm.submit_gpu(req, events.finish, what)
 
-    def _check_root(self, root: int, what: str) -> None:
-        if not 0 <= root < self.comm.world_size:
-            raise UnsupportedError(
-                f"{what}: rank {root} is outside a world of {self.comm.world_size}"
-            )
-
-    def _check_reduce(self, dtype: int, reduce_op: int) -> None:
-        problem = reduce_op_check(dtype, reduce_op)
-        if problem:
-            raise UnsupportedError(problem)
-
     def _per_rank(self, arrays: Sequence[DeviceArray], n: int, what: str) -> None:
         w = self.comm.world_size
         if len(arrays) != w:
@@ -163,7 +153,7 @@ class CudaCollectives:
 
     def all_reduce(self, array: DeviceArray, reduce_op: int, events: OpEvents) -> Handle:
         """Reduces ``array`` across ranks in place (rank order, the host path's bits)."""
-        self._check_reduce(array.dtype, reduce_op)
+        check_reduce(array.dtype, reduce_op)
         return self._op(
             "all_reduce",
             pb.ALL_REDUCE,
@@ -177,15 +167,15 @@ class CudaCollectives:
 
     def broadcast(self, array: DeviceArray, root: int, events: OpEvents) -> Handle:
         """Copies the root's ``array`` into every rank's."""
-        self._check_root(root, "broadcast")
+        check_root(root, self.comm.world_size, "broadcast")
         return self._op(
             "broadcast", pb.BROADCAST, array.dtype, array.count, [array], [array], events, root=root
         )
 
     def reduce(self, array: DeviceArray, root: int, reduce_op: int, events: OpEvents) -> Handle:
         """Reduces ``array`` across ranks into the root's."""
-        self._check_root(root, "reduce")
-        self._check_reduce(array.dtype, reduce_op)
+        check_root(root, self.comm.world_size, "reduce")
+        check_reduce(array.dtype, reduce_op)
         return self._op(
             "reduce",
             pb.REDUCE,
@@ -211,7 +201,7 @@ class CudaCollectives:
         self, outputs: Sequence[DeviceArray] | None, array: DeviceArray, root: int, events: OpEvents
     ) -> Handle:
         """Gathers every rank's ``array`` into the root's ``outputs[r]`` (None elsewhere)."""
-        self._check_root(root, "gather")
+        check_root(root, self.comm.world_size, "gather")
         outs = list(outputs) if self.comm.rank == root and outputs is not None else []
         if self.comm.rank == root:
             self._per_rank(outs, array.count, "gather")
@@ -223,7 +213,7 @@ class CudaCollectives:
         self, output: DeviceArray, inputs: Sequence[DeviceArray], reduce_op: int, events: OpEvents
     ) -> Handle:
         """Rank r's ``output`` becomes the reduction over ranks of their ``inputs[r]``."""
-        self._check_reduce(output.dtype, reduce_op)
+        check_reduce(output.dtype, reduce_op)
         self._per_rank(inputs, output.count, "reduce_scatter")
         return self._op(
             "reduce_scatter",
@@ -240,7 +230,7 @@ class CudaCollectives:
         self, output: DeviceArray, inputs: Sequence[DeviceArray] | None, root: int, events: OpEvents
     ) -> Handle:
         """Rank r's ``output`` becomes the root's ``inputs[r]``."""
-        self._check_root(root, "scatter")
+        check_root(root, self.comm.world_size, "scatter")
         ins = list(inputs) if self.comm.rank == root and inputs is not None else []
         if self.comm.rank == root:
             self._per_rank(ins, output.count, "scatter")
@@ -282,6 +272,6 @@ class CudaCollectives:
         )
 
     def _check_peer(self, peer: int, what: str) -> None:
-        self._check_root(peer, what)
+        check_root(peer, self.comm.world_size, what)
         if peer == self.comm.rank:
             raise UnsupportedError(f"{what}: rank {peer} cannot {what} to or from itself")
