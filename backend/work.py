@@ -33,7 +33,7 @@ import functools
 import threading
 import weakref
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -98,17 +98,28 @@ def stop_completer(comm: Communicator) -> None:
         thread.stop()
 
 
+# The error of an op that a Future's ``then`` callback started and waited for on torch's
+# inter-op pool (PowerSGD's P and Q all_reduces), by communicator, for the backward pass
+# whose Futures' callbacks started it. Raised there, it fails only the callback, which torch
+# turns into a RuntimeError "Got the following error when running the callback: ..." that
+# DDP's finalize_backward raises: no DistBackendError, no SmddpBackendError type.
+_chain_errors: "weakref.WeakKeyDictionary[Communicator, BaseException]" = (
+    weakref.WeakKeyDictionary()
+)
+
+
 # Works whose Futures were handed out during a backward pass, by graph task id; the pass's
 # final callback takes them out. A pass that fails before its final callbacks leaves its
 # entry behind, so only the newest few are kept.
-_backward_works: Dict[int, List["SmddpWork"]] = {}
+_backward_works: Dict[int, List[Tuple["SmddpWork", torch.futures.Future[List[torch.Tensor]]]]] = {}
 _backward_lock = threading.Lock()
 _BACKWARD_KEEP = 64
 
 
-def _guard_backward(work: "SmddpWork") -> None:
-    """In a backward pass, makes the pass raise ``work``'s error (if it fails) from a final
-    callback, before DDP's own final callback reads the Future's tensors."""
+def _guard_backward(work: "SmddpWork", fut: torch.futures.Future[List[torch.Tensor]]) -> None:
+    """In a backward pass, makes the pass raise ``work``'s error (if it fails), or that of an
+    op which the callbacks of ``work``'s Future ``fut`` start, from a final callback, before
+    DDP's own final callback reads the Future's tensors."""
     task = torch._C._current_graph_task_id()
     if task < 0:
         return
@@ -119,20 +130,48 @@ def _guard_backward(work: "SmddpWork") -> None:
             works = _backward_works[task] = []
             while len(_backward_works) > _BACKWARD_KEEP:
                 del _backward_works[next(iter(_backward_works))]
-        works.append(work)
+            _chain_errors.pop(work._handles[0].comm, None)  # an earlier pass's
+        # The Future is kept here, not on the Work: its unwrap function holds the Work, and
+        # a cycle through torch's C++ is never collected.
+        works.append((work, fut))
     if first:
         torch.autograd.Variable._execution_engine.queue_callback(
             functools.partial(_backward_done, task)
         )
 
 
+# How many ops ``then`` callbacks are waiting for on foreign threads right now (get_future
+# there waits in place), under _chain_waits' lock: a backward pass's final callback waits
+# for them to end, since a Future that has already completed may still be running its
+# callbacks, so a callback added then runs at once and says nothing of the others.
+_chain_waits = threading.Condition()
+_chain_waiting = 0
+
+
+def _ignore(fut: torch.futures.Future[List[torch.Tensor]]) -> None:
+    return None
+
+
 def _backward_done(task: int) -> None:
     with _backward_lock:
         works = _backward_works.pop(task, [])
     error: Optional[BaseException] = None
-    for w in works:
+    for w, _ in works:
         w._complete()
         error = error or w._error
+    if error is None:
+        # Before DDP's final callback (next) reads the hooks' Futures, which a failed op of
+        # their chains fails with a RuntimeError: the chains' errors, with their types.
+        # Callbacks run in the order they were added and a chained Future's callbacks run
+        # inside its parent's, so once one added now has run, a chain that had not started
+        # has ended; one that had may still wait for an op (_chain_waits). Left open: a chain
+        # between two ops just then (PowerSGD computing Q from P) can still fail after this.
+        for _, fut in works:
+            fut.then(_ignore).wait()
+        with _chain_waits:
+            _chain_waits.wait_for(lambda: _chain_waiting == 0)
+        for comm in {w._handles[0].comm for w, _ in works}:
+            error = error or _chain_errors.pop(comm, None)
     if error is not None:
         raise error
 
@@ -213,7 +252,15 @@ class SmddpWork(dist.Work):
 
     def _unwrap(self, value: Any) -> None:
         if self._error is not None:
-            raise self._error
+            raise self._chained_error()
+
+    def _chained_error(self) -> BaseException:
+        """The error, noted for the backward pass under way: raised here, in a comm hook's
+        ``then`` callback (PowerSGD's P and Q all_reduces, on the inter-op pool or inline),
+        it would reach ``backward()``'s caller only as a RuntimeError (see _chain_errors)."""
+        assert self._error is not None
+        _chain_errors[self._handles[0].comm] = self._error
+        return self._error
 
     def get_future(self) -> torch.futures.Future[List[torch.Tensor]]:
         """A Future of the output tensors, returned at once; it completes once the op has
@@ -224,15 +271,25 @@ class SmddpWork(dist.Work):
             # A thread torch started, outside backward: a comm hook's ``then`` callback on the
             # inter-op pool (PowerSGD waits there for the Future of a further all_reduce). The
             # pending Future would complete on that pool, which such waits can fill up: wait here.
-            self._complete()
+            global _chain_waiting
+            with _chain_waits:
+                _chain_waiting += 1
+            try:
+                self._complete()
+            finally:
+                with _chain_waits:
+                    _chain_waiting -= 1
+                    _chain_waits.notify_all()
         if self.is_completed():
             if self._error is not None:
-                raise self._error
-            return typed_future(self._result)
+                raise self._chained_error()
+            done = typed_future(self._result)
+            _guard_backward(self, done)  # for the ops that its callbacks may start
+            return done
         signal: torch.futures.Future[Any] = torch.futures.Future()
         fut = _pending(signal, self._result)
         fut._set_unwrap_func(self._unwrap)
-        _guard_backward(self)
+        _guard_backward(self, fut)
 
         def complete() -> None:
             try:
