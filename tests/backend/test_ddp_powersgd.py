@@ -34,7 +34,7 @@ import torch
 # Bigger than 65,536 so that the [H, 8] and [16, H] weights' P (H x rank) and Q (H x rank) are
 # over 256 KiB at rank 1 (the region's buffer: the op runs on the progress thread).
 HIDDEN = 68_000
-STEPS = 7
+STEPS = 6
 START_POWERSGD_ITER = 2  # steps 0-1: PowerSGD's vanilla all_reduce warm-up; then compressed
 # One bucket (the model's gradients are 7 MiB). With several, PowerSGD races with itself on
 # any backend whose Futures complete on another thread: the inter-op pool starts one bucket's
