@@ -60,6 +60,8 @@ class RegionOps:
         self._shm: ShmPath | None = None
         self.peer_maps: list[np.ndarray] = []
         self.open: InFlight | None = None  # its op whose completion is still due
+        # The largest op the region carries (a slot's data buffer): known once it is mapped.
+        self.max_bytes = DEFAULT_DATA_BYTES
 
     @property
     def shm(self) -> ShmPath:
@@ -69,11 +71,8 @@ class RegionOps:
             self._shm = ShmPath(
                 self.name, self.rank, region, self.timeout_s, self._alive, self._gone
             )
+            self.max_bytes = self._shm.data_bytes
         return self._shm
-
-    def data_bytes(self) -> int:
-        """The size of a slot's data buffer (the largest op the region carries)."""
-        return self._shm.data_bytes if self._shm is not None else DEFAULT_DATA_BYTES
 
     def begin(self) -> ShmPath:
         """Before a new op: the region, with the previous op's data read.

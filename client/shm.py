@@ -287,7 +287,7 @@ class ShmPath:
     def done(self, seq: int, parity: int, kind: int, dtype: int, nbytes: int) -> None:
         """Counts the completed op in this rank's slot (the daemon reads the counters)."""
         q = self.q
-        arrivals = [q[w] for w in self._arrival_words[parity]]
+        arrivals = list(map(q.__getitem__, self._arrival_words[parity]))
         first, last = min(arrivals), max(arrivals)
         took = time.monotonic_ns() - first
         skew = last - first
