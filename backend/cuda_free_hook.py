@@ -42,8 +42,6 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from smddp.client.errors import ConnectError
-
 if TYPE_CHECKING:
     from smddp.client.cuda_ipc import IpcExporter
     from smddp.client.session import DaemonSession
@@ -368,7 +366,7 @@ def _ensure_open(channel: FreeChannel, session: DaemonSession, look: bool) -> bo
         why = f"the process's smddpd is now the one at {session.socket_path}"
     try:
         channel.open(session.open_free_channel(), _wait_ms)
-    except (OSError, ConnectError) as exc:
+    except Exception as exc:  # whatever it was (ConnectError mostly), the ops carry on without
         _refused.add(session.session_id)
         if why is None:
             _no_hook(exc)

@@ -7,7 +7,7 @@ needs libc10_cuda, which only a CUDA torch has. The channel (``free_channel.cpp`
 and loaded alone, and driven through the entry point the hook calls, against the other end
 of a socket pair that plays smddpd's part of the wire (the real daemon answers it in
 tests/gpu/test_cuda_on_fake_gpu.py): what it sends, the bound on its wait, late answers, a
-broken channel.
+broken channel and when it is reopened. And the build: processes building at once compile once.
 """
 
 from __future__ import annotations
