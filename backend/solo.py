@@ -45,7 +45,7 @@ class SoloOps:
             self._next_alive_check = now + ALIVE_CHECK_S
             if not comm.session.alive():
                 raise comm.session.gone()
-        return Handle(comm, "op")
+        return Handle(comm)
 
     def all_reduce(self, array: np.ndarray, reduce_op: int = pb.SUM) -> Handle:
         """The identity, after the client's checks (AVG over one rank divides by one)."""

@@ -73,14 +73,10 @@ __all__ = [
 class Handle(InFlight):
     """An op in flight; ``wait`` blocks until its outputs are written."""
 
-    def __init__(
-        self,
-        comm: Communicator,
-        description: str,
-        pending: int = 0,
-        event: threading.Event | None = None,
-    ) -> None:
-        super().__init__(description, pending=pending, event=event)
+    __slots__ = ("comm",)
+
+    def __init__(self, comm: Communicator, what: str = "op", seq: int = 0) -> None:
+        super().__init__(what, seq)
         self.comm = comm
 
     def wait(self) -> None:
@@ -186,7 +182,7 @@ class Communicator:
     def _next(self, what: str = "op") -> Handle:
         """The next op's number and its handle."""
         self._seq += 1
-        return Handle(self, f"{what} #{self._seq}")
+        return Handle(self, what, self._seq)
 
     def _open_region(self) -> tuple[list[np.ndarray], np.ndarray]:
         self._engine.drain()  # the arenas' reply must be the next message
@@ -199,7 +195,7 @@ class Communicator:
         try:
             shm = self._region.begin()
         except SmddpError as exc:
-            failed = Handle(self, "op")
+            failed = Handle(self)
             failed.error = exc
             return failed
         return shm, self._next(), self._seq
@@ -301,7 +297,7 @@ class Communicator:
             else:
                 self._seq += 1
                 req.seq = self._seq
-            handle = Handle(self, f"{what} #{req.seq}")
+            handle = Handle(self, what, req.seq)
             self._engine.gpu(handle, req, after)
             return handle
 
@@ -504,7 +500,7 @@ class Communicator:
             seq = self._engine.next_p2p_seq(peer, kind)
             template = request(seq, kind, data.dtype, data.size, root=peer)
             template.tag = tag
-            handle = Handle(self, f"{what} #{seq}")
+            handle = Handle(self, what, seq)
             self._engine.point_to_point(handle, template, data)
             return handle
 

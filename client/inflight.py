@@ -8,37 +8,66 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from smddp.client.errors import SmddpError
 from smddp.v1 import smddp_pb2 as pb
 
+if TYPE_CHECKING:
+    from smddp.client.shm import ShmPath
 
-@dataclass(eq=False)
+
 class RegionWait:
     """A region op that this rank has arrived at and whose completion is still due."""
 
-    seq: int
-    parity: int
-    target: int  # the step every other rank must reach
-    finish: Callable[[int], None] | None  # reads the others' buffers, given the parity
-    kind: int
-    dtype: int  # wire code (0 for a barrier)
-    nbytes: int  # counted in the rank's metrics
+    # Plain slotted classes, not dataclasses: one of each is made per small op, and every
+    # microsecond of a 4-byte all_reduce is Python.
+    __slots__ = ("seq", "parity", "target", "finish", "kind", "dtype", "nbytes")
+
+    def __init__(
+        self,
+        seq: int,
+        parity: int,
+        target: int,
+        finish: Callable[[ShmPath, int], None] | None,
+        kind: int,
+        dtype: int,
+        nbytes: int,
+    ) -> None:
+        self.seq = seq
+        self.parity = parity
+        self.target = target  # the step every other rank must reach
+        self.finish = finish  # reads the others' buffers, given the parity
+        self.kind = kind
+        self.dtype = dtype  # wire code (0 for a barrier)
+        self.nbytes = nbytes  # counted in the rank's metrics
 
 
-@dataclass(eq=False)
 class InFlight:
     """What the paths know of one op: parts still due, its error, how it completes."""
 
-    description: str
-    pending: int = 0  # chunks (or the one region op) not yet retired
-    error: SmddpError | None = None
-    # A region op that waits for its completion (``region_ops``).
-    region: RegionWait | None = None
-    # Set once an op that the progress thread runs has finished.
-    event: threading.Event | None = None
+    __slots__ = ("what", "seq", "pending", "error", "region", "event", "__weakref__")
+
+    def __init__(
+        self,
+        what: str = "op",
+        seq: int = 0,
+        pending: int = 0,
+        event: threading.Event | None = None,
+    ) -> None:
+        self.what = what  # the op's kind, as a user names it ("op", "send", "all_reduce")
+        self.seq = seq  # its sequence number (0: not numbered)
+        self.pending = pending  # chunks (or the one region op) not yet retired
+        self.error: SmddpError | None = None
+        # A region op that waits for its completion (``region_ops``).
+        self.region: RegionWait | None = None
+        # Set once an op that the progress thread runs has finished.
+        self.event = event
+
+    @property
+    def description(self) -> str:
+        """The op as messages name it ("op #12"), built only when one is written."""
+        return f"{self.what} #{self.seq}" if self.seq else self.what
 
     def done(self) -> bool:
         """True once every part has been retired."""

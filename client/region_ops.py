@@ -1,9 +1,9 @@
 """The region path's ops: what each collective copies into its slot and reads back out.
 
 An op whose data fits a slot's buffer runs in the communicator's control region
-(``shm.ShmPath``): ``fill(parity)`` copies this rank's input into its buffer, the rank
+(``shm.ShmPath``): ``fill(shm, parity)`` copies this rank's input into its buffer, the rank
 publishes the op's signature and arrives; completing it waits for the others, checks that
-every rank called the same op, then runs ``finish(parity)`` (reduce or copy out, in rank
+every rank called the same op, then runs ``finish(shm, parity)`` (reduce or copy out, in rank
 order). This module holds the region (mapped at the first op that needs it), the one op
 whose completion is still due, and each collective's fill and finish.
 """
@@ -22,8 +22,9 @@ from smddp.reduce import _BOOL_UFUNCS, _UFUNCS
 from smddp.region import DEFAULT_DATA_BYTES, H_ALARM
 from smddp.v1 import smddp_pb2 as pb
 
-Step = Callable[[int], None]
-Steps = tuple[Step | None, Step | None]  # (fill, finish), each given the op's parity
+Step = Callable[[ShmPath, int], None]
+# (fill, finish), each given the region and the op's parity
+Steps = tuple[Step | None, Step | None]
 
 
 def reduce_rank_order(out: np.ndarray, ins: list[np.ndarray], reduce_op: int) -> None:
@@ -105,7 +106,7 @@ class RegionOps:
             shm.check()
             parity = shm.next_parity()
             if fill is not None:
-                fill(parity)
+                fill(shm, parity)
             target = shm.publish(seq, parity, kind, code, count, root, reduce_op)
         except SmddpError as exc:
             op.error = exc
@@ -125,7 +126,7 @@ class RegionOps:
             shm.wait(wait.target, wait.seq)
             shm.agree(wait.seq, wait.parity)
             if wait.finish is not None:
-                wait.finish(wait.parity)
+                wait.finish(shm, wait.parity)
             shm.done(wait.seq, wait.parity, wait.kind, wait.dtype, wait.nbytes)
         except SmddpError as exc:
             op.error = exc
@@ -149,11 +150,11 @@ class RegionOps:
         """Every rank's buffer in, the reduction of all of them out."""
         me, n, dtype = self.rank, data.size, data.dtype
 
-        def fill(p: int) -> None:
-            np.copyto(self.shm.sized(p, dtype, n)[me], data)
+        def fill(shm: ShmPath, p: int) -> None:
+            np.copyto(shm.sized(p, dtype, n)[me], data)
 
-        def finish(p: int) -> None:
-            reduce_rank_order(data, self.shm.sized(p, dtype, n), reduce_op)
+        def finish(shm: ShmPath, p: int) -> None:
+            reduce_rank_order(data, shm.sized(p, dtype, n), reduce_op)
 
         return fill, finish
 
@@ -161,13 +162,13 @@ class RegionOps:
         """The root's buffer in, copied out everywhere else."""
         me, n = self.rank, data.size
 
-        def fill(p: int) -> None:
+        def fill(shm: ShmPath, p: int) -> None:
             if me == root:
-                np.copyto(self.shm.typed(p, data.dtype)[me][:n], data)
+                np.copyto(shm.typed(p, data.dtype)[me][:n], data)
 
-        def finish(p: int) -> None:
+        def finish(shm: ShmPath, p: int) -> None:
             if me != root:
-                np.copyto(data, self.shm.typed(p, data.dtype)[root][:n])
+                np.copyto(data, shm.typed(p, data.dtype)[root][:n])
 
         return fill, finish
 
@@ -175,12 +176,12 @@ class RegionOps:
         """Every rank's buffer in, their reduction out on the root."""
         me, n = self.rank, data.size
 
-        def fill(p: int) -> None:
-            np.copyto(self.shm.typed(p, data.dtype)[me][:n], data)
+        def fill(shm: ShmPath, p: int) -> None:
+            np.copyto(shm.typed(p, data.dtype)[me][:n], data)
 
-        def finish(p: int) -> None:
+        def finish(shm: ShmPath, p: int) -> None:
             if me == root:
-                bufs = self.shm.typed(p, data.dtype)
+                bufs = shm.typed(p, data.dtype)
                 reduce_rank_order(data, [b[:n] for b in bufs], reduce_op)
 
         return fill, finish
@@ -189,12 +190,12 @@ class RegionOps:
         """Every rank's buffer in; out into ``outs`` where there are some (all_gather, gather)."""
         me, n = self.rank, src.size
 
-        def fill(p: int) -> None:
-            np.copyto(self.shm.typed(p, src.dtype)[me][:n], src)
+        def fill(shm: ShmPath, p: int) -> None:
+            np.copyto(shm.typed(p, src.dtype)[me][:n], src)
 
-        def finish(p: int) -> None:
+        def finish(shm: ShmPath, p: int) -> None:
             if outs is not None:
-                bufs = self.shm.typed(p, src.dtype)
+                bufs = shm.typed(p, src.dtype)
                 for j, o in enumerate(outs):
                     np.copyto(o, src if j == me else bufs[j][:n])
 
@@ -212,14 +213,14 @@ class RegionOps:
         (scatter), or the reduction of every rank's block for it (reduce_scatter)."""
         me, n = self.rank, out.size
 
-        def fill(p: int) -> None:
+        def fill(shm: ShmPath, p: int) -> None:
             if ins is not None:
-                mine = self.shm.typed(p, out.dtype)[me]
+                mine = shm.typed(p, out.dtype)[me]
                 for j, x in enumerate(ins):
                     np.copyto(mine[j * n : (j + 1) * n], x)
 
-        def finish(p: int) -> None:
-            bufs = self.shm.typed(p, out.dtype)
+        def finish(shm: ShmPath, p: int) -> None:
+            bufs = shm.typed(p, out.dtype)
             if kind == pb.SCATTER:
                 np.copyto(out, bufs[root][me * n : (me + 1) * n])
             else:

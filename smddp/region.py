@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-MAGIC = 0x534D_4444_5052_4731  # "SMDDPRG1"
+MAGIC = 0x534D_4444_5052_4732  # "SMDDPRG2": the layout's version (2: step words on their own line)
 HEADER_BYTES = 8192
 # Header words.
 H_MAGIC = 0
@@ -42,9 +42,12 @@ H_FAIL_LEN = 7
 FAIL_MSG_OFFSET = 1024  # bytes; the daemon's failure message, UTF-8
 FAIL_MSG_MAX = HEADER_BYTES - FAIL_MSG_OFFSET
 
-# Slot words.
-S_STEP = 0  # futex word: its low 32 bits
-S_SLEEPING = 1  # 1 while the rank may sleep on another rank's step
+# Slot words. The step and sleeping words, which the other ranks read at every op, have a
+# cache line to themselves: the words the slot's rank writes at every op (S_SEQ, S_DONE,
+# S_LAST, S_OPS) would otherwise move that line away from a rank spinning on it, and back,
+# several times an op (false sharing; measured: each bounce costs a spinning peer).
+S_STEP = 32  # futex word: its low 32 bits
+S_SLEEPING = 33  # 1 while the rank may sleep on another rank's step
 S_SEQ = 2  # the op the rank last arrived at
 S_DONE = 3  # the op the rank last completed
 S_PID = 4
@@ -141,7 +144,10 @@ class RegionView:
         self.buf = buf
         self.header = buf[:HEADER_BYTES].view(np.int64)
         if int(self.header[H_MAGIC]) != MAGIC:
-            raise ValueError("not an smddp control region")
+            raise ValueError(
+                "not an smddp control region of this version (the daemon and the job's smddp "
+                "must be the same release)"
+            )
         self.world = int(self.header[H_WORLD])
         self.slot_bytes = int(self.header[H_SLOT_BYTES])
         self.data_bytes = int(self.header[H_DATA_BYTES])
