@@ -1,16 +1,14 @@
 """The direct path: large ops on one node, the ranks moving data between their arenas.
 
 Each rank maps the others' arenas; an op's ``n`` elements per rank are cut into chunks that
-fit a buffer (``ClientConfig.direct_chunk_bytes``), and the chunks are pipelined through
-DIRECT_BUFFERS buffers at the same offsets in every rank's arena, so that one chunk's
-copy-in runs beside the previous one's reduction and the one before's copy-out, one
-synchronisation in the control region per chunk. Each collective is a ``Work``: a
-generator per chunk whose yields are its synchronisation points.
+fit a buffer (``ClientConfig.direct_chunk_bytes``), which run through DIRECT_BUFFERS buffers
+at the same offsets in every rank's arena, one after the other, a chunk's last step beside
+the next one's first, with a synchronisation in the control region between steps. Each
+collective is a ``Work``: a generator per chunk whose yields are its synchronisation points.
 """
 
 from __future__ import annotations
 
-import collections
 import threading
 from collections.abc import Callable, Iterator
 
@@ -21,10 +19,12 @@ from smddp.client.inflight import InFlight
 from smddp.client.region_ops import reduce_rank_order
 from smddp.client.shm import ShmPath
 
-# A chunk's buffer is reused DIRECT_BUFFERS chunks later: at least the number of steps a
-# chunk's work spans (all_reduce: copy in, reduce, copy out), so that no rank overwrites a
-# buffer another still reads.
-DIRECT_BUFFERS = 3
+# A chunk's buffer is reused DIRECT_BUFFERS chunks later. A chunk's last step (reading the
+# others' buffers) runs beside the next chunk's first (writing this rank's), in the same
+# step or, across two ops, with no synchronisation between them: two buffers keep those
+# apart, and every later write to a buffer comes at least one synchronisation after the
+# last read of it.
+DIRECT_BUFFERS = 2
 
 # work(a, b, bufs): the steps of the chunk of elements [a, b), given every rank's buffer.
 Work = Callable[[int, int, list[np.ndarray]], Iterator[None]]
@@ -108,13 +108,16 @@ class DirectOps:
         ``signature``: (kind, wire dtype, count, root, reduce op). For each chunk,
         ``work(a, b, bufs)`` gets the chunk's element range and every rank's buffer (mapped
         from the peers' arenas, rank order) and runs in steps: the code up to its first
-        yield, then up to the next, and so on. The chunks are pipelined: step t runs chunk
-        t's first step, chunk t-1's second, and so on, and then every rank waits until all
-        have finished step t, in the control region (the first time with the op's
-        signature, which the ranks compare). So a chunk's step may read what the other ranks
-        wrote in its earlier steps, and the op needs one synchronisation per chunk plus one
-        per step of a chunk beyond the first two, none after its last step. Buffers are used
-        in turn: one is written again only after every rank has passed the last step that
+        yield, then up to the next, and so on. After each step every rank waits until all
+        have finished it, in the control region (the first time with the op's signature,
+        which the ranks compare), so a chunk's step may read what the other ranks wrote in
+        its earlier steps. A chunk's last step runs beside the next chunk's first: one
+        synchronisation per step of a chunk but its last. Chunks run one after the other,
+        not further interleaved: a chunk's steps then find its part of the user's tensor
+        still in this core's cache (measured: 10-20% faster than running a chunk's copy-in,
+        the previous chunk's reduction and the one before's copy-out in one step, which
+        evicts the tensor's lines between a chunk's read and its write). Buffers are used in
+        turn: one is written again only after every rank has passed the last step that
         reads it.
         """
         kind, code, count, root, reduce_op = signature
@@ -134,24 +137,23 @@ class DirectOps:
             try:
                 shm.check()
                 parity = shm.next_parity()
-                active: collections.deque[Iterator[None]] = collections.deque()
+                chunk: Iterator[None] | None = None  # the chunk whose steps run now
                 c = 0
                 while True:
-                    if c < chunks:
+                    if chunk is not None:
+                        try:
+                            next(chunk)
+                        except StopIteration:
+                            chunk = None  # its last step ran: the next chunk starts beside it
+                    if chunk is None:
+                        if c == chunks:
+                            break
                         a, b = c * per, min(n, (c + 1) * per)
                         base = area + ((first_buffer + c) % DIRECT_BUFFERS) * size
                         bufs = [pm[base : base + (b - a) * s].view(dtype) for pm in maps]
-                        active.append(work(a, b, bufs))
+                        chunk = work(a, b, bufs)
                         c += 1
-                    for _ in range(len(active)):  # oldest chunk first
-                        steps = active.popleft()
-                        try:
-                            next(steps)
-                        except StopIteration:
-                            continue
-                        active.append(steps)
-                    if not active and c == chunks:
-                        break
+                        next(chunk)  # its first step (every work yields at least once)
                     if first:
                         target = shm.publish(seq, parity, kind, code, count, root, reduce_op)
                         shm.wait(target, seq)
