@@ -103,7 +103,8 @@ class RegionOps:
         fill, finish = steps
         try:
             shm.check()
-            parity = shm.next_parity()
+            shm.count += 1  # next_parity(), inline
+            parity = shm.count & 1
             if fill is not None:
                 fill(shm, parity)
             target = shm.publish(seq, parity, kind, code, count, root, reduce_op)
@@ -118,9 +119,9 @@ class RegionOps:
         """Waits for the others at the op's synchronisation, checks that the ranks agree,
         then runs the op's finish (reduce or copy out)."""
         wait = op.region
-        if not op.pending or wait is None:
+        shm = self._shm
+        if not op.pending or wait is None or shm is None:
             return
-        shm = self.shm
         try:
             shm.wait(wait.target, wait.seq)
             shm.agree(wait.seq, wait.parity)
