@@ -333,6 +333,8 @@ class CudaCollectives:
                 'torch.compile(mode="reduce-overhead")): the daemon is not part of the graph, '
                 "so replays would skip the collective; run it outside the captured region"
             )
+        # A free channel a free found broken is reopened here (a no-op call when all is well).
+        cuda_free_hook.refresh(self.comm.session)
         stream = api.current_stream(device)
         events = _OpEvents(_pool, device, stream, keep, what)
         try:

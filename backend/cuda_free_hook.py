@@ -14,7 +14,11 @@ exported (``IpcExporter.on_export``).
 The hook is compiled on the first GPU op of a process with a CUDA build of torch, with the
 system C++ compiler against torch's headers and libc10_cuda (``torch.utils.cpp_extension``
 finds them), and cached under ``TORCH_EXTENSIONS_DIR`` (or ``~/.cache/torch_extensions``)
-by a hash of the sources and the torch build. If anything fails (no compiler, no CUDA
+by a hash of the sources and the torch build; ranks of a node building at once wait for
+one build (a file lock beside it). The channel follows the process's daemon: the library is
+built once, but the channel is reopened (logged) when a free found it broken (at the next GPU
+op) and when a new group attaches to another or a restarted smddpd (``install``). If anything
+fails (no compiler, no CUDA
 headers, an installed package without ``backend/csrc/``, a daemon without the channel) the rank
 logs it once and keeps the after-the-fact path: frees are found before each op and
 smddpd unmaps them then (``client/cuda_ipc.py``). ``SMDDP_FREE_HOOK=0`` turns the hook off.
@@ -22,7 +26,9 @@ smddpd unmaps them then (``client/cuda_ipc.py``). ``SMDDP_FREE_HOOK=0`` turns th
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import hashlib
 import logging
 import os
@@ -31,11 +37,10 @@ import socket
 import subprocess
 import tempfile
 import threading
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
-
-from smddp.client.errors import ConnectError
 
 if TYPE_CHECKING:
     from smddp.client.cuda_ipc import IpcExporter
@@ -52,6 +57,10 @@ CHANNEL_SOURCES = ("free_channel.cpp",)
 HOOK_SOURCES = ("segment_hook.cpp", "free_channel.cpp")
 HEADERS = ("free_channel.h",)
 LIBRARY_NAME = "libsmddp_free_hook.so"
+BUILD_TIMEOUT_S = 300  # one compile
+# How long a rank waits for another's build of the same library: past one compile's bound,
+# so only a holder that is stuck (not merely slow) is given up on.
+LOCK_WAIT_S = BUILD_TIMEOUT_S + 30
 
 
 class FreeChannel:
@@ -72,14 +81,26 @@ class FreeChannel:
         lib.smddp_fc_segment_free.restype = ctypes.c_int
         lib.smddp_fc_stats.argtypes = [ctypes.POINTER(ctypes.c_uint64)]
         lib.smddp_fc_stats.restype = None
+        lib.smddp_fc_is_open.argtypes = []
+        lib.smddp_fc_is_open.restype = ctypes.c_int
+        lib.smddp_fc_check.argtypes = []
+        lib.smddp_fc_check.restype = ctypes.c_int
 
     def open(self, sock: socket.socket, wait_ms: int) -> None:
         """Hands ``sock`` (an attached free channel) to the library, which owns it now."""
         self.lib.smddp_fc_open(sock.detach(), wait_ms)
 
     def close(self) -> None:
-        """Closes the channel: later frees no longer wait."""
+        """Closes the channel: later frees no longer wait (until ``refresh`` reopens it)."""
         self.lib.smddp_fc_close()
+
+    def is_open(self) -> bool:
+        """Whether a channel is open and no free found it broken (takes no lock)."""
+        return bool(self.lib.smddp_fc_is_open())
+
+    def check(self) -> bool:
+        """Whether a channel is open with smddpd still at its other end; drops it if not."""
+        return bool(self.lib.smddp_fc_check())
 
     def watch(self, base: int) -> None:
         """The segment at ``base`` was exported to smddpd: announce its free."""
@@ -92,9 +113,9 @@ class FreeChannel:
 
     def stats(self) -> dict[str, int]:
         """The library's counters."""
-        out = (ctypes.c_uint64 * 6)()
+        out = (ctypes.c_uint64 * 7)()
         self.lib.smddp_fc_stats(out)
-        names = ("sent", "closed", "deferred", "timeouts", "failed", "watched")
+        names = ("sent", "closed", "deferred", "timeouts", "failed", "watched", "opens")
         return dict(zip(names, (int(v) for v in out)))
 
 
@@ -133,18 +154,55 @@ def compile_library(
     if path.exists():
         return path
     folder.mkdir(parents=True, exist_ok=True)
-    # Built beside, then renamed: two ranks building at once never load half a file.
-    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".so")
-    os.close(fd)
-    try:
-        subprocess.run(
-            [cxx, *args, "-o", tmp], check=True, capture_output=True, text=True, timeout=300
-        )
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    # The ranks of a node start their first GPU op together: one compiles, the others wait
+    # for its library rather than each spending the same seconds of CPU.
+    with _build_lock(folder / "build.lock"):
+        if path.exists():
+            return path  # built by the process we waited for
+        # Built beside, then renamed: a process that does not take the lock (an older
+        # smddp) never loads half a file.
+        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".so")
+        os.close(fd)
+        try:
+            subprocess.run(
+                [cxx, *args, "-o", tmp],
+                check=True,
+                capture_output=True,
+                text=True,
+                timeout=BUILD_TIMEOUT_S,
+            )
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
     return path
+
+
+@contextlib.contextmanager
+def _build_lock(lock_path: Path) -> Iterator[None]:
+    """Holds an exclusive flock on ``lock_path`` (as torch's extensions hold their
+    ``FileBaton``, but released by the kernel if the holder dies, so never stale).
+
+    Raises:
+        OSError: another process held it past LOCK_WAIT_S.
+    """
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline = time.monotonic() + LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise OSError(
+                        f"another process has been building {lock_path.parent} for more than "
+                        f"{LOCK_WAIT_S:.0f} s"
+                    ) from None
+                time.sleep(0.05)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def cache_dir() -> Path:
@@ -195,12 +253,15 @@ def _cuda_headers(cuda_home: str | None) -> str | None:
 
 
 _lock = threading.Lock()
-_tried = False
-_channel: FreeChannel | None = None
+_tried = False  # the build was tried: once per process, whatever came of it
+_channel: FreeChannel | None = None  # the loaded library, once built and its tracker attached
+_wait_ms = DEFAULT_WAIT_MS
+_open_on: str | None = None  # the socket of the smddpd the channel was last opened on
+_refused: set[str] = set()  # sessions that could not open a channel: not asked again
 
 
 def installed() -> FreeChannel | None:
-    """The process's free channel, once ``install`` succeeded."""
+    """The process's free channel library, once ``install`` built it."""
     return _channel
 
 
@@ -209,52 +270,121 @@ def install(
     exporter: IpcExporter,
     library: Callable[[], ctypes.CDLL] = build_hook,
 ) -> FreeChannel | None:
-    """Builds and attaches the hook (once per process), opens the free channel on
-    ``session``'s daemon and watches ``exporter``'s exports. Never raises: on failure logs
-    once and returns None (frees are then reported after the fact).
+    """Builds and attaches the hook (once per process), makes sure the free channel is open on
+    ``session``'s daemon and watches ``exporter``'s exports. Called by each new group (an
+    attach): the channel is reopened on ``session`` when it broke, when its smddpd went away
+    (a restart: the socket is looked at), or when ``session`` is another daemon's. Never
+    raises: on failure logs once and returns None (frees are then reported after the fact).
 
     Args:
         session: an attached session of this process.
-        exporter: the process's CUDA IPC exporter.
+        exporter: the exporter of the group's CUDA IPC handles.
         library: loads the library (tests pass the channel alone, without torch's hook).
     """
-    global _tried, _channel
+    global _tried, _channel, _wait_ms
     with _lock:
-        if _tried:
-            return _channel
-        _tried = True
-        if os.environ.get(ENV_HOOK, "1") == "0":
-            log.info("smddp: %s=0: GPU frees are reported to smddpd after the fact", ENV_HOOK)
+        if not _tried:
+            _tried = True
+            if os.environ.get(ENV_HOOK, "1") == "0":
+                log.info("smddp: %s=0: GPU frees are reported to smddpd after the fact", ENV_HOOK)
+                return None
+            try:
+                _wait_ms = max(1, int(os.environ.get(ENV_WAIT_MS, DEFAULT_WAIT_MS)))
+            except ValueError:
+                _wait_ms = DEFAULT_WAIT_MS
+            try:
+                _channel = _load(library)
+            except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+                _no_hook(exc)
+                return None
+        channel = _channel
+        if channel is None:
             return None
-        try:
-            wait_ms = int(os.environ.get(ENV_WAIT_MS, DEFAULT_WAIT_MS))
-        except ValueError:
-            wait_ms = DEFAULT_WAIT_MS
-        try:
-            lib = library()
-            channel = FreeChannel(lib)
-            hook = getattr(lib, "smddp_free_hook_install", None)
-            if hook is not None:
-                import torch
+        # Watched first, then the exports so far: none falls between (watching is idempotent).
+        # Watched even if no channel opens now: a later reopen announces their frees.
+        if exporter.on_export != channel.watch:
+            exporter.on_export = channel.watch
+            for base in exporter.bases():
+                channel.watch(base)
+        return channel if _ensure_open(channel, session, look=True) else None
 
-                # trackers attach to the device allocators that exist
-                torch.cuda.init()  # type: ignore[no-untyped-call]  # torch: no annotations
-                hook.restype = ctypes.c_int
-                if hook() != 0:
-                    raise RuntimeError("torch refused the allocator trace tracker")
-            channel.open(session.open_free_channel(), max(1, wait_ms))
-        except (OSError, RuntimeError, ConnectError, subprocess.SubprocessError) as exc:
-            detail = getattr(exc, "stderr", None) or ""
+
+def refresh(session: DaemonSession) -> None:
+    """Before a GPU op of a group on ``session``: reopens the free channel there if a free
+    found it broken. Costs one call that takes no lock when all is well; never raises."""
+    channel = _channel
+    if channel is None or channel.is_open() or not hasattr(session, "open_free_channel"):
+        return
+    try:
+        with _lock:
+            _ensure_open(channel, session, look=False)
+    except Exception as exc:  # the user's op must not fail for this
+        log.warning("smddp: could not reopen the free channel: %r", exc)
+
+
+def _load(library: Callable[[], ctypes.CDLL]) -> FreeChannel:
+    """Builds (or finds) the library and attaches torch's tracker where it has one."""
+    lib = library()
+    channel = FreeChannel(lib)
+    hook = getattr(lib, "smddp_free_hook_install", None)
+    if hook is not None:
+        import torch
+
+        # trackers attach to the device allocators that exist
+        torch.cuda.init()  # type: ignore[no-untyped-call]  # torch: no annotations
+        hook.restype = ctypes.c_int
+        if hook() != 0:
+            raise RuntimeError("torch refused the allocator trace tracker")
+    return channel
+
+
+def _no_hook(exc: BaseException) -> None:
+    detail = getattr(exc, "stderr", None) or ""
+    log.warning(
+        "smddp: no close before free (%s%s); smddpd unmaps freed GPU memory at the "
+        "rank's next op instead",
+        exc,
+        f": {detail.strip()[-500:]}" if detail else "",
+    )
+
+
+def _ensure_open(channel: FreeChannel, session: DaemonSession, look: bool) -> bool:
+    """Opens the channel on ``session`` unless it is open, on ``session``'s smddpd, and (with
+    ``look``) its socket still has a peer; logs each (re)open once. ``_lock`` held.
+    Returns whether a channel is open."""
+    global _open_on
+    alive = channel.check() if look else channel.is_open()
+    if alive and _open_on == session.socket_path:
+        return True
+    if session.session_id in _refused:
+        return alive
+    if _open_on is None:
+        why = None
+    elif not alive:
+        why = "the channel to smddpd broke or smddpd restarted"
+    else:
+        why = f"the process's smddpd is now the one at {session.socket_path}"
+    try:
+        channel.open(session.open_free_channel(), _wait_ms)
+    except Exception as exc:  # whatever it was (ConnectError mostly), the ops carry on without
+        _refused.add(session.session_id)
+        if why is None:
+            _no_hook(exc)
+        else:
             log.warning(
-                "smddp: no close before free (%s%s); smddpd unmaps freed GPU memory at the "
-                "rank's next op instead",
+                "smddp: %s, and a new free channel could not be opened (%s); smddpd unmaps "
+                "freed GPU memory at the rank's next op instead",
+                why,
                 exc,
-                f": {detail.strip()[-500:]}" if detail else "",
             )
-            return None
-        # Hooked first, then the exports so far: none falls between (watching is idempotent).
-        exporter.on_export = channel.watch
-        for base in exporter.bases():
-            channel.watch(base)
-        _channel = channel
-        return channel
+        return alive
+    _open_on = session.socket_path
+    if why is not None:
+        log.warning(
+            "smddp: %s: free channel reopened on session %s (job %s, rank %d)",
+            why,
+            session.session_id,
+            session.job_id,
+            session.rank,
+        )
+    return True

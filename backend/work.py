@@ -220,7 +220,8 @@ class SmddpWork(dist.Work):
         self._completed = True
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
-        self._complete()
+        if not self._completed:
+            self._complete()
         if self._error is not None:
             raise self._error
         return True

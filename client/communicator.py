@@ -115,7 +115,7 @@ class Communicator:
         self._engine = DaemonEngine(session, half, timeout_s)
         shared = single_node and session.world_size > 1
         self._direct = DirectOps(
-            self.rank, half, half, config.direct_chunk_for(session.world_size, ALIGN), ALIGN
+            self.rank, half, half, config.direct_chunk(ALIGN), ALIGN
         )
         self._direct_min = config.direct_min_bytes if shared else -1
         # The region and direct paths: every collective they can carry, between the ranks.
@@ -198,10 +198,11 @@ class Communicator:
             failed = Handle(self)
             failed.error = exc
             return failed
-        return shm, self._next(), self._seq
+        self._seq += 1
+        return shm, Handle(self, "op", self._seq), self._seq
 
     def _fits(self, nbytes: int) -> bool:
-        return self._use_shm and nbytes <= self._region.data_bytes()
+        return self._use_shm and nbytes <= self._region.max_bytes
 
     def _goes_direct(self, nbytes: int) -> bool:
         return self._use_shm or 0 <= self._direct_min <= nbytes
@@ -209,7 +210,7 @@ class Communicator:
     def _in_region(
         self,
         kind: int,
-        dtype: np.dtype | None,
+        code: int,
         count: int,
         root: int,
         reduce_op: int,
@@ -217,15 +218,15 @@ class Communicator:
         steps: Steps,
     ) -> Handle:
         """Starts an op whose data fits a region buffer (``region_ops``); ``Handle.wait``
-        completes it. Behind a large op on the progress thread it runs there, in order."""
+        completes it. Behind a large op on the progress thread it runs there, in order.
+        ``code``: the data's wire dtype (0 for a barrier)."""
         with self._lock:
             begun = self._begin_region()
             if isinstance(begun, Handle):
                 return begun  # the communicator has failed
             shm, handle, seq = begun
-            code = code_of(dtype) if dtype is not None and kind != pb.BARRIER else 0
             args = (handle, shm, seq, kind, code, count, root, reduce_op, nbytes, steps)
-            if self._progress.busy():
+            if self._progress.queued:  # busy(), inline: every small op asks
                 event = handle.event = threading.Event()
                 handle.pending = 1
 
@@ -316,12 +317,11 @@ class Communicator:
     def all_reduce(self, array: np.ndarray, reduce_op: int = pb.SUM) -> Handle:
         """Reduces ``array`` across ranks in place (rank order, bitwise identical everywhere)."""
         data = flat(array, "all_reduce", writable=True)
-        check_reduce(code_of(data.dtype), reduce_op)
+        code = code_of(data.dtype)
+        check_reduce(code, reduce_op)
         if self._fits(data.nbytes):
             steps = self._region.all_reduce(data, reduce_op)
-            return self._in_region(
-                pb.ALL_REDUCE, data.dtype, data.size, 0, reduce_op, data.nbytes, steps
-            )
+            return self._in_region(pb.ALL_REDUCE, code, data.size, 0, reduce_op, data.nbytes, steps)
         if self._goes_direct(data.nbytes):
             work = all_reduce_work(data, reduce_op, self.rank, self.world_size)
             return self._run_direct(pb.ALL_REDUCE, data, 0, reduce_op, work)
@@ -340,7 +340,8 @@ class Communicator:
         check_root(root, self.world_size, "broadcast")
         if self._fits(data.nbytes):
             steps = self._region.broadcast(data, root)
-            return self._in_region(pb.BROADCAST, data.dtype, data.size, root, 0, data.nbytes, steps)
+            code = code_of(data.dtype)
+            return self._in_region(pb.BROADCAST, code, data.size, root, 0, data.nbytes, steps)
         if self._goes_direct(data.nbytes):
             work = broadcast_work(data, root, self.rank)
             return self._run_direct(pb.BROADCAST, data, root, 0, work)
@@ -361,9 +362,8 @@ class Communicator:
         check_reduce(code_of(data.dtype), reduce_op)
         if self._fits(data.nbytes):
             steps = self._region.reduce(data, root, reduce_op)
-            return self._in_region(
-                pb.REDUCE, data.dtype, data.size, root, reduce_op, data.nbytes, steps
-            )
+            code = code_of(data.dtype)
+            return self._in_region(pb.REDUCE, code, data.size, root, reduce_op, data.nbytes, steps)
         is_root = self.rank == root
         return self._via_daemon(
             pb.REDUCE,
@@ -397,7 +397,7 @@ class Communicator:
         outs = per_rank(outputs, self.world_size, src.size, src.dtype, what, writable=True)
         if self._fits(src.nbytes):
             steps = self._region.gather(src, outs)
-            return self._in_region(kind, src.dtype, src.size, root, 0, src.nbytes, steps)
+            return self._in_region(kind, code_of(src.dtype), src.size, root, 0, src.nbytes, steps)
         if kind == pb.ALL_GATHER and outs is not None and self._goes_direct(src.nbytes):
             return self._run_direct(kind, src, 0, 0, all_gather_work(outs, src, self.rank))
         return self._via_daemon(
@@ -439,7 +439,8 @@ class Communicator:
         if self._fits(out.nbytes * w):
             steps = self._region.scatter(kind, out, ins, root, reduce_op)
             nbytes = out.nbytes * w if ins is not None else 0
-            return self._in_region(kind, out.dtype, out.size, root, reduce_op, nbytes, steps)
+            code = code_of(out.dtype)
+            return self._in_region(kind, code, out.size, root, reduce_op, nbytes, steps)
         return self._via_daemon(
             kind,
             out.dtype,
@@ -481,7 +482,7 @@ class Communicator:
     def barrier(self) -> Handle:
         """Completes once every rank has called it."""
         if self._use_shm:
-            return self._in_region(pb.BARRIER, None, 0, 0, 0, 0, (None, None))
+            return self._in_region(pb.BARRIER, 0, 0, 0, 0, 0, (None, None))
         return self._via_daemon(pb.BARRIER, None, 0, 0, 0, self._engine.barrier)
 
     def send(self, array: np.ndarray, dst: int, tag: int = 0) -> Handle:

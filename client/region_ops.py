@@ -60,6 +60,8 @@ class RegionOps:
         self._shm: ShmPath | None = None
         self.peer_maps: list[np.ndarray] = []
         self.open: InFlight | None = None  # its op whose completion is still due
+        # The largest op the region carries (a slot's data buffer): known once it is mapped.
+        self.max_bytes = DEFAULT_DATA_BYTES
 
     @property
     def shm(self) -> ShmPath:
@@ -69,11 +71,8 @@ class RegionOps:
             self._shm = ShmPath(
                 self.name, self.rank, region, self.timeout_s, self._alive, self._gone
             )
+            self.max_bytes = self._shm.data_bytes
         return self._shm
-
-    def data_bytes(self) -> int:
-        """The size of a slot's data buffer (the largest op the region carries)."""
-        return self._shm.data_bytes if self._shm is not None else DEFAULT_DATA_BYTES
 
     def begin(self) -> ShmPath:
         """Before a new op: the region, with the previous op's data read.
@@ -104,7 +103,8 @@ class RegionOps:
         fill, finish = steps
         try:
             shm.check()
-            parity = shm.next_parity()
+            shm.count += 1  # next_parity(), inline
+            parity = shm.count & 1
             if fill is not None:
                 fill(shm, parity)
             target = shm.publish(seq, parity, kind, code, count, root, reduce_op)
@@ -119,9 +119,9 @@ class RegionOps:
         """Waits for the others at the op's synchronisation, checks that the ranks agree,
         then runs the op's finish (reduce or copy out)."""
         wait = op.region
-        if not op.pending or wait is None:
+        shm = self._shm
+        if not op.pending or wait is None or shm is None:
             return
-        shm = self.shm
         try:
             shm.wait(wait.target, wait.seq)
             shm.agree(wait.seq, wait.parity)

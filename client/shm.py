@@ -250,7 +250,14 @@ class ShmPath:
             | (count & 0x7FFFFFFFF)
         )
         q[self.base + S_SEQ] = seq
-        return self.bump()
+        # bump(), inline
+        self.step += 1
+        q[self.base + S_STEP] = self.step
+        for w in self.sleep_words:
+            if q[w]:
+                futex_wake(self.my_address)
+                break
+        return self.step
 
     def agree(self, seq: int, parity: int) -> None:
         """After the op's first synchronisation: raises MismatchError unless every rank
@@ -287,7 +294,7 @@ class ShmPath:
     def done(self, seq: int, parity: int, kind: int, dtype: int, nbytes: int) -> None:
         """Counts the completed op in this rank's slot (the daemon reads the counters)."""
         q = self.q
-        arrivals = [q[w] for w in self._arrival_words[parity]]
+        arrivals = list(map(q.__getitem__, self._arrival_words[parity]))
         first, last = min(arrivals), max(arrivals)
         took = time.monotonic_ns() - first
         skew = last - first

@@ -9,7 +9,9 @@
 // * It never blocks the allocator for ever: each answer is awaited with poll() for at most
 //   wait_ms; past that the free goes ahead with a log line (the old after-the-fact path, in
 //   which smddpd unmaps at the rank's next op, still covers it). A channel that broke (smddpd
-//   gone) is dropped and logged once, and later frees do not wait at all.
+//   gone) is dropped and logged once, and later frees do not wait at all, until the rank's
+//   Python side opens a new one (backend/cuda_free_hook.py: at its next GPU op, or when a new
+//   group attaches to a restarted smddpd; smddp_fc_is_open and smddp_fc_check tell it when).
 // * Messages are the data socket's: one SOCK_SEQPACKET message, a type byte and a protobuf
 //   (SegmentFree / SegmentFreeReply in protos/smddp/v1/smddp.proto), encoded by hand: the
 //   request has only fixed64 fields. Each request carries a sequence number, so an answer
@@ -24,6 +26,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <mutex>
 #include <unordered_set>
 
@@ -35,11 +38,14 @@ constexpr unsigned char kMsgFreeReply = 9;
 
 std::mutex mu;
 int channel = -1;
+// channel >= 0, readable without mu: smddp_fc_is_open runs on every GPU op, and must not wait
+// behind a free that is waiting for smddpd.
+std::atomic<int> channel_open{0};
 uint32_t wait_budget_ms = 1000;
 uint64_t next_seq = 0;
 bool broke_logged = false;
 std::unordered_set<uint64_t> watched;
-uint64_t n_sent = 0, n_closed = 0, n_deferred = 0, n_timeouts = 0, n_failed = 0;
+uint64_t n_sent = 0, n_closed = 0, n_deferred = 0, n_timeouts = 0, n_failed = 0, n_opens = 0;
 
 // One line on stderr; write(2) directly: no stdio locks, no Python logging (the GIL).
 void log_line(const char* text) {
@@ -101,10 +107,16 @@ bool parse_reply(const unsigned char* p, const unsigned char* end, uint64_t& seq
   return true;
 }
 
-// The channel broke: drop it (mu held).
-void drop_channel(const char* why) {
+// Closes the channel (mu held).
+void shut_channel() {
   if (channel >= 0) close(channel);
   channel = -1;
+  channel_open.store(0, std::memory_order_relaxed);
+}
+
+// A free found the channel broken: drop it (mu held).
+void drop_channel(const char* why) {
+  shut_channel();
   n_failed++;
   if (!broke_logged) {
     broke_logged = true;
@@ -121,16 +133,39 @@ void drop_channel(const char* why) {
 
 extern "C" void smddp_fc_open(int fd, uint32_t wait_ms) {
   std::lock_guard<std::mutex> lock(mu);
-  if (channel >= 0) close(channel);
+  shut_channel();
   channel = fd;
+  channel_open.store(fd >= 0 ? 1 : 0, std::memory_order_relaxed);
   wait_budget_ms = wait_ms;
   broke_logged = false;
+  n_opens++;
 }
 
 extern "C" void smddp_fc_close(void) {
   std::lock_guard<std::mutex> lock(mu);
-  if (channel >= 0) close(channel);
-  channel = -1;
+  shut_channel();
+}
+
+extern "C" int smddp_fc_is_open(void) { return channel_open.load(std::memory_order_relaxed); }
+
+extern "C" int smddp_fc_check(void) {
+  std::lock_guard<std::mutex> lock(mu);
+  if (channel < 0) return 0;
+  unsigned char buf[512];
+  for (;;) {
+    struct pollfd pfd = {channel, POLLIN, 0};
+    int ready = poll(&pfd, 1, 0);
+    if (ready < 0 && errno == EINTR) continue;
+    if (ready < 0 || (pfd.revents & (POLLERR | POLLNVAL))) break;
+    if (ready == 0) return 1;  // nothing waiting, peer still there
+    // Readable: a late answer (no request is in flight while mu is held), or the peer's end.
+    ssize_t n = recv(channel, buf, sizeof buf, MSG_DONTWAIT);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && errno == EAGAIN) return 1;
+    if (n <= 0) break;
+  }
+  shut_channel();
+  return 0;
 }
 
 extern "C" void smddp_fc_watch(uint64_t base) {
@@ -138,7 +173,7 @@ extern "C" void smddp_fc_watch(uint64_t base) {
   watched.insert(base);
 }
 
-extern "C" void smddp_fc_stats(uint64_t out[6]) {
+extern "C" void smddp_fc_stats(uint64_t out[7]) {
   std::lock_guard<std::mutex> lock(mu);
   out[0] = n_sent;
   out[1] = n_closed;
@@ -146,6 +181,7 @@ extern "C" void smddp_fc_stats(uint64_t out[6]) {
   out[3] = n_timeouts;
   out[4] = n_failed;
   out[5] = watched.size();
+  out[6] = n_opens;
 }
 
 extern "C" int smddp_fc_segment_free(uint64_t base, uint64_t nbytes) {

@@ -11,7 +11,6 @@ from smddp.client.config import (
     DEFAULT_ARENA_BYTES,
     DEFAULT_DIRECT_CHUNK_BYTES,
     DEFAULT_DIRECT_MIN_BYTES,
-    SHARED_CORES_DIRECT_CHUNK_BYTES,
     ClientConfig,
 )
 
@@ -67,10 +66,9 @@ def test_a_bad_number_is_an_error_and_the_config_is_frozen() -> None:
         ClientConfig().arena_bytes = 1  # type: ignore[misc]
 
 
-def test_the_direct_chunk_depends_on_ranks_per_core(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("os.cpu_count", lambda: 4)
-    config = ClientConfig()
-    assert config.direct_chunk_for(4, 64) == DEFAULT_DIRECT_CHUNK_BYTES
-    assert config.direct_chunk_for(5, 64) == SHARED_CORES_DIRECT_CHUNK_BYTES
-    assert ClientConfig(direct_chunk_bytes=1).direct_chunk_for(2, 64) == 64  # at least ALIGN
-    assert ClientConfig(direct_chunk_bytes=4096).direct_chunk_for(99, 64) == 4096
+def test_the_direct_chunk_is_the_default_or_the_setting_in_whole_alignments() -> None:
+    assert ClientConfig().direct_chunk(64) == DEFAULT_DIRECT_CHUNK_BYTES
+    assert ClientConfig(direct_chunk_bytes=1).direct_chunk(64) == 64  # at least ALIGN
+    assert ClientConfig(direct_chunk_bytes=4096).direct_chunk(64) == 4096
+    assert ClientConfig(direct_chunk_bytes=4100).direct_chunk(64) == 4096
+    assert ClientConfig.from_env({"SMDDP_DIRECT_CHUNK_BYTES": "65536"}).direct_chunk(64) == 65536

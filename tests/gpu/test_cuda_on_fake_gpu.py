@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -161,3 +162,151 @@ def test_close_before_free_through_the_allocator_hook_s_entry_point(
     # The stopped request's late answer was dropped; the next call got its own.
     assert r0["after_code"] in (cuda_free_hook.FreeChannel.CLOSED,), r0
     assert r0["stats"]["timeouts"] == 1 and r0["stats"]["failed"] == 0, r0
+
+
+def restart_rank(
+    rank: int, world: int, init_first: str, init_second: str, library: str
+) -> dict[str, Any]:
+    """The free channel follows the process's daemon (run by the test below, which kills
+    smddpd and starts a new one on the same socket when every rank has printed
+    ``restart-me``). The hook's C library (the channel alone, built by the test) is
+    installed as ``backend/cuda.py`` installs it, and frees are announced through the entry
+    point torch's tracker calls."""
+    import ctypes
+    import logging
+    import sys
+
+    sys.path.insert(0, str(HERE))
+    import cuda_ranks
+    import torch
+    import torch.distributed as dist
+    from cuda_ranks import FAKE, Checker, host_reduce, host_values, init, to_torch
+
+    from smddp.backend import cuda_free_hook
+    from smddp.v1 import smddp_pb2 as pb
+
+    messages: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(record.getMessage())
+
+    logger = logging.getLogger("smddp.backend.cuda_free_hook")
+    logger.addHandler(Keep())
+    logger.setLevel(logging.INFO)
+    builds: list[int] = []
+
+    def load() -> ctypes.CDLL:
+        builds.append(1)
+        return ctypes.CDLL(library)
+
+    out: dict[str, Any] = {}
+    check = Checker(rank)
+
+    def reduced(salt: int) -> torch.Tensor:
+        """A tensor on the fake GPU, all-reduced (so smddpd has its allocation mapped)."""
+        x = to_torch(host_values(rank, 513, torch.float32, salt=salt), torch.device("cpu"))
+        dist.all_reduce(x)
+        want = [host_values(r, 513, torch.float32, salt=salt) for r in range(world)]
+        check.same(f"all_reduce (salt {salt})", x, host_reduce(want, pb.SUM))
+        return x
+
+    def free(x: torch.Tensor, channel: cuda_free_hook.FreeChannel) -> tuple[int, bool]:
+        """What the allocator's tracker does for x's segment: (its code, unmapped then)."""
+        fake = cuda_ranks._fake
+        (alloc,) = [a for a in fake.allocations if a.base <= x.data_ptr() < a.base + a.size]
+        code = channel.segment_free(alloc.base, alloc.size)
+        return code, os.path.exists(alloc.path + ".closed")
+
+    def install() -> cuda_free_hook.FreeChannel | None:
+        comm = dist.group.WORLD.comm  # the world is the SmddpProcessGroup itself
+        return cuda_free_hook.install(comm.session, comm.cuda.exporter, library=load)
+
+    # The first daemon: the group's first op maps x, then the hook is installed (as on the
+    # first GPU group of a process) and x's free is closed before it happens.
+    init(rank, world, init_first, FAKE)
+    x = reduced(0)
+    channel = install()
+    assert channel is not None, messages
+    out["first"] = free(x, channel)
+    out["opens_first"] = channel.stats()["opens"]
+    print("restart-me", flush=True)
+    sys.stdin.readline()
+    # smddpd was killed and a new one started on the same socket; no free noticed it.
+    out["open_after_kill"] = channel.is_open()
+    try:
+        dist.destroy_process_group()
+    except Exception as exc:  # the old group's daemon is gone: whatever it says is fine here
+        out["destroy"] = repr(exc)
+    # A new group in the same process, on the new daemon: its attach (on its first GPU op,
+    # where backend/cuda.py installs) reopens the channel.
+    init(rank, world, init_second, FAKE)
+    y = reduced(1)
+    again = install()
+    out["same_library"] = again is channel
+    out["after_restart"] = free(y, channel)
+    out["opens_restart"] = channel.stats()["opens"]
+    # A channel that is no longer open (closed here; a free that finds it broken marks it
+    # the same way) is reopened by the group's next op, which the free never fails.
+    channel.close()
+    z = reduced(2)
+    out["after_op"] = free(z, channel)
+    out["opens_op"] = channel.stats()["opens"]
+    out["builds"] = len(builds)
+    out["messages"] = messages
+    out["failures"] = check.failures
+    dist.barrier()
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_the_free_channel_follows_a_restarted_daemon(start_daemon, spawn_ranks, tmp_path) -> None:
+    """smddpd killed and restarted on the same socket while the ranks live on: a new
+    process group in each rank process reopens the free channel on the new daemon (the
+    library built once), a free is again closed before it happens, and a channel that is
+    not open is reopened by the next op; each reopen logged once."""
+    import signal
+
+    from smddp.backend import cuda_free_hook
+
+    library = cuda_free_hook.compile_library(cuda_free_hook.CHANNEL_SOURCES, tmp_path)
+    daemon_env = dict(os.environ, SMDDP_TEST_GPU_RUNTIME=FAKE_RUNTIME)
+    daemon = start_daemon(env=daemon_env)
+    env = dict(
+        os.environ,
+        SMDDP_SOCKET=daemon.socket,
+        SMDDP_EMBEDDED="0",
+        SMDDP_TEST_CUDA_DEVICE=FAKE_DEVICE,
+        SMDDP_FREE_WAIT_MS="5000",
+    )
+    ranks = spawn_ranks(
+        restart_rank,
+        2,
+        2,
+        str(tmp_path / "init-1"),
+        str(tmp_path / "init-2"),
+        str(library),
+        env=env,
+        timeout_s=240,
+    )
+    ranks.wait_for("restart-me")
+    daemon.stop(signal.SIGKILL)
+    restarted = start_daemon(env=daemon_env)
+    assert restarted.socket == daemon.socket
+    ranks.send("go")
+    results = ranks.join()
+    closed = (cuda_free_hook.FreeChannel.CLOSED, True)
+    for rank, r in enumerate(results):
+        assert not r["failures"], r["failures"]
+        assert r["first"] == closed and r["opens_first"] == 1, r
+        assert r["open_after_kill"], "a free (or something) noticed the kill: test is moot"
+        assert r["same_library"] and r["builds"] == 1, r
+        assert r["after_restart"] == closed, f"rank {rank}: not closed before the free: {r}"
+        assert r["opens_restart"] == 2, r
+        assert r["after_op"] == closed and r["opens_op"] == 3, r
+        reopened = [m for m in r["messages"] if "free channel reopened" in m]
+        assert len(reopened) == 2, r["messages"]
+        assert "broke or smddpd restarted" in reopened[0], reopened
+        assert f"rank {rank}" in reopened[0]
+        assert not [m for m in r["messages"] if "could not" in m], r["messages"]

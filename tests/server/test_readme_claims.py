@@ -582,6 +582,10 @@ def test_readyz_is_503_while_the_daemon_is_full(
         f"job {other} comm 0: the daemon already serves 1 jobs (--max-jobs)"
     ), info.value
     c.close()
+    # The daemon notices the job's last rank leaving on its own connection thread.
+    deadline = time.monotonic() + 10
+    while http_get(port, "/readyz") != (200, "ready\n") and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert http_get(port, "/readyz") == (200, "ready\n")
     assert d.stop() == 0, d.log()
 
