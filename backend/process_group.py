@@ -35,8 +35,6 @@ if TYPE_CHECKING:
 BACKEND_NAME = "smddp"
 _CARRIED = frozenset(SUPPORTED)
 _SUM = dist.ReduceOp.SUM
-# Read only (its reduceOp): the options of an allreduce called without any.
-_ALLREDUCE_DEFAULTS = c10d.AllreduceOptions()
 
 
 _T = TypeVar("_T")
@@ -165,35 +163,17 @@ class SmddpProcessGroup(dist.ProcessGroup):
 
     # -- collectives --------------------------------------------------------------------------
 
-    def allreduce(  # type: ignore[override]  # torch's stub: the overloads, not this form
+    @_tracked
+    def allreduce(
         self, tensors: list[torch.Tensor], opts: c10d.AllreduceOptions | None = None
     ) -> SmddpWork:
-        # The common case (one contiguous CPU tensor, no coalescing block open) is done here,
-        # outside _tracked's frame: a small op's cost is its Python frames.
-        t = self._lean(tensors) if self._coalesced is None else None
-        if t is None:
-            return self._allreduce(tensors, opts)
-        # ReduceOp == RedOpType is a C++ comparison; going through .op costs twice as much.
-        # (torch's stub types the two as unrelated; C++ compares them by value)
-        rop = (opts if opts is not None else _ALLREDUCE_DEFAULTS).reduceOp
-        op = pb.SUM if rop == _SUM else reduce_op(rop, "all_reduce")  # type: ignore[comparison-overlap]
-        try:
-            handle = self._ops.all_reduce(self._views.flat(t, "all_reduce"), op)
-        except UnsupportedError:
-            raise
-        except SmddpError as exc:
-            raise translate(exc) from None
-        return SmddpWork([handle], [t])
-
-    @_tracked
-    def _allreduce(
-        self, tensors: list[torch.Tensor], opts: c10d.AllreduceOptions | None
-    ) -> SmddpWork:
-        """allreduce, every case but the common one."""
         opts = opts if opts is not None else c10d.AllreduceOptions()
         t = self._lean(tensors)
-        if t is not None:  # in a coalescing block
-            op = reduce_op(opts.reduceOp, "all_reduce")
+        if t is not None:
+            rop = opts.reduceOp
+            # ReduceOp == RedOpType is a C++ comparison; going through .op costs twice as much.
+            # (torch's stub types the two as unrelated; C++ compares them by value)
+            op = pb.SUM if rop == _SUM else reduce_op(rop, "all_reduce")  # type: ignore[comparison-overlap]
             return SmddpWork([self._ops.all_reduce(self._views.flat(t, "all_reduce"), op)], [t])
         if (
             len(tensors) == 1

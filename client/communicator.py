@@ -196,8 +196,7 @@ class Communicator:
             failed = Handle(self)
             failed.error = exc
             return failed
-        self._seq += 1
-        return shm, Handle(self, "op", self._seq), self._seq
+        return shm, self._next(), self._seq
 
     def _fits(self, nbytes: int) -> bool:
         return self._use_shm and nbytes <= self._region.max_bytes
@@ -224,7 +223,7 @@ class Communicator:
                 return begun  # the communicator has failed
             shm, handle, seq = begun
             args = (handle, shm, seq, kind, code, count, root, reduce_op, nbytes, steps)
-            if self._progress.queued:  # busy(), inline: every small op asks
+            if self._progress.busy():
                 event = handle.event = threading.Event()
                 handle.pending = 1
 
@@ -357,10 +356,10 @@ class Communicator:
         """Reduces ``array`` across ranks into the root's ``array``."""
         data = flat(array, "reduce", writable=True)
         check_root(root, self.world_size, "reduce")
-        check_reduce(code_of(data.dtype), reduce_op)
+        code = code_of(data.dtype)
+        check_reduce(code, reduce_op)
         if self._fits(data.nbytes):
             steps = self._region.reduce(data, root, reduce_op)
-            code = code_of(data.dtype)
             return self._in_region(pb.REDUCE, code, data.size, root, reduce_op, data.nbytes, steps)
         is_root = self.rank == root
         return self._via_daemon(

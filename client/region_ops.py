@@ -103,8 +103,7 @@ class RegionOps:
         fill, finish = steps
         try:
             shm.check()
-            shm.count += 1  # next_parity(), inline
-            parity = shm.count & 1
+            parity = shm.next_parity()
             if fill is not None:
                 fill(shm, parity)
             target = shm.publish(seq, parity, kind, code, count, root, reduce_op)

@@ -250,14 +250,7 @@ class ShmPath:
             | (count & 0x7FFFFFFFF)
         )
         q[self.base + S_SEQ] = seq
-        # bump(), inline
-        self.step += 1
-        q[self.base + S_STEP] = self.step
-        for w in self.sleep_words:
-            if q[w]:
-                futex_wake(self.my_address)
-                break
-        return self.step
+        return self.bump()
 
     def agree(self, seq: int, parity: int) -> None:
         """After the op's first synchronisation: raises MismatchError unless every rank
