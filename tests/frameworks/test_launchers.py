@@ -57,8 +57,9 @@ def _mpirun(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]
     env = _clean_env(tmp_path)
     # CI runs as root; --oversubscribe: more ranks than this machine's cores.
     env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    # --tag-output: mpirun forwards each rank's output line by line, "[job,rank]<stdout>:" before
-    # each; without it two ranks' lines can interleave within a line. The tags are taken off here.
+    # --tag-output: mpirun puts "[job,rank]<stdout>:" before each piece of a rank's output it
+    # forwards. A piece is what one read returned, not a line (print() can write its text and its
+    # newline apart), so the pieces are put back together rank by rank, each rank's stream whole.
     cmd = [
         mpirun,
         "--oversubscribe",
@@ -73,10 +74,22 @@ def _mpirun(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]
     proc = subprocess.run(
         cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S
     )
-    untag = re.compile(r"^\[\d+,\d+\]<std(?:out|err)>:", re.MULTILINE)
     return subprocess.CompletedProcess(
-        cmd, proc.returncode, untag.sub("", proc.stdout), untag.sub("", proc.stderr)
+        cmd, proc.returncode, _by_rank(proc.stdout), _by_rank(proc.stderr)
     )
+
+
+_TAG = re.compile(r"\[\d+,(\d+)\]<std(?:out|err)>:")
+
+
+def _by_rank(tagged: str) -> str:
+    """mpirun's tagged output as each rank's whole stream, rank 0's first; untagged text
+    (mpirun's own) comes before them."""
+    pieces = _TAG.split(tagged)
+    streams: dict[int, list[str]] = {}
+    for rank, piece in zip(pieces[1::2], pieces[2::2], strict=True):
+        streams.setdefault(int(rank), []).append(piece)
+    return pieces[0] + "".join("".join(streams[rank]) for rank in sorted(streams))
 
 
 def _slurm_step(args: list[str], tmp_path: Path) -> list[subprocess.CompletedProcess[str]]:
