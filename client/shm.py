@@ -217,7 +217,8 @@ class ShmPath:
             pb.TIMEOUT,
             f"{self.name}: op #{seq} {describe(*sig[G_KIND : G_OP + 1])} timed out: "
             f"{rank_list(lagging or [-1])} never arrived while {rank_list(arrived)} waited "
-            f"{waited:.1f} s (timeout {self.timeout_s:.1f} s; smddpd did not answer in time)",
+            f"{waited:.1f} s, past the group's timeout of {self.timeout_s:.1f} s "
+            "(smddpd did not answer in time)",
         )
         raise self.error
 

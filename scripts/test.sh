@@ -16,7 +16,13 @@ bash scripts/wheel_test.sh
 # the full run, not when arguments pick tests. CI=false: its ~200 skips are the suite's own
 # (CUDA tensors, 4 or 8 ranks, NCCL- or MPI-only features) and the reasoned ones in
 # torch_suite.py, not something CI failed to install (what tests/ci_skips.py guards against).
+# Twice, as torch's CI runs it for gloo: rendezvous through env:// (the suite's default), then
+# through file:// (which alone runs the barrier-timeout tests on the default group).
 if [ $# -eq 0 ]; then
     CI=false .venv/bin/python -m pytest -q -ra -p no:cacheprovider tests/frameworks/torch_suite.py --timeout 300
+    init_dir=$(mktemp -d)
+    INIT_METHOD="file://$init_dir/init" CI=false .venv/bin/python -m pytest -q -ra -p no:cacheprovider \
+        tests/frameworks/torch_suite.py --timeout 300
+    rm -rf "$init_dir"
 fi
 # --- end frameworks

@@ -747,7 +747,8 @@ class Communicator:
         message = (
             f"{self.name()}: op #{p.seq} {describe_request(req)} timed out: "
             f"{rank_list(missing)} never arrived ({', '.join(labels)}) while "
-            f"{rank_list(arrived)} waited {waited:.1f} s (timeout {self.timeout_s:.1f} s)"
+            f"{rank_list(arrived)} waited {waited:.1f} s, "
+            f"past the group's timeout of {self.timeout_s:.1f} s"
         )
         if held_back:
             # A rank that sends more than the daemon holds before receiving waits for its
@@ -777,7 +778,8 @@ class Communicator:
         message = (
             f"{self.name()}: op #{p.seq} {p.description} timed out: "
             f"{rank_list(p.missing)} never arrived ({', '.join(labels)}) while "
-            f"{rank_list(p.arrived)} waited {p.waited_s:.1f} s (timeout {self.timeout_s:.1f} s)"
+            f"{rank_list(p.arrived)} waited {p.waited_s:.1f} s, "
+            f"past the group's timeout of {self.timeout_s:.1f} s"
         )
         self.fail(pb.TIMEOUT, message, culprit=culprit)
 

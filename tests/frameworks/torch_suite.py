@@ -65,12 +65,6 @@ NOT_IN_SMDDP = {
             "test_send_recv_any_source_torch_profiler",
         )
     },
-    # The barrier does time out after 1 s on the waiting rank, as the test wants; its
-    # regex then asks for gloo's or NCCL's wording (" Timed out ", " timeout ", " closed "),
-    # and smddp's message ("op #1 barrier() timed out: ranks 1-2 never arrived ... (timeout
-    # 1.0 s)") is fixed by tests/failures/test_timeout.py.
-    "test_barrier_timeout_full_group": "the suite's regex wants gloo's timeout wording; smddp's "
-    "barrier times out as asked but words it 'timed out: ranks ... never arrived'",
 }
 
 
