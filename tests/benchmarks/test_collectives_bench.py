@@ -217,3 +217,46 @@ def test_plot_writes_png(tmp_path: Path) -> None:
     rows = rows_from_run(_run("gloo", 2, {0: [1e-3] * 3, 1: [1e-3] * 3}), {})
     write_plot(str(tmp_path / "busbw.png"), rows, {4: 0.01, 1 << 20: 10.0})
     assert (tmp_path / "busbw.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.timeout(QUICK_TIMEOUT_S + 30)
+def test_paired_times_both_backends_and_ddp_s_own_share(tmp_path: Path) -> None:
+    """The paired benchmark (the README's Speed table) at w=2, one case, a few DDP steps: every
+    figure is there, the DDP table has its three rows, the JSON the same figures."""
+    out, md = tmp_path / "paired.json", tmp_path / "paired.md"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.collectives.paired",
+            "--world-sizes",
+            "2",
+            "--cases",
+            "all_reduce:4",
+            "--ddp-steps",
+            "2",
+            "--json",
+            str(out),
+            "--markdown",
+            str(md),
+        ],
+        check=False,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=QUICK_TIMEOUT_S,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (run,) = json.loads(out.read_text())["results"]
+    case = run["cases"]["all_reduce:4"]
+    assert case["smddp"] > 0 and case["gloo"] > 0, case
+    ddp = run["ddp"]
+    assert set(ddp) == {"smddp", "gloo", "no communication"}, ddp
+    for figures in ddp.values():
+        assert figures["step_s"] > 0 and figures["no_sync_s"] > 0, figures
+    table = md.read_text()
+    assert "| all_reduce 4 B | " in table, table
+    for row in ("| smddp | ", "| gloo | ", "| no communication | "):
+        assert row in table, table
+    assert "beyond it smddp's communication takes" in table, table
