@@ -150,10 +150,13 @@ class RegionOps:
         me, n, dtype = self.rank, data.size, data.dtype
 
         def fill(shm: ShmPath, p: int) -> None:
-            np.copyto(shm.sized(p, dtype, n)[me], data)
+            if shm.native is None or not shm.native.fill(p, data):
+                np.copyto(shm.sized(p, dtype, n)[me], data)
 
         def finish(shm: ShmPath, p: int) -> None:
-            reduce_rank_order(data, shm.sized(p, dtype, n), reduce_op)
+            # The C part reduces the common dtypes and ops (bitwise numpy's), numpy the rest.
+            if shm.native is None or not shm.native.reduce(p, data, reduce_op):
+                reduce_rank_order(data, shm.sized(p, dtype, n), reduce_op)
 
         return fill, finish
 

@@ -65,6 +65,11 @@ from smddp.region import (
 from smddp.v1 import smddp_pb2 as pb
 from smddp.wire import describe, rank_list
 
+try:  # the per-op bookkeeping in C (setup.py builds it where a compiler is found)
+    from smddp import _fastregion
+except ImportError:  # pragma: no cover - an install without it runs the same in Python
+    _fastregion = None  # type: ignore[assignment]
+
 _BOUNDS_NS = [int(b * 1e9) for b in LATENCY_BUCKETS]
 SPIN_S = 50e-6  # pure spinning, when every rank has a core
 SHORT_SPIN_S = 5e-6  # when ranks share cores: the rank we wait for needs ours
@@ -123,6 +128,15 @@ class ShmPath:
         self.error: OpError | DaemonLostError | None = None
         self.count = 0  # ops run in the region so far (their parity alternates)
         self._next_alive_check = 0.0
+        # The C part, when built and not turned off (SMDDP_NATIVE=0): it takes over the
+        # step counter and the methods below of the same names, which stay as the reference.
+        self.native = _native_slot(region, rank, self.world, v, self.spin_s)
+        if self.native is not None:
+            self.bump = self.native.bump  # type: ignore[method-assign]
+            self.publish = self.native.publish  # type: ignore[method-assign]
+            self.done = self.native.done  # type: ignore[method-assign]
+            self._agree = self.native.agree
+            self._spin = self.native.spin
 
     # -- synchronisation ----------------------------------------------------------------------
 
@@ -167,6 +181,12 @@ class ShmPath:
 
     def wait(self, target: int, seq: int) -> None:
         """Returns once every other rank's step has reached ``target``."""
+        if self.native is not None:
+            arrived = self._spin(target)
+            if arrived > 0:
+                return
+            if arrived < 0:
+                self._raise_alarm()
         q = self.q
         for j, word, address in self.others:
             if q[word] < target:
@@ -256,6 +276,10 @@ class ShmPath:
     def agree(self, seq: int, parity: int) -> None:
         """After the op's first synchronisation: raises MismatchError unless every rank
         published the same signature for op ``seq`` (the same text on every rank)."""
+        if self.native is not None:
+            if not self._agree(seq, parity):
+                self._mismatch(seq, parity)
+            return
         q = self.q
         off = SIG_WORD + parity * SIG_WORDS
         mine = q[self.base + off + G_PACKED]
@@ -330,3 +354,25 @@ class ShmPath:
             views = [b[: n * dtype.itemsize].view(dtype) for b in self.buffers[parity]]
             self._typed[key] = views
         return views
+
+
+def _native_slot(
+    region: np.ndarray, rank: int, world: int, view: RegionView, spin_s: float
+) -> _fastregion.Slot | None:
+    """The C side of this rank's slot, or None (not built, or SMDDP_NATIVE=0)."""
+    if _fastregion is None or os.environ.get("SMDDP_NATIVE", "1") == "0":
+        return None
+    from smddp import region as layout
+
+    return _fastregion.Slot(
+        region.ctypes.data,
+        rank,
+        world,
+        view.slot_bytes,
+        view.data_bytes,
+        int(spin_s * 1e9),
+        tuple(getattr(layout, name) for name in _fastregion.LAYOUT),
+        tuple(_BOUNDS_NS),
+        pb.SUM,
+        pb.AVG,
+    )

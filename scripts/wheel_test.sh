@@ -21,7 +21,7 @@ step() { echo "wheel_test [${SECONDS} s]: $*"; }
 
 step "building (python -m build)"
 .venv/bin/python -m build --outdir "$WORK/dist" . >"$WORK/build.log" 2>&1 || { cat "$WORK/build.log"; exit 1; }
-WHEEL=$(ls "$WORK"/dist/smddp-*-py3-none-any.whl)
+WHEEL=$(ls "$WORK"/dist/smddp-*.whl)  # cp3x-linux: it carries smddp._fastregion
 step "built $(basename "$WHEEL") and $(basename "$(ls "$WORK"/dist/smddp-*.tar.gz)")"
 
 # A clean venv, used from a folder outside the checkout so that nothing of it is importable.
@@ -34,6 +34,7 @@ PIP=("$ROOT/.venv/bin/python" -m pip --python "$V/python" install -qq --no-compi
 cd "$WORK"
 "$V/python" - "$ROOT" <<'PY'
 import sys, smddp, smddp.server, smddp.client, smddp.v1.smddp_pb2
+import smddp._fastregion  # the region path's C part, built into the wheel
 root = sys.argv[1]
 assert not smddp.__file__.startswith(root), f"smddp imported from the checkout: {smddp.__file__}"
 import importlib.util, pathlib

@@ -2,10 +2,13 @@
 
 No daemon process here: ``ControlRegion`` is the daemon's own object, and each rank is a
 ``ShmPath`` over the same mapping, driven from its own thread, as the engine drives it.
+Every test runs twice: with the C part (``smddp._fastregion``, which CI builds, so its absence
+fails here) and with the Python reference (``SMDDP_NATIVE=0``).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -21,13 +24,25 @@ from smddp.v1 import smddp_pb2 as pb
 NAME = "job j comm 0"
 
 
+@pytest.fixture(autouse=True, params=["native", "python"])
+def implementation(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Which side runs the protocol: the C part or the Python reference."""
+    monkeypatch.setenv("SMDDP_NATIVE", "1" if request.param == "native" else "0")
+    return str(request.param)
+
+
 def _ranks(region: ControlRegion, timeout_s: float = 60.0, alive=lambda: True) -> list[ShmPath]:
     def gone() -> DaemonLostError:
         return DaemonLostError("smddpd at test is gone (it stopped or restarted)")
 
-    return [
+    ranks = [
         ShmPath(NAME, r, region.view.buf, timeout_s, alive, gone) for r in range(region.view.world)
     ]
+    native = os.environ["SMDDP_NATIVE"] == "1"
+    assert all((shm.native is not None) == native for shm in ranks), (
+        "smddp._fastregion is not built (setup.py builds it: pip install -e .)"
+    )
+    return ranks
 
 
 def _in_threads(fns) -> list:

@@ -1,0 +1,24 @@
+"""The one compiled piece of smddp: smddp._fastregion (the region path's per-op bookkeeping).
+
+Everything else is in pyproject.toml. The extension is optional: where it does not build (no
+C compiler or Python headers) smddp installs without it and client/shm.py runs the same
+protocol in Python. SMDDP_PURE=1 leaves it out on purpose (a pure-Python wheel).
+"""
+
+import os
+
+from setuptools import Extension, setup
+
+ext_modules = []
+if os.environ.get("SMDDP_PURE", "") != "1":
+    ext_modules.append(
+        Extension(
+            "smddp._fastregion",
+            ["smddp/_fastregion.c"],
+            optional=True,
+            # Results must be bitwise numpy's: IEEE arithmetic as written, no -ffast-math.
+            extra_compile_args=["-O2", "-fno-fast-math"],
+        )
+    )
+
+setup(ext_modules=ext_modules)
