@@ -8,7 +8,7 @@
 #
 # Usage, as root:  bash deploy/systemd/install.sh [WHAT]
 #   WHAT is what pip installs: this checkout by default, or a wheel (dist/smddp-*.whl), with
-#   extras if wanted: '.[ucx]', 'dist/smddp-0.1.0-py3-none-any.whl[cuda]'.
+#   extras if wanted: '.[ucx]', 'dist/smddp-0.1.0-cp311-cp311-linux_x86_64.whl[cuda]'.
 # DESTDIR=/some/root installs the files under that root and starts nothing (the tests do this).
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
