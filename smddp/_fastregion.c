@@ -167,18 +167,26 @@ static PyObject *Slot_bump(Slot *self, PyObject *unused) {
     return PyLong_FromLongLong(bump(self));
 }
 
-/* publish(seq, parity, kind, dtype, count, root, reduce_op) -> step: ShmPath.publish */
-static PyObject *Slot_publish(Slot *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 7) {
-        PyErr_SetString(PyExc_TypeError, "publish() takes 7 arguments");
-        return NULL;
+/* The n integer arguments of a METH_FASTCALL method into v; 0, or -1 with the error set. */
+static int int_args(const char *name, PyObject *const *args, Py_ssize_t nargs, int n,
+                    long long *v) {
+    if (nargs != n) {
+        PyErr_Format(PyExc_TypeError, "%s() takes %d arguments (%zd given)", name, n, nargs);
+        return -1;
     }
-    long long v[7];
-    for (int i = 0; i < 7; i++) {
+    for (int i = 0; i < n; i++) {
         v[i] = PyLong_AsLongLong(args[i]);
         if (v[i] == -1 && PyErr_Occurred())
-            return NULL;
+            return -1;
     }
+    return 0;
+}
+
+/* publish(seq, parity, kind, dtype, count, root, reduce_op) -> step: ShmPath.publish */
+static PyObject *Slot_publish(Slot *self, PyObject *const *args, Py_ssize_t nargs) {
+    long long v[7];
+    if (int_args("publish", args, nargs, 7, v) < 0)
+        return NULL;
     long long seq = v[0], parity = v[1] & 1, kind = v[2], dtype = v[3], count = v[4],
               root = v[5], op = v[6];
     int64_t *w = &self->q[self->base + self->l[L_SIG_WORD] + parity * self->l[L_SIG_WORDS]];
@@ -225,14 +233,10 @@ static PyObject *Slot_spin(Slot *self, PyObject *arg) {
 
 /* agree(seq, parity) -> True when every rank published the same signature for op seq */
 static PyObject *Slot_agree(Slot *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "agree() takes 2 arguments");
+    long long v[2];
+    if (int_args("agree", args, nargs, 2, v) < 0)
         return NULL;
-    }
-    long long seq = PyLong_AsLongLong(args[0]);
-    long long parity = PyLong_AsLongLong(args[1]);
-    if (PyErr_Occurred())
-        return NULL;
+    long long seq = v[0], parity = v[1];
     Py_ssize_t off = self->l[L_SIG_WORD] + (parity & 1) * self->l[L_SIG_WORDS];
     int64_t mine = self->q[self->base + off + self->l[L_G_PACKED]];
     for (Py_ssize_t r = 0; r < self->world; r++) {
@@ -245,16 +249,9 @@ static PyObject *Slot_agree(Slot *self, PyObject *const *args, Py_ssize_t nargs)
 
 /* done(seq, parity, kind, dtype, nbytes): ShmPath.done, the op's counters */
 static PyObject *Slot_done(Slot *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "done() takes 5 arguments");
-        return NULL;
-    }
     long long v[5];
-    for (int i = 0; i < 5; i++) {
-        v[i] = PyLong_AsLongLong(args[i]);
-        if (v[i] == -1 && PyErr_Occurred())
-            return NULL;
-    }
+    if (int_args("done", args, nargs, 5, v) < 0)
+        return NULL;
     long long seq = v[0], parity = v[1] & 1, kind = v[2], dtype = v[3], nbytes = v[4];
     if (kind < 0 || kind >= self->l[L_KINDS] || dtype < 0 || dtype >= self->l[L_DTYPES]) {
         PyErr_Format(PyExc_ValueError, "done(): kind %lld or dtype %lld out of range", kind,

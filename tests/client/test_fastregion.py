@@ -219,18 +219,7 @@ def test_its_layout_is_region_py_s() -> None:
     with pytest.raises(ValueError, match="layout has 3 values"):
         _fastregion.Slot(v.address, 0, 2, v.slot_bytes, v.data_bytes, 0, (1, 2, 3), (), 0, 1)
     with pytest.raises(ValueError, match="bad rank"):
-        _fastregion.Slot(
-            v.address,
-            2,
-            2,
-            v.slot_bytes,
-            v.data_bytes,
-            0,
-            tuple(getattr(region, name) for name in _fastregion.LAYOUT),
-            (),
-            0,
-            1,
-        )
+        _slot(rgn, 2)  # of a world of 2
     slot = _slot(rgn, 0)
     assert slot.step == 0 and slot.bump() == 1 and slot.step == 1
     assert int(v.words[v.slot_base[0] + S_STEP]) == 1

@@ -28,7 +28,7 @@ PACKAGE = "smddp.server"
 
 def _modules() -> dict[str, Path]:
     root = Path(smddp.server.__file__).parent
-    return {info.name: root / f"{info.name}.py" for info in pkgutil.iter_modules([str(root)])}
+    return {info.name: _source(root, info.name) for info in pkgutil.iter_modules([str(root)])}
 
 
 def _imports(name: str, path: Path, known: set[str]) -> set[str]:
@@ -103,8 +103,15 @@ def _tree_modules() -> dict[str, Path]:
         found[package] = root / "__init__.py"
         for info in pkgutil.iter_modules([str(root)]):
             if not info.ispkg:
-                found[f"{package}.{info.name}"] = root / f"{info.name}.py"
+                found[f"{package}.{info.name}"] = _source(root, info.name)
     return found
+
+
+def _source(root: Path, name: str) -> Path:
+    """A module's source: its .py, or for the C extension (smddp._fastregion) its stub, which
+    imports what its source would."""
+    path = root / f"{name}.py"
+    return path if path.exists() else root / f"{name}.pyi"
 
 
 def _tree_imports(name: str, path: Path, known: set[str]) -> set[str]:
