@@ -181,21 +181,25 @@ class ShmPath:
 
     def wait(self, target: int, seq: int) -> None:
         """Returns once every other rank's step has reached ``target``."""
+        spin_s = self.spin_s
         if self.native is not None:
-            arrived = self._spin(target)
+            arrived = self._spin(target)  # spins as _wait_one would
             if arrived > 0:
                 return
             if arrived < 0:
                 self._raise_alarm()
+            spin_s = 0.0  # spun already: on to sleeping
         q = self.q
         for j, word, address in self.others:
             if q[word] < target:
-                self._wait_one(j, word, address, target, seq)
+                self._wait_one(j, word, address, target, seq, spin_s)
 
-    def _wait_one(self, j: int, word: int, address: int, target: int, seq: int) -> None:
+    def _wait_one(
+        self, j: int, word: int, address: int, target: int, seq: int, spin_s: float
+    ) -> None:
         q = self.q
         start = time.perf_counter()
-        spin_until = start + self.spin_s
+        spin_until = start + spin_s
         while q[word] < target:
             if q[H_ALARM]:
                 self._raise_alarm()
