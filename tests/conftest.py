@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import pickle
 import queue
+import re
 import shutil
 import signal
 import subprocess
@@ -71,6 +72,17 @@ class DaemonProcess:
     def log(self) -> str:
         """Everything the daemon wrote to stderr so far."""
         return self.log_path.read_text(errors="replace")
+
+    def http_port(self) -> int:
+        """The port its HTTP server took, from its "smddpd serving" line (started with
+        ``--http-bind 127.0.0.1:0``: a port picked free here and bound by the daemon later could
+        be taken in between). The line follows SERVING by a moment, so this waits for it."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not (found := re.search(r"listening: .*\bHTTP [^,\s]*:(\d+)", self.log())):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"smddpd logged no HTTP listener:\n{self.log()}")
+            time.sleep(0.02)
+        return int(found[1])
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = STOP_TIMEOUT_S) -> int:
         """Sends ``sig`` and returns the exit status; fails the test if it does not exit in time."""
@@ -240,7 +252,9 @@ def torch_free_python() -> tuple[str, ...]:
 # leaves its return value or its traceback in files the parent reads.
 _BOOTSTRAP = """
 import importlib.util, pickle, sys, traceback
-path, module_name, func_name, args_file, result_file, error_file = sys.argv[1:7]
+path, module_name, func_name, args_file, result_file, error_file, tests = sys.argv[1:8]
+# What pytest's "prepend" import mode puts on sys.path: the module's folder and tests/.
+sys.path[:0] = [path.rpartition("/")[0], tests]
 try:
     spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(spec)
@@ -404,6 +418,7 @@ def spawn_ranks(tmp_path: Path) -> Iterator[Callable[..., Ranks]]:
                 str(folder / "args"),
                 str(folder / "result"),
                 str(folder / "error"),
+                str(Path(__file__).resolve().parent),
             ]
             with open(folder / "stderr", "wb") as err:
                 proc = subprocess.Popen(

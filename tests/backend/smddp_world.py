@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
 import tempfile
 import time
 import traceback
@@ -21,6 +20,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch.multiprocessing as mp
+from ports import free_port
 
 # The process group's timeout: a stuck collective fails well inside the test's own timeout.
 PG_TIMEOUT_S = 60.0
@@ -28,13 +28,6 @@ PG_TIMEOUT_S = 60.0
 
 class WorldFailure(AssertionError):
     """A rank of the world raised, died or never reported; the message carries its traceback."""
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nobody listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(

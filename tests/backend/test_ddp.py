@@ -7,7 +7,6 @@ rank's exit status) and reaches the fixture's daemon through SMDDP_SOCKET.
 from __future__ import annotations
 
 import os
-import socket
 import urllib.request
 
 import pytest
@@ -129,12 +128,6 @@ def test_ddp_trains_like_gloo(daemon, spawn_ranks, tmp_path):
         )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _ops_by_dtype(port: int, op: str) -> dict[str, float]:
     """The daemon's smddp_ops_total for ``op``, by dtype."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
@@ -151,8 +144,8 @@ def _ops_by_dtype(port: int, op: str) -> dict[str, float]:
 def test_ddp_comm_hooks(start_daemon, spawn_ranks, tmp_path):
     """Python hooks and the built-in C++ FP16_COMPRESS hook run and train; the FP16 hooks send
     float16 to the daemon and give exactly what float16 rounding gives."""
-    port = _free_port()
-    daemon = start_daemon(args=("--http-bind", f"127.0.0.1:{port}"))
+    daemon = start_daemon(args=("--http-bind", "127.0.0.1:0"))
+    port = daemon.http_port()
     results = spawn_ranks(
         train, WORLD, WORLD, "smddp", str(tmp_path / "init"), HOOKS, env=rank_env(daemon)
     ).join()

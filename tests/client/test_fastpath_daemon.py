@@ -10,7 +10,6 @@ import multiprocessing
 import os
 import secrets
 import signal
-import socket
 import threading
 import time
 import urllib.request
@@ -21,12 +20,6 @@ import pytest
 from smddp.client import connect
 from smddp.client.errors import DaemonLostError, RankFailedError
 from smddp.v1 import smddp_pb2 as pb
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _scrape(port: int) -> dict[tuple[str, frozenset], float]:
@@ -65,8 +58,8 @@ def _both(f0, f1) -> None:
 
 @pytest.mark.timeout(120)
 def test_metric_sums_equal_what_the_job_did_on_every_path(start_daemon) -> None:
-    port = _free_port()
-    d = start_daemon(args=["--http-bind", f"127.0.0.1:{port}"])
+    d = start_daemon(args=["--http-bind", "127.0.0.1:0"])
+    port = d.http_port()
     job, token = _job()
     c0 = connect(job, token, 0, 2, socket_path=d.socket)
     c1 = connect(job, token, 1, 2, socket_path=d.socket)

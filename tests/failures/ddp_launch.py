@@ -10,7 +10,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from ports import free_port
 
 HERE = Path(__file__).resolve().parent
 RANK_MAIN = HERE / "ddp_rank.py"
@@ -34,13 +34,6 @@ DEAD_RANK = (
     r"\((connection closed|connection error: \[Errno 104\] Connection reset by peer)\); "
     r"its process died or closed its connection"
 )
-
-
-def free_port() -> int:
-    """A TCP port nothing listens on right now, for MASTER_PORT."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -22,7 +22,6 @@ import os
 import pickle
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -39,6 +38,7 @@ REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 
 from netns_cluster import IFNAME, NetnsCluster, unavailable_reason  # noqa: E402  (after sys.path)
+from ports import free_port  # noqa: E402
 
 RANK_MAIN = HERE / "rank_main.py"
 DAEMON = (sys.executable, "-m", "smddp.server")
@@ -192,12 +192,6 @@ def netns_nodes(netns_cluster, start_daemon) -> Iterator[Callable[[int], list[No
 
     yield start
     _stop_daemons(started)  # runs before netns_cluster's teardown removes the namespaces
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class World:

@@ -31,6 +31,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from ports import free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 from smddp.client import SmddpError, connect
@@ -54,12 +55,6 @@ CHANNEL_OPTIONS = [
 BOUNDED_LABELS = {"op", "dtype", "kind", "job", "rank", "peer", "le"}
 # Environment that would change what the daemon does, whatever pytest runs under.
 _FOREIGN_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "SMDDP_CONFIG")
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -437,7 +432,7 @@ def _reflected_services(channel: grpc.Channel) -> set[str]:
 
 @pytest.mark.timeout(90)
 def test_grpc_bind_serves_health_and_reflection_but_not_node(launch) -> None:
-    port = _free_port()
+    port = free_port()
     d = launch("--grpc-bind", f"127.0.0.1:{port}")
     with grpc.insecure_channel(f"127.0.0.1:{port}") as tcp:
         health = health_pb2_grpc.HealthStub(tcp)
@@ -475,7 +470,7 @@ def test_grpc_bind_serves_health_and_reflection_but_not_node(launch) -> None:
 
 @pytest.mark.timeout(90)
 def test_grpc_bind_on_a_taken_port_is_refused(launch) -> None:
-    port = _free_port()
+    port = free_port()
     first = launch("--grpc-bind", f"127.0.0.1:{port}")
     second = launch("--grpc-bind", f"127.0.0.1:{port}", wait=False)
     # Probes must reach one daemon, not whichever of two the kernel picks.

@@ -22,7 +22,6 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -193,12 +192,6 @@ def test_a_group_without_a_timeout_gets_30_minutes(daemon, spawn_ranks, tmp_path
 # -- a daemon with metrics --------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def http_get(port: int, path: str) -> tuple[int, str]:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as resp:
@@ -220,8 +213,8 @@ def samples(port: int, name: str) -> dict[frozenset, float]:
 
 
 def metered(start_daemon, name: str = "smddpd", args: tuple[str, ...] = ()) -> tuple[Any, int]:
-    port = free_port()
-    return start_daemon(args=("--http-bind", f"127.0.0.1:{port}", *args), name=name), port
+    d = start_daemon(args=("--http-bind", "127.0.0.1:0", *args), name=name)
+    return d, d.http_port()
 
 
 def job() -> tuple[str, bytes]:

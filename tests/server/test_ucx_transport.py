@@ -24,6 +24,7 @@ import pytest
 # ucxx comes with the test extras (scripts/setup.sh): where it is missing or broken, this module
 # fails to import with ucxx's own error instead of skipping (ucx_transport would only say why).
 import ucxx._lib.libucxx  # noqa: F401
+from ports import free_port
 
 from smddp.server import ucx_transport as ut
 
@@ -124,12 +125,6 @@ def peer_process() -> Iterator[Callable[[str], tuple[subprocess.Popen, int]]]:
         if proc.poll() is None:
             proc.kill()
         proc.wait(10)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _call_in_thread(fn: Callable[[], object]) -> tuple[threading.Thread, queue.Queue]:
@@ -334,7 +329,7 @@ def test_connecting_where_no_node_listens_fails_within_the_timeout(
     make_node: Callable[..., tuple[ut.UcxNode, queue.Queue]],
 ) -> None:
     node, _ = make_node()
-    port = _free_port()
+    port = free_port()
     start = time.monotonic()
     with pytest.raises((ConnectionError, TimeoutError), match=f"127.0.0.1:{port}"):
         node.connect("127.0.0.1", port, timeout=3)
