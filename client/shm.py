@@ -369,7 +369,7 @@ def _native_slot(
     from smddp import region as layout
 
     return _fastregion.Slot(
-        region.ctypes.data,
+        region,
         rank,
         world,
         view.slot_bytes,

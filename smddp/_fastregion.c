@@ -58,6 +58,8 @@ static inline void cpu_relax(void) {
 
 typedef struct {
     PyObject_HEAD
+    Py_buffer region;    /* held for the Slot's lifetime: the mapping cannot go before it */
+    int held;            /* whether region holds a buffer */
     int64_t *q;          /* the region as int64 words */
     char *bytes;         /* the region's first byte */
     Py_ssize_t world, rank, slot_bytes, data_bytes;
@@ -101,16 +103,31 @@ static Py_ssize_t bisect_left(const Slot *s, int64_t x) {
     return lo;
 }
 
+static void release_region(Slot *self) {
+    if (self->held) {
+        self->held = 0;
+        self->q = NULL;
+        self->bytes = NULL;
+        PyBuffer_Release(&self->region);
+    }
+}
+
+/* Whether [offset, offset + bytes) lies within [0, limit). */
+static int within(Py_ssize_t offset, Py_ssize_t bytes, Py_ssize_t limit) {
+    return offset >= 0 && bytes >= 0 && offset <= limit && bytes <= limit - offset;
+}
+
 static int Slot_init(Slot *self, PyObject *args, PyObject *kwds) {
-    unsigned long long address;
+    PyObject *region;
     Py_ssize_t rank, world, slot_bytes, data_bytes;
     long long spin_ns;
     long sum_op, avg_op;
     PyObject *layout, *bounds;
-    if (!PyArg_ParseTuple(args, "KnnnnLO!O!ll", &address, &rank, &world, &slot_bytes,
+    if (!PyArg_ParseTuple(args, "OnnnnLO!O!ll", &region, &rank, &world, &slot_bytes,
                           &data_bytes, &spin_ns, &PyTuple_Type, &layout, &PyTuple_Type,
                           &bounds, &sum_op, &avg_op))
         return -1;
+    release_region(self); /* __init__ called again */
     if (PyTuple_GET_SIZE(layout) != L_COUNT) {
         PyErr_Format(PyExc_ValueError, "Slot: layout has %zd values, expected %d",
                      PyTuple_GET_SIZE(layout), (int)L_COUNT);
@@ -120,7 +137,8 @@ static int Slot_init(Slot *self, PyObject *args, PyObject *kwds) {
         PyErr_SetString(PyExc_ValueError, "Slot: too many latency buckets");
         return -1;
     }
-    if (world < 1 || rank < 0 || rank >= world || slot_bytes % 8 || address % 8) {
+    if (world < 1 || rank < 0 || rank >= world || slot_bytes <= 0 || slot_bytes % 8 ||
+        data_bytes < 0) {
         PyErr_SetString(PyExc_ValueError, "Slot: bad rank, world or alignment");
         return -1;
     }
@@ -129,13 +147,59 @@ static int Slot_init(Slot *self, PyObject *args, PyObject *kwds) {
         if (self->l[i] == -1 && PyErr_Occurred())
             return -1;
     }
+    const Py_ssize_t *l = self->l;
+    /* Every word and buffer the methods touch must lie inside the region: its header, each
+       slot's words, signatures, tables and two data buffers. */
+    int fits = l[L_HEADER_BYTES] >= 0 && l[L_HEADER_BYTES] % 8 == 0 &&
+               world <= (PY_SSIZE_T_MAX - l[L_HEADER_BYTES]) / slot_bytes &&
+               within(l[L_H_ALARM] * 8, 8, l[L_HEADER_BYTES]) &&
+               data_bytes <= PY_SSIZE_T_MAX / 2 &&
+               within(l[L_DATA_OFFSET], 2 * data_bytes, slot_bytes) &&
+               l[L_SIG_WORDS] > 0 && within(l[L_SIG_WORD] * 8, 16 * l[L_SIG_WORDS], slot_bytes) &&
+               l[L_OP_TABLE_OFFSET] % 8 == 0 && l[L_SKEW_TABLE_OFFSET] % 8 == 0 &&
+               l[L_KINDS] > 0 && l[L_DTYPES] > 0 && l[L_OP_COLS] > 0 && l[L_SKEW_COLS] > 0 &&
+               l[L_KINDS] <= 1024 && l[L_DTYPES] <= 1024 && l[L_OP_COLS] <= 1024 &&
+               l[L_SKEW_COLS] <= 1024 &&
+               within(l[L_OP_TABLE_OFFSET], 8 * l[L_KINDS] * l[L_DTYPES] * l[L_OP_COLS],
+                      slot_bytes) &&
+               within(l[L_SKEW_TABLE_OFFSET], 8 * l[L_KINDS] * l[L_SKEW_COLS], slot_bytes) &&
+               PyTuple_GET_SIZE(bounds) < l[L_OP_COLS] - l[L_C_DUR_BUCKET] &&
+               PyTuple_GET_SIZE(bounds) < l[L_SKEW_COLS] - l[L_K_BUCKET];
+    const Py_ssize_t words[] = {L_S_STEP, L_S_SLEEPING, L_S_SEQ, L_S_DONE, L_S_LAST, L_S_OPS};
+    for (size_t i = 0; fits && i < sizeof(words) / sizeof(words[0]); i++)
+        fits = within(l[words[i]] * 8, 8, slot_bytes);
+    const Py_ssize_t sig[] = {L_G_SEQ, L_G_KIND, L_G_DTYPE, L_G_COUNT,
+                              L_G_ROOT, L_G_OP, L_G_ARRIVAL, L_G_PACKED};
+    for (size_t i = 0; fits && i < sizeof(sig) / sizeof(sig[0]); i++)
+        fits = within(l[sig[i]] * 8, 8, 8 * l[L_SIG_WORDS]);
+    const Py_ssize_t op_cols[] = {L_C_OPS, L_C_BYTES, L_C_DUR_SUM, L_C_DUR_BUCKET};
+    for (size_t i = 0; fits && i < sizeof(op_cols) / sizeof(op_cols[0]); i++)
+        fits = l[op_cols[i]] >= 0 && l[op_cols[i]] < l[L_OP_COLS];
+    const Py_ssize_t skew_cols[] = {L_K_COUNT, L_K_SUM, L_K_BUCKET};
+    for (size_t i = 0; fits && i < sizeof(skew_cols) / sizeof(skew_cols[0]); i++)
+        fits = l[skew_cols[i]] >= 0 && l[skew_cols[i]] < l[L_SKEW_COLS];
+    if (!fits) {
+        PyErr_SetString(PyExc_ValueError, "Slot: the layout does not fit a slot");
+        return -1;
+    }
+    if (PyObject_GetBuffer(region, &self->region, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+        return -1;
+    self->held = 1;
+    if ((uintptr_t)self->region.buf % 8 ||
+        self->region.len < l[L_HEADER_BYTES] + world * slot_bytes) {
+        PyErr_Format(PyExc_ValueError,
+                     "Slot: a region of %zd bytes holds no header of %zd and %zd slots of %zd",
+                     self->region.len, l[L_HEADER_BYTES], world, slot_bytes);
+        release_region(self);
+        return -1;
+    }
     self->nbounds = PyTuple_GET_SIZE(bounds);
     for (Py_ssize_t i = 0; i < self->nbounds; i++) {
         self->bounds[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(bounds, i));
         if (self->bounds[i] == -1 && PyErr_Occurred())
             return -1;
     }
-    self->bytes = (char *)(uintptr_t)address;
+    self->bytes = (char *)self->region.buf;
     self->q = (int64_t *)self->bytes;
     self->rank = rank;
     self->world = world;
@@ -148,6 +212,15 @@ static int Slot_init(Slot *self, PyObject *args, PyObject *kwds) {
     self->step = self->q[self->base + self->l[L_S_STEP]];
     return 0;
 }
+
+/* A Slot made by __new__ alone, or whose __init__ failed, has no region: its methods raise. */
+#define REQUIRE_REGION(self)                                                                \
+    do {                                                                                    \
+        if (!(self)->held) {                                                                \
+            PyErr_SetString(PyExc_RuntimeError, "Slot: not initialised with a region");    \
+            return NULL;                                                                    \
+        }                                                                                   \
+    } while (0)
 
 static int64_t bump(Slot *s) {
     s->step += 1;
@@ -164,6 +237,7 @@ static int64_t bump(Slot *s) {
 }
 
 static PyObject *Slot_bump(Slot *self, PyObject *unused) {
+    REQUIRE_REGION(self);
     return PyLong_FromLongLong(bump(self));
 }
 
@@ -184,6 +258,7 @@ static int int_args(const char *name, PyObject *const *args, Py_ssize_t nargs, i
 
 /* publish(seq, parity, kind, dtype, count, root, reduce_op) -> step: ShmPath.publish */
 static PyObject *Slot_publish(Slot *self, PyObject *const *args, Py_ssize_t nargs) {
+    REQUIRE_REGION(self);
     long long v[7];
     if (int_args("publish", args, nargs, 7, v) < 0)
         return NULL;
@@ -209,6 +284,7 @@ static PyObject *Slot_publish(Slot *self, PyObject *const *args, Py_ssize_t narg
 /* spin(target) -> 1 once every other rank's step has reached target, 0 when the spin time
    ran out first (the caller sleeps), -1 when the alarm word is set (the caller raises) */
 static PyObject *Slot_spin(Slot *self, PyObject *arg) {
+    REQUIRE_REGION(self);
     long long target = PyLong_AsLongLong(arg);
     if (target == -1 && PyErr_Occurred())
         return NULL;
@@ -233,6 +309,7 @@ static PyObject *Slot_spin(Slot *self, PyObject *arg) {
 
 /* agree(seq, parity) -> True when every rank published the same signature for op seq */
 static PyObject *Slot_agree(Slot *self, PyObject *const *args, Py_ssize_t nargs) {
+    REQUIRE_REGION(self);
     long long v[2];
     if (int_args("agree", args, nargs, 2, v) < 0)
         return NULL;
@@ -249,6 +326,7 @@ static PyObject *Slot_agree(Slot *self, PyObject *const *args, Py_ssize_t nargs)
 
 /* done(seq, parity, kind, dtype, nbytes): ShmPath.done, the op's counters */
 static PyObject *Slot_done(Slot *self, PyObject *const *args, Py_ssize_t nargs) {
+    REQUIRE_REGION(self);
     long long v[5];
     if (int_args("done", args, nargs, 5, v) < 0)
         return NULL;
@@ -294,6 +372,7 @@ static PyObject *Slot_done(Slot *self, PyObject *const *args, Py_ssize_t nargs) 
 /* fill(parity, array) -> True once a C-contiguous array's bytes are copied into this rank's
    data buffer; False (nothing copied) for an object that exports no such buffer */
 static PyObject *Slot_fill(Slot *self, PyObject *const *args, Py_ssize_t nargs) {
+    REQUIRE_REGION(self);
     if (nargs != 2) {
         PyErr_SetString(PyExc_TypeError, "fill() takes 2 arguments");
         return NULL;
@@ -343,6 +422,7 @@ static PyObject *Slot_fill(Slot *self, PyObject *const *args, Py_ssize_t nargs) 
    left to numpy: dtypes other than float32/float64/int32/int64, ops other than SUM (and AVG
    of floats), a world of one */
 static PyObject *Slot_reduce(Slot *self, PyObject *const *args, Py_ssize_t nargs) {
+    REQUIRE_REGION(self);
     if (nargs != 3) {
         PyErr_SetString(PyExc_TypeError, "reduce() takes 3 arguments");
         return NULL;
@@ -391,7 +471,13 @@ static PyObject *Slot_reduce(Slot *self, PyObject *const *args, Py_ssize_t nargs
     Py_RETURN_FALSE;
 }
 
+static void Slot_dealloc(Slot *self) {
+    release_region(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
 static PyObject *Slot_get_step(Slot *self, void *closure) {
+    REQUIRE_REGION(self);
     return PyLong_FromLongLong(self->step);
 }
 
@@ -418,13 +504,14 @@ static PyGetSetDef Slot_getset[] = {
 
 static PyTypeObject SlotType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "smddp._fastregion.Slot",
-    .tp_doc = "Slot(address, rank, world, slot_bytes, data_bytes, spin_ns, layout, bounds_ns, "
-              "sum_op, avg_op): a rank's side of a mapped control region. The caller keeps "
-              "the mapping alive for the Slot's lifetime.",
+    .tp_doc = "Slot(region, rank, world, slot_bytes, data_bytes, spin_ns, layout, bounds_ns, "
+              "sum_op, avg_op): a rank's side of a mapped control region (a writable buffer, "
+              "which the Slot holds for its lifetime; the layout is checked to fit it).",
     .tp_basicsize = sizeof(Slot),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)Slot_init,
+    .tp_dealloc = (destructor)Slot_dealloc,
     .tp_methods = Slot_methods,
     .tp_getset = Slot_getset,
 };

@@ -6,7 +6,7 @@ LAYOUT: tuple[str, ...]
 class Slot:
     def __init__(
         self,
-        address: int,
+        region: Any,  # a writable buffer: the mapped region, held by the Slot
         rank: int,
         world: int,
         slot_bytes: int,

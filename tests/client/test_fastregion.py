@@ -124,7 +124,7 @@ def test_the_c_part_leaves_the_same_words_as_the_python_reference(
 def _slot(rgn: ControlRegion, rank: int) -> _fastregion.Slot:
     v = rgn.view
     return _fastregion.Slot(
-        v.address,
+        v.buf,
         rank,
         v.world,
         v.slot_bytes,
@@ -217,7 +217,7 @@ def test_its_layout_is_region_py_s() -> None:
     rgn = ControlRegion(2, data_bytes=4096)
     v = rgn.view
     with pytest.raises(ValueError, match="layout has 3 values"):
-        _fastregion.Slot(v.address, 0, 2, v.slot_bytes, v.data_bytes, 0, (1, 2, 3), (), 0, 1)
+        _fastregion.Slot(v.buf, 0, 2, v.slot_bytes, v.data_bytes, 0, (1, 2, 3), (), 0, 1)
     with pytest.raises(ValueError, match="bad rank"):
         _slot(rgn, 2)  # of a world of 2
     slot = _slot(rgn, 0)
@@ -232,3 +232,48 @@ def test_its_layout_is_region_py_s() -> None:
     assert slot.spin(3) == 0  # rank 1 never arrives: the spin gives up
     v.header[region.H_ALARM] = 1
     assert slot.spin(3) == -1  # the alarm ends it at once
+
+
+def test_it_holds_its_region_and_refuses_what_would_reach_past_it() -> None:
+    """The Slot holds the region's buffer (the mapping cannot be closed under it) and checks
+    at construction that every word and buffer its methods touch lies inside the region: a
+    wrong layout, world or size is a ValueError, never a write past the mapping."""
+    import mmap
+
+    rgn = ControlRegion(2, data_bytes=4096)
+    v = rgn.view
+    layout = tuple(getattr(region, name) for name in _fastregion.LAYOUT)
+
+    def slot_of(buf: object, world: int = 2, slot_bytes: int = v.slot_bytes, **changed: int):
+        values = tuple(changed.get(n, x) for n, x in zip(_fastregion.LAYOUT, layout))
+        return _fastregion.Slot(buf, 0, world, slot_bytes, v.data_bytes, 0, values, (10,), 0, 1)
+
+    with pytest.raises(ValueError, match="holds no header of 8192 and 3 slots"):
+        slot_of(v.buf, world=3)  # a region made for two
+    with pytest.raises(ValueError, match="holds no header"):
+        slot_of(v.buf[: len(v.buf) // 2])
+    for name, value in [
+        ("H_ALARM", 1 << 20),
+        ("S_STEP", v.slot_bytes // 8),
+        ("G_PACKED", 8),
+        ("SIG_WORD", v.slot_bytes // 8),
+        ("DATA_OFFSET", v.slot_bytes - 4096),
+        ("OP_TABLE_OFFSET", -8),
+        ("KINDS", 1 << 30),
+        ("C_DUR_BUCKET", 23),
+    ]:
+        with pytest.raises(ValueError, match="layout does not fit"):
+            slot_of(v.buf, **{name: value})
+    with pytest.raises(BufferError, match="not writable"):
+        slot_of(v.buf.tobytes())  # read-only
+    with pytest.raises(RuntimeError, match="not initialised"):
+        _fastregion.Slot.__new__(_fastregion.Slot).bump()
+
+    mm = mmap.mmap(-1, len(v.buf))
+    mm[:] = v.buf.tobytes()
+    slot = slot_of(mm)
+    with pytest.raises(BufferError):
+        mm.close()  # the Slot's hold on it keeps the mapping
+    assert slot.bump() == 1
+    del slot
+    mm.close()
