@@ -2,44 +2,12 @@
 
 from __future__ import annotations
 
-import re
-
-# Binary multiples unless the unit says otherwise; bare K/M/G are binary, as in nccl-tests.
-_UNITS: dict[str, int] = {
-    "": 1,
-    "b": 1,
-    "k": 1 << 10,
-    "kib": 1 << 10,
-    "m": 1 << 20,
-    "mib": 1 << 20,
-    "g": 1 << 30,
-    "gib": 1 << 30,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-}
-_SIZE_RE = re.compile(r"^\s*(\d+)\s*([a-zA-Z]*)\s*$")
+# Sizes are parsed as smddpd's settings are (4, 4B, 64KiB, 1M, 1.5GiB, 4MB = 4*10**6): one
+# parser of the unit rules for the daemon's flags and the benchmark's.
+from smddp.server.units import parse_size as parse_size
 
 # Never fewer timed iterations than this after scaling, so p10/p90 still mean something.
 MIN_SCALED_ITERS = 3
-
-
-def parse_size(text: str) -> int:
-    """Parse a byte count such as ``4``, ``4B``, ``64KiB``, ``1M`` or ``256MiB``.
-
-    Args:
-        text: the flag value.
-
-    Returns:
-        The number of bytes.
-
-    Raises:
-        ValueError: the text is not a non-negative integer with a known unit.
-    """
-    match = _SIZE_RE.match(text)
-    if match is None or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"not a size: {text!r} (examples: 4, 4B, 64KiB, 1MiB, 2GiB)")
-    return int(match.group(1)) * _UNITS[match.group(2).lower()]
 
 
 def format_size(nbytes: int) -> str:
