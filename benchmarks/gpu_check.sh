@@ -19,6 +19,11 @@
 # goes first on PYTHONPATH. smddp itself is not installed: a folder of symlinks maps this
 # checkout to the smddp.* packages.
 #
+# Time: the whole check is bounded by BUDGET_S (450 s: it must finish within 8 minutes on one
+# H100/H200, the lent machine's slot): each stage runs under `timeout`, with the smaller of its
+# own cap (below; `--plan` prints them) and what the budget has left once the later stages'
+# shares are set aside. A stage cut short fails the check; the summary line still comes.
+#
 # Exit status: 0 all passed; 2 no usable torch/GPU, or a torch smddp's backend refuses; 3 CuPy,
 # NVRTC or a dependency unusable; 4 the GPU tests failed, skipped or did not run; 5 the
 # benchmark failed. The measurements of the GPU path's hazards (memory after del +
@@ -28,17 +33,37 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
 QUICK=0
+PLAN=0
 for arg in "$@"; do
   case "$arg" in
     --quick) QUICK=1 ;;
-    *) echo "usage: $0 [--quick]" >&2; exit 64 ;;
+    --plan) PLAN=1 ;;
+    *) echo "usage: $0 [--quick] [--plan]" >&2; exit 64 ;;
   esac
 done
+
+# -- the time budget -----------------------------------------------------------------------------
+BUDGET_S=450
+KILL_GRACE_S=10  # after SIGINT at a stage's limit, SIGKILL this much later
+# Caps of the stages, in seconds: setup (dependencies, environment, kernel cache warmed, the
+# hook's cold build), the GPU tests, the benchmark. They sum, with a grace each, to BUDGET_S.
+SETUP_CAP_S=100
+if [ "$QUICK" = 1 ]; then TESTS_CAP_S=240; BENCH_CAP_S=80; else TESTS_CAP_S=220; BENCH_CAP_S=100; fi
+if [ "$PLAN" = 1 ]; then
+  echo "budget $BUDGET_S s: setup $SETUP_CAP_S s, tests $TESTS_CAP_S s, benchmark $BENCH_CAP_S s, kill grace $KILL_GRACE_S s per stage"
+  exit 0
+fi
 OUT=${OUT:-$(mktemp -d -t smddp-gpu-check.XXXXXX)}
 mkdir -p "$OUT"
 say() { echo "gpu_check: $*" | tee -a "$OUT/check.log"; }
 T0=$(date +%s)
 elapsed() { echo "$(( $(date +%s) - T0 )) s"; }
+# limit CAP RESERVE: seconds a stage may run: CAP, or less where the budget, after RESERVE
+# seconds kept for the stages after it (and this stage's kill grace), has less left.
+limit() {
+  local left=$(( BUDGET_S - ($(date +%s) - T0) - $2 - KILL_GRACE_S ))
+  if [ "$left" -lt "$1" ]; then echo $(( left > 1 ? left : 1 )); else echo "$1"; fi
+}
 
 # -- an interpreter whose torch sees a GPU --------------------------------------------------------
 has_cuda_torch() { "$1" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; }
@@ -102,7 +127,8 @@ if [ -n "$MISSING" ]; then
     say "SUMMARY FAIL: smddp's dependencies are not all here; nothing ran"
     exit 3
   fi
-  if ! "$PY" -m pip install --quiet --disable-pip-version-check --no-index --no-deps --no-compile \
+  if ! timeout -k "$KILL_GRACE_S" "$(limit "$SETUP_CAP_S" $(( TESTS_CAP_S + BENCH_CAP_S + 2 * KILL_GRACE_S )))" \
+      "$PY" -m pip install --quiet --disable-pip-version-check --no-index --no-deps --no-compile \
       --no-cache-dir --upgrade --target "$DEPS_DIR" "${WHEELS[@]}" >>"$OUT/check.log" 2>&1; then
     say "SUMMARY FAIL: the wheels in .whl/ did not install (see $OUT/check.log); nothing ran"
     exit 3
@@ -170,7 +196,8 @@ fi
 say "$TORCH_OK"
 say "environment ($(elapsed)):"
 nvidia-smi --query-gpu=index,name,driver_version,memory.total,compute_mode --format=csv,noheader 2>&1 | tee -a "$OUT/check.log" || true
-if ! "$PY" - <<'EOF' 2>&1 | tee -a "$OUT/check.log"; then
+SETUP_S=$(limit "$SETUP_CAP_S" $(( TESTS_CAP_S + BENCH_CAP_S + 2 * KILL_GRACE_S )))
+if ! timeout -k "$KILL_GRACE_S" "$SETUP_S" "$PY" - <<'EOF' 2>&1 | tee -a "$OUT/check.log"; then
 import sys, time
 import torch
 print(f"python {sys.version.split()[0]} at {sys.executable}")
@@ -181,6 +208,14 @@ print(f"nvrtc {cupy.cuda.nvrtc.getVersion()}", end=" ")
 with open("/proc/self/maps") as maps:
     libs = sorted({line.split()[-1] for line in maps if "libnvrtc" in line})
 print("from", ", ".join(libs) or "?")
+# The CuPy that imports, and its NVRTC, must be of torch's CUDA major (both CuPy builds
+# installed share the cupy package: the one installed last wins).
+want = int(torch.version.cuda.split(".")[0])
+got = {"CuPy's CUDA runtime": cupy.cuda.runtime.runtimeGetVersion() // 1000, "NVRTC": cupy.cuda.nvrtc.getVersion()[0]}
+wrong = [f"{what} is CUDA {major}" for what, major in got.items() if major != want]
+if wrong:
+    print(f"torch is CUDA {torch.version.cuda} but {', '.join(wrong)}: the daemon's kernels would not match the job's CUDA")
+    sys.exit(3)
 import importlib.metadata as md
 for dist in ("grpcio", "grpcio-health-checking", "protobuf", "numpy", "ml-dtypes", "cupy-cuda12x", "cupy-cuda13x"):
     try:
@@ -211,18 +246,17 @@ try:
 except Exception as exc:
     print(f"close-before-free hook NOT built ({type(exc).__name__}: {str(getattr(exc, 'stderr', '') or exc)[-400:]})")
 EOF
-  say "SUMMARY FAIL: CuPy/NVRTC cannot compile the daemon's kernels here (see $OUT/check.log); the GPU tests did not run"
+  say "SUMMARY FAIL: CuPy/NVRTC of torch's CUDA cannot compile the daemon's kernels here, or the setup took more than $SETUP_S s (see $OUT/check.log); the GPU tests did not run"
   exit 3
 fi
 
 # -- the GPU tests (counted) ------------------------------------------------------------------------
-TESTS_TIMEOUT=330
-[ "$QUICK" = 1 ] && TESTS_TIMEOUT=240
+TESTS_TIMEOUT=$(limit "$TESTS_CAP_S" $(( BENCH_CAP_S + KILL_GRACE_S )))
 # SIGINT first: pytest then stops, still writing its summary and the junit counts read below.
-say "tests/gpu (log: $OUT/gpu-tests.log) at $(elapsed)"
+say "tests/gpu (log: $OUT/gpu-tests.log) at $(elapsed), at most $TESTS_TIMEOUT s"
 MEASURED="$OUT/measurements.txt"
 rm -f "$MEASURED"
-SMDDP_GPU_MEASURE_FILE="$MEASURED" SMDDP_REQUIRE_GPU=1 SMDDP_GPU_QUICK=$QUICK timeout -s INT -k 20 "$TESTS_TIMEOUT" "$PY" -m pytest -q -rs -p no:cacheprovider \
+SMDDP_GPU_MEASURE_FILE="$MEASURED" SMDDP_REQUIRE_GPU=1 SMDDP_GPU_QUICK=$QUICK timeout -s INT -k "$KILL_GRACE_S" "$TESTS_TIMEOUT" "$PY" -m pytest -q -rs -p no:cacheprovider \
   --rootdir "$REPO" -c "$REPO/pyproject.toml" --junitxml="$OUT/gpu-tests.xml" -m gpu \
   "$REPO/tests/gpu" 2>&1 | tee "$OUT/gpu-tests.log"
 TESTS_RC=${PIPESTATUS[0]}
@@ -245,11 +279,12 @@ else
 fi
 
 # -- the benchmark ----------------------------------------------------------------------------------
-if [ "$QUICK" = 1 ]; then BENCH=(--worlds 2,4 --sizes-mib 1,16,256 --budget-mib 1024); BENCH_TIMEOUT=120
-else BENCH=(--worlds 2,4 --sizes-mib 1,4,16,64,256,1024 --budget-mib 4096); BENCH_TIMEOUT=200; fi
+if [ "$QUICK" = 1 ]; then BENCH=(--worlds 2,4 --sizes-mib 1,16,256 --budget-mib 1024)
+else BENCH=(--worlds 2,4 --sizes-mib 1,4,16,64,256,1024 --budget-mib 4096); fi
+BENCH_TIMEOUT=$(limit "$BENCH_CAP_S" 0)
 say "GPU all_reduce benchmark (log: $OUT/gpu-bench.log, rows: $OUT/gpu_allreduce.json)"
 rm -f "$OUT/gpu_allreduce.json"
-timeout "$BENCH_TIMEOUT" "$PY" -m benchmarks.gpu_allreduce "${BENCH[@]}" --timeout-s "$BENCH_TIMEOUT" \
+timeout -k "$KILL_GRACE_S" "$BENCH_TIMEOUT" "$PY" -m benchmarks.gpu_allreduce "${BENCH[@]}" --timeout-s "$BENCH_TIMEOUT" \
   --out "$OUT/gpu_allreduce.json" 2>&1 | tee "$OUT/gpu-bench.log"
 BENCH_RC=${PIPESTATUS[0]}
 BENCH_LINE=$("$PY" - "$OUT/gpu_allreduce.json" <<'EOF' 2>/dev/null

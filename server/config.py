@@ -65,6 +65,10 @@ class DaemonConfig:
     owner_pid: int = 0  # embedded daemon: exit once this process is gone and no rank is left
     chunk_bytes: int = 4 << 20  # arena footprint of one op chunk (4 MiB: a chunk stays in cache)
     gpu_chunk_bytes: int = 256 << 20  # most bytes one GPU reduction kernel launch covers
+    # When CuPy is imported and the common kernels compiled on every GPU: "first-op" (the
+    # first GPU op; a CPU-only daemon never touches a GPU) or "start" (in the background at
+    # start: no job's first op waits for a compile, each GPU holds a context from then on).
+    gpu_warm: str = "first-op"
     default_timeout_s: float = 1800.0  # per-op timeout when the client sets none
     max_jobs: int = 64
     max_ranks_per_job: int = 4096
@@ -119,6 +123,9 @@ _HELP = {
     "chunk_bytes": "arena bytes of one op chunk (large ops are cut and pipelined)",
     "gpu_chunk_bytes": "GPU ops: most bytes one reduction kernel launch covers (a larger op "
     "is several launches, between which other jobs' GPU work can run)",
+    "gpu_warm": "when CuPy is imported and the common reduction kernels (float32, bfloat16 "
+    "all_reduce by 2, 4, 8 ranks) are compiled on every GPU: first-op, or start (in the "
+    "background once serving; every GPU then holds a CUDA context of the daemon)",
     "default_timeout_s": "per-op timeout in seconds for clients that set none",
     "max_jobs": "most jobs served at once",
     "max_ranks_per_job": "largest world size of a communicator",
@@ -228,6 +235,8 @@ def load(argv: list[str] | None = None, environ: dict[str, str] | None = None) -
     tls = [values.get(name, "") for name in ("tls_cert", "tls_key", "tls_ca")]
     if any(tls) and not all(tls):
         parser.error("tls_cert, tls_key and tls_ca go together: set all three or none")
+    if values.get("gpu_warm", "first-op") not in ("first-op", "start"):
+        parser.error(f"gpu_warm: {values['gpu_warm']!r} is not one of first-op, start")
     transport = values.get("peer_transport", "tcp")
     if transport not in ("tcp", "ucx"):
         parser.error(f"peer_transport: {transport!r} is not one of tcp, ucx")

@@ -18,6 +18,7 @@ from grpc_reflection.v1alpha import reflection
 from smddp.server import notify, tls
 from smddp.server.config import DaemonConfig
 from smddp.server.data_socket import DataSocketServer
+from smddp.server.errors import SmddpError
 from smddp.server.gpu_supply import DaemonGpu
 from smddp.server.http import HttpServer
 from smddp.server.metrics import Metrics
@@ -196,6 +197,8 @@ class Daemon:
             self.http.start()
             self.listeners.append(f"HTTP {cfg.http_bind.rpartition(':')[0]}:{self.http.port}")
         threading.Thread(target=self._watchdog, name="smddp-watchdog", daemon=True).start()
+        if cfg.gpu_warm == "start":
+            threading.Thread(target=self._warm_gpus, name="smddp-gpu-start", daemon=True).start()
         self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         self._update_health()
         notify.notify(notify.READY)
@@ -210,6 +213,22 @@ class Daemon:
             if self._peers is not None
             else "off (--peer-bind off)",
             ", ".join(self.listeners),
+        )
+
+    def _warm_gpus(self) -> None:
+        """--gpu-warm start: the GPU ops made now (CuPy imported, the common kernels compiled
+        on every GPU in the background), not at the first GPU op; a node where that fails
+        serves on, and its GPU ops fail with the same message."""
+        started = time.monotonic()
+        try:
+            self.gpu.ops(self.config.node_id)
+        except SmddpError as exc:
+            log.warning("--gpu-warm start: no GPU ops at start: %s", exc)
+            return
+        log.info(
+            "--gpu-warm start: GPU ops ready in %.2f s; the common kernels compile in the "
+            "background",
+            time.monotonic() - started,
         )
 
     def _find_peers(self, job_id: str, comm_id: str, proof: bytes) -> CommPeers | None:

@@ -19,7 +19,8 @@ handle. A segment the rank's allocator is about to free is unmapped before the f
 rank's free channel (``close_before_free``, ``smddp.server.gpu_free``); allocations a rank
 reports freed after the fact (``CudaOp.freed``, before its op's buffers) and those superseded
 by a new allocation at the same base are closed once the work the rank's streams already hold
-has passed them, as are all of a rank's when it leaves.
+has passed them, as are all of a rank's when it leaves: the gate thread closes each as soon
+as that work is done (``collect``), so none waits for an op that may never come.
 
 CuPy is imported on the first GPU op (``ops()``), never before: the daemon runs without it
 and answers a GPU op there with a clear error. All CUDA calls go through ``Runtime``, so the
@@ -470,6 +471,7 @@ class GpuOps:
         """Runs ``release`` (in ``collect``) once the work queued so far on the streams of the
         rank's communicator has finished: queued kernels may still use what it frees."""
         self._graveyard.append((self._marks(handles), release))
+        self._wake_gates()
 
     def close_before_free(self, pid: int, base: int, wait_s: float) -> tuple[int, int]:
         """Unmaps, before returning, every mapping of the allocation at ``base`` in the
@@ -484,7 +486,8 @@ class GpuOps:
         smddpd queued may still be running on it. So the mappings close once an event
         recorded now on each of the communicator's work streams has fired, waited for here
         outside the daemon's lock for at most ``wait_s``; a mapping whose work is not done
-        by then is closed later, as before (``collect``).
+        by then is closed by the gate thread as soon as it is (``collect``), without
+        waiting for the rank's next op.
 
         Returns:
             (mappings closed before returning, mappings left to close later).
@@ -520,6 +523,9 @@ class GpuOps:
         with self._lock:
             for (marks, opened), finished in zip(pending, done):
                 if not finished:
+                    # Closed by the gate thread as soon as the work has passed it: the
+                    # rank's free has gone ahead, and the driver returns the memory only
+                    # once this mapping is closed too.
                     self._graveyard.append(
                         (marks, functools.partial(self._unref, self._memory, opened))
                     )
@@ -529,6 +535,8 @@ class GpuOps:
                     self._quietly(functools.partial(self.rt.destroy_event, e, d))
                 self._quietly(functools.partial(self._unref, self._memory, opened))
                 closed += 1
+        if deferred:
+            self._wake_gates()
         return closed, deferred
 
     def collect(self) -> None:
@@ -547,6 +555,16 @@ class GpuOps:
                     self._quietly(functools.partial(self.rt.destroy_event, e, d))
                 self._quietly(release)
             self._graveyard = keep
+
+    def _collect_if_free(self) -> None:
+        """``collect`` from the gate thread, unless an op holds the daemon's lock (that op
+        collects itself): the gate thread never waits behind the ops."""
+        if not self._graveyard or not self._lock.acquire(blocking=False):
+            return
+        try:
+            self.collect()
+        finally:
+            self._lock.release()
 
     @staticmethod
     def _quietly(fn: Callable[[], None]) -> None:
@@ -611,25 +629,40 @@ class GpuOps:
             cs.ticket += 1
             cs.pending.append((cs.ticket, marks))
             self._gated[id(cs)] = cs
-            if self._gate_thread is None:
-                self._gate_thread = threading.Thread(
-                    target=self._gate_loop, name="smddp-gpu-gates", daemon=True
-                )
-                self._gate_thread.start()
+            self._start_gates()
             self._gate_wake.notify()
             return cs.ticket
+
+    def _start_gates(self) -> None:
+        """Starts the gate thread if it is not running. ``_gate_wake`` held."""
+        if self._gate_thread is None:
+            self._gate_thread = threading.Thread(
+                target=self._gate_loop, name="smddp-gpu-gates", daemon=True
+            )
+            self._gate_thread.start()
+
+    def _wake_gates(self) -> None:
+        """Has the gate thread watch the graveyard too: what is buried there is released as
+        soon as its work is done, not at the next op (which may never come: a rank whose
+        retry after an out-of-memory waits for the memory)."""
+        with self._gate_wake:
+            self._start_gates()
+            self._gate_wake.notify()
 
     def _gate_loop(self) -> None:
         idle = 0
         while True:
             with self._gate_wake:
-                if not self._gated:
+                if not self._gated and not self._graveyard:
                     self._gate_wake.wait()
                     idle = 0
                 comms = list(self._gated.values())
             progressed = False
             for cs in comms:
                 progressed |= self._open_gates(cs)
+            buried = len(self._graveyard)
+            self._collect_if_free()
+            progressed |= len(self._graveyard) < buried
             if progressed:
                 idle = 0
                 continue

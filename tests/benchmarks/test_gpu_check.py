@@ -133,3 +133,41 @@ def test_the_script_never_installs_from_the_network() -> None:
         pinned,
     )
     assert set(pinned) <= set(checked), (checked, pinned)
+
+
+@pytest.mark.parametrize("quick", [False, True], ids=["full", "quick"])
+def test_the_check_s_stages_fit_in_eight_minutes(quick: bool) -> None:
+    """The stages' caps (what ``--plan`` prints, the values the run uses), each with its kill
+    grace, fit in the budget, and the budget in 8 minutes with a last grace to spare; every
+    stage that can run long (pip, the environment and warm-up, pytest, the benchmark) runs
+    under ``timeout`` with a limit the budget sets."""
+    import re
+
+    args = ["bash", str(SCRIPT), "--plan", *(["--quick"] if quick else [])]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=30, check=True)
+    plan = re.fullmatch(
+        r"budget (\d+) s: setup (\d+) s, tests (\d+) s, benchmark (\d+) s, "
+        r"kill grace (\d+) s per stage\n",
+        done.stdout,
+    )
+    assert plan, done.stdout
+    budget, setup, tests, bench, grace = map(int, plan.groups())
+    assert setup + tests + bench + 3 * grace <= budget
+    assert budget + grace < 8 * 60
+    assert tests >= 200 and bench >= 60 and setup >= 60  # each stage can still do its work
+    joined = SCRIPT.read_text().replace("\\\n", " ")
+    long_running = [
+        line
+        for line in joined.splitlines()
+        if re.search(r'"\$PY" (-m (pip|pytest|benchmarks)|- <<)', line)
+    ]
+    assert len(long_running) == 4, long_running
+    bounded = r'\btimeout (?:-s INT )?-k "\$KILL_GRACE_S" "\$\(?(\w+)'
+    for line in long_running:
+        assert re.search(bounded, line), line
+    commands = re.findall(r"\btimeout -", joined)
+    limits = re.findall(bounded, joined)
+    assert len(limits) == len(commands) == 4, (limits, commands)
+    assert set(limits) == {"limit", "SETUP_S", "TESTS_TIMEOUT", "BENCH_TIMEOUT"}, limits
+    for name in ("SETUP_S", "TESTS_TIMEOUT", "BENCH_TIMEOUT"):
+        assert re.search(rf"^{name}=\$\(limit ", joined, re.M), name

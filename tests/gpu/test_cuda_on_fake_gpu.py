@@ -310,3 +310,36 @@ def test_the_free_channel_follows_a_restarted_daemon(start_daemon, spawn_ranks, 
         assert "broke or smddpd restarted" in reopened[0], reopened
         assert f"rank {rank}" in reopened[0]
         assert not [m for m in r["messages"] if "could not" in m], r["messages"]
+
+
+@pytest.mark.timeout(120)
+def test_gpu_warm_start_makes_the_gpu_ops_before_any_op(start_daemon) -> None:
+    """--gpu-warm start: smddpd makes its GPU ops once it serves, before any GPU op (here the
+    fake runtime; on a node CuPy, whose runtime then compiles the common kernels on every
+    GPU in the background: tests/server/test_gpu_runtime.py); by default only the first GPU
+    op does; where no GPU is usable (this machine without the fake) it says so and serves on."""
+    import time
+
+    from smddp.server.gpu import TEST_RUNTIME_ENV
+
+    fake = dict(os.environ, SMDDP_TEST_GPU_RUNTIME=FAKE_RUNTIME)
+
+    def logged(daemon, text: str, timeout_s: float = 30.0) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while text not in daemon.log():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
+    warm = start_daemon(args=["--gpu-warm", "start"], env=fake, name="warm")
+    assert logged(warm, "--gpu-warm start: GPU ops ready in"), warm.log()
+    assert f"on the TEST runtime {FAKE_RUNTIME} ({TEST_RUNTIME_ENV} is set)" in warm.log()
+    plain = start_daemon(env=fake, name="plain")
+    time.sleep(1.0)
+    assert "TEST runtime" not in plain.log() and "--gpu-warm" not in plain.log(), plain.log()
+    no_gpu_env = {k: v for k, v in os.environ.items() if k != TEST_RUNTIME_ENV}
+    no_gpu = start_daemon(args=["--gpu-warm", "start"], env=no_gpu_env, name="nogpu")
+    assert logged(no_gpu, "--gpu-warm start: no GPU ops at start: smddpd on node"), no_gpu.log()
+    assert "cannot carry GPU tensors" in no_gpu.log()
+    assert no_gpu.proc.poll() is None and warm.proc.poll() is None

@@ -41,6 +41,7 @@ def test_defaults_without_flags_env_or_file() -> None:
         "owner_pid": 0,
         "chunk_bytes": 4 << 20,
         "gpu_chunk_bytes": 256 << 20,
+        "gpu_warm": "first-op",
         "default_timeout_s": 1800.0,
         "max_jobs": 64,
         "max_ranks_per_job": 4096,

@@ -471,7 +471,7 @@ def test_close_before_free_unmaps_the_process_s_segment_before_answering() -> No
     """A rank's free channel (server/gpu_free.py) names a segment about to be freed: every
     mapping of it in that process's sessions is closed before close_before_free returns,
     once the daemon's streams passed it; another process's mappings stay; the next op maps
-    the memory afresh; work still queued past the bound defers the close to ``collect``."""
+    the memory afresh; work still queued past the bound defers the close until it is done."""
     w = World([0, 0])
     for r, s in enumerate(w.sessions):
         s.peer_pid = 4000 + r  # type: ignore[attr-defined]
@@ -494,8 +494,37 @@ def test_close_before_free_unmaps_the_process_s_segment_before_answering() -> No
     assert time.monotonic() - start >= 0.2
     assert len(w.rt.calls("close_memory")) == 1
     w.rt.pending_marks = False
-    w.ops.collect()
-    assert len(w.rt.calls("close_memory")) == 2
+    wait_until(lambda: len(w.rt.calls("close_memory")) == 2)  # no op, no collect() called
+
+
+def test_a_segment_freed_while_its_work_waits_is_unmapped_once_the_work_ran() -> None:
+    """What the free's bound leaves: rank 0 frees a segment while smddpd's stream is still
+    behind rank 1's ready event, so the free goes ahead unconfirmed (deferred). smddpd
+    unmaps the segment as soon as the work on it has run, with no further op or call: the
+    driver returns the memory only once smddpd's mapping is closed too."""
+    rt = QueuedFakeRuntime(never={"ready1"})
+    w = World([0, 0], rt)
+    for r, s in enumerate(w.sessions):
+        s.peer_pid = 4000 + r  # type: ignore[attr-defined]
+    bufs = [w.buffer(r, 64, pb.FLOAT32) for r in range(2)]
+    vals = [fill(b, r) for r, b in enumerate(bufs)]
+    w.run(
+        [
+            request(pb.ALL_REDUCE, pb.FLOAT32, 64, r, [b], [b], reduce_op=pb.SUM)
+            for r, b in enumerate(bufs)
+        ]
+    )
+    mine = bufs[0].alloc
+    (address,) = [c[3] for c in rt.calls("open_memory") if c[1] == mine.handle]
+    assert w.ops.close_before_free(4000, mine.base, 0.1) == (0, 1)
+    time.sleep(0.05)
+    assert not rt.calls("reduce") and not rt.calls("close_memory")  # the work still waits
+    rt.never.clear()  # rank 1's stream reaches its ready event
+    wait_until(lambda: rt.calls("close_memory"))
+    assert [c[1] for c in rt.calls("close_memory")] == [address]
+    names = [c[0] for c in rt.log]
+    assert names.index("reduce") < names.index("close_memory")  # unmapped after its work
+    assert all(bits(b.array()) == bits(host_reduce(vals, pb.SUM)) for b in bufs)
 
 
 def test_a_new_allocation_at_a_freed_base_gets_a_fresh_mapping() -> None:
