@@ -27,6 +27,8 @@ import tempfile
 import time
 from typing import Any
 
+from benchmarks.collectives.plot import require_matplotlib
+
 # (op, bytes): bytes are the tensor's (all_gather: the output's), as in the issue's table.
 CASES = (
     ("all_reduce", 4),
@@ -248,12 +250,7 @@ def markdown(
     lines = [head, "| --- |" + " --- | --- | --- |" * len(worlds)]
     for op, nbytes in cases:
         key = f"{op}:{nbytes}"
-        if op == "barrier":
-            label = "barrier"
-        elif op == "solo_all_reduce":
-            label = f"all_reduce {_size(nbytes)}, group of one rank"
-        else:
-            label = f"{op} {_size(nbytes)}" + (" out" if op == "all_gather" else "")
+        label = _label(op, nbytes)
         cells = []
         for r in results:
             c = r["cases"][key]
@@ -305,6 +302,59 @@ def _ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}" if b > 0 else "n/a"
 
 
+def _label(op: str, nbytes: int) -> str:
+    if op == "barrier":
+        return "barrier"
+    if op == "solo_all_reduce":
+        return f"all_reduce {_size(nbytes)}, group of one rank"
+    return f"{op} {_size(nbytes)}" + (" out" if op == "all_gather" else "")
+
+
+def plot(path: str, results: list[dict[str, Any]], cases: tuple = CASES) -> None:
+    """A PNG of the table's ratios: gloo time / smddp time per case, a bar per world size (log
+    scale, parity marked), and DDP's communication overhead as gloo's / smddp's."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [_label(op, n) for op, n in cases]
+    rows: list[tuple[str, dict[int, float]]] = [
+        (
+            label,
+            {
+                r["world"]: r["cases"][f"{op}:{n}"]["gloo"] / r["cases"][f"{op}:{n}"]["smddp"]
+                for r in results
+            },
+        )
+        for label, (op, n) in zip(labels, cases)
+    ]
+    ddp = {
+        r["world"]: r["ddp"]["gloo"]["overhead_s"] / r["ddp"]["smddp"]["overhead_s"]
+        for r in results
+        if "ddp" in r and r["ddp"]["smddp"]["overhead_s"] > 0
+    }
+    if ddp:
+        rows.append(("DDP step: communication overhead", ddp))
+    worlds = [r["world"] for r in results]
+    height = 0.8 / max(1, len(worlds))
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.2))
+    for k, w in enumerate(worlds):
+        ys = [i + k * height for i in range(len(rows))]
+        ax.barh(ys, [vals.get(w, 0.0) for _, vals in rows], height, label=f"w={w}")
+    ax.set_yticks([i + height * (len(worlds) - 1) / 2 for i in range(len(rows))])
+    ax.set_yticklabels([label for label, _ in rows])
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.set_xlabel("gloo time / smddp time (right of the line: smddp faster)")
+    ax.legend(loc="lower right")
+    ax.set_title("smddp against gloo: blocking dist.* calls, worst rank's median")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def _size(n: int) -> str:
     for unit, shift in (("MiB", 20), ("KiB", 10)):
         if n >= 1 << shift and n % (1 << shift) == 0:
@@ -326,7 +376,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--json", help="write the results here")
     p.add_argument("--markdown", help="write the table here")
+    p.add_argument("--plot", help="draw the ratios into this PNG (needs matplotlib)")
+    p.add_argument(
+        "--from-json", help="draw --plot and write --markdown from this earlier --json, not a run"
+    )
     args = p.parse_args(argv)
+    if args.plot:
+        require_matplotlib()
     cases = CASES
     if args.cases:
         wanted = set(args.cases.split(","))
@@ -336,11 +392,18 @@ def main(argv: list[str] | None = None) -> int:
                 f"--cases: none of {args.cases} is a case "
                 f"({', '.join(f'{o}:{n}' for o, n in CASES)})"
             )
-    results = [run(int(w), args.ddp_steps, cases) for w in args.world_sizes.split(",")]
-    ref = {n: _reference(n) for n in (1 << 20, 16 << 20, 64 << 20)}
+    if args.from_json:
+        with open(args.from_json) as f:
+            saved = json.load(f)
+        results = saved["results"]
+        ref = {int(k): v for k, v in saved["reference"].items()}
+        cases = tuple(c for c in cases if all(f"{c[0]}:{c[1]}" in r["cases"] for r in results))
+    else:
+        results = [run(int(w), args.ddp_steps, cases) for w in args.world_sizes.split(",")]
+        ref = {n: _reference(n) for n in (1 << 20, 16 << 20, 64 << 20)}
     table = markdown(results, ref, cases)
     print(table)
-    if args.json:
+    if args.json and not args.from_json:
         with open(args.json, "w") as f:
             json.dump(
                 {"results": results, "reference": {str(k): v for k, v in ref.items()}}, f, indent=1
@@ -348,6 +411,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(table)
+    if args.plot:
+        plot(args.plot, results, cases)
     return 0
 
 

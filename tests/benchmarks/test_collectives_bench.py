@@ -239,6 +239,8 @@ def test_paired_times_both_backends_and_ddp_s_own_share(tmp_path: Path) -> None:
             str(out),
             "--markdown",
             str(md),
+            "--plot",
+            str(tmp_path / "paired.png"),
         ],
         check=False,
         cwd=REPO,
@@ -260,3 +262,28 @@ def test_paired_times_both_backends_and_ddp_s_own_share(tmp_path: Path) -> None:
     for row in ("| smddp | ", "| gloo | ", "| no communication | "):
         assert row in table, table
     assert "beyond it smddp's communication takes" in table, table
+
+    assert (tmp_path / "paired.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # The table and the plot again from the JSON, without a run: the same table.
+    again = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.collectives.paired",
+            "--from-json",
+            str(out),
+            "--markdown",
+            str(tmp_path / "again.md"),
+            "--plot",
+            str(tmp_path / "again.png"),
+        ],
+        check=False,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=QUICK_TIMEOUT_S,
+    )
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert (tmp_path / "again.md").read_text() == table
+    assert (tmp_path / "again.png").stat().st_size > 0
