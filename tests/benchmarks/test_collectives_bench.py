@@ -219,29 +219,10 @@ def test_plot_writes_png(tmp_path: Path) -> None:
     assert (tmp_path / "busbw.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.timeout(QUICK_TIMEOUT_S + 30)
-def test_paired_times_both_backends_and_ddp_s_own_share(tmp_path: Path) -> None:
-    """The paired benchmark (the README's Speed table) at w=2, one case, a few DDP steps: every
-    figure is there, the DDP table has its three rows, the JSON the same figures."""
-    out, md = tmp_path / "paired.json", tmp_path / "paired.md"
+def _paired(*args: str | Path) -> None:
+    """Runs the paired benchmark from the repository root; fails the test if it fails."""
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks.collectives.paired",
-            "--world-sizes",
-            "2",
-            "--cases",
-            "all_reduce:4",
-            "--ddp-steps",
-            "2",
-            "--json",
-            str(out),
-            "--markdown",
-            str(md),
-            "--plot",
-            str(tmp_path / "paired.png"),
-        ],
+        [sys.executable, "-m", "benchmarks.collectives.paired", *map(str, args)],
         check=False,
         cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO)},
@@ -250,6 +231,18 @@ def test_paired_times_both_backends_and_ddp_s_own_share(tmp_path: Path) -> None:
         timeout=QUICK_TIMEOUT_S,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.timeout(QUICK_TIMEOUT_S + 30)
+def test_paired_times_both_backends_and_ddp_s_own_share(tmp_path: Path) -> None:
+    """The paired benchmark (the README's Speed table) at w=2, one case, a few DDP steps: every
+    figure is there, the DDP table has its three rows, the JSON the same figures, the plot a
+    PNG; from the JSON alone it writes the same table again."""
+    out, md, png = tmp_path / "paired.json", tmp_path / "paired.md", tmp_path / "paired.png"
+    _paired(
+        *("--world-sizes", "2", "--cases", "all_reduce:4", "--ddp-steps", "2"),
+        *("--json", out, "--markdown", md, "--plot", png),
+    )
     (run,) = json.loads(out.read_text())["results"]
     case = run["cases"]["all_reduce:4"]
     assert case["smddp"] > 0 and case["gloo"] > 0, case
@@ -262,28 +255,9 @@ def test_paired_times_both_backends_and_ddp_s_own_share(tmp_path: Path) -> None:
     for row in ("| smddp | ", "| gloo | ", "| no communication | "):
         assert row in table, table
     assert "beyond it smddp's communication takes" in table, table
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
-    assert (tmp_path / "paired.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    # The table and the plot again from the JSON, without a run: the same table.
-    again = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks.collectives.paired",
-            "--from-json",
-            str(out),
-            "--markdown",
-            str(tmp_path / "again.md"),
-            "--plot",
-            str(tmp_path / "again.png"),
-        ],
-        check=False,
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        capture_output=True,
-        text=True,
-        timeout=QUICK_TIMEOUT_S,
-    )
-    assert again.returncode == 0, again.stdout + again.stderr
-    assert (tmp_path / "again.md").read_text() == table
-    assert (tmp_path / "again.png").stat().st_size > 0
+    again, again_png = tmp_path / "again.md", tmp_path / "again.png"
+    _paired("--from-json", out, "--markdown", again, "--plot", again_png)
+    assert again.read_text() == table
+    assert again_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
