@@ -124,6 +124,8 @@ class GpuOps(Protocol):
 
     def release_rank(self, session: Session) -> None: ...
 
+    def abort_comm(self, comm: Communicator) -> None: ...
+
     def release_comm(self, comm: Communicator) -> None: ...
 
 
@@ -686,6 +688,11 @@ class Communicator:
             pending = list(self._pending.values())
             self._pending.clear()
             region = self.region
+        gpu_ops = self._gpu.active()
+        if gpu_ops is not None:
+            # GPU ops already queued, gated on ranks' ready events (a dead rank's never
+            # fires), go ahead now: survivors whose hosts wait on their streams get free.
+            gpu_ops.abort_comm(self)
         in_region = region is not None and not region.all_done()
         if region is not None:
             region.fail(kind, message)  # every rank waiting in the region wakes and raises it

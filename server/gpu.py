@@ -7,8 +7,8 @@ module, on the communicator's own streams (one per GPU involved):
 
 1. makes every stream wait on a flag the daemon owns (``cuStreamWaitValue32``), raised by its
    gate thread once a gate stream has passed every rank's ready event, or at once when the
-   communicator is torn down: a killed rank's event, which never fires, holds up only the
-   gate stream, never the work, the done events or the drain;
+   communicator fails or is torn down: a killed rank's event, which never fires, holds up
+   only the gate stream, never the work, the survivors' done events or the drain;
 2. reduces with the kernels of ``gpu_kernels`` (in rank order, so every rank gets the same
    bits as on the host path), or moves bytes with device-to-device copies;
 3. records every rank's done event after all of it, which the rank's stream then waits on.
@@ -585,6 +585,24 @@ class GpuOps:
                 self._bury(handles, functools.partial(self._unref, self._events, handle))
         self.collect()
 
+    def abort_comm(self, comm: Communicator) -> None:
+        """Opens every gate of the failed communicator, now and for any op still queued.
+
+        Its ops whose ranks' events have not fired (a dead rank's never will) go ahead:
+        their outputs are undefined, as the communicator has failed, but the work streams
+        get to the survivors' done events. Waiting for the teardown instead would wedge a
+        survivor whose host waits on its stream (``loss.item()`` after the op): it never
+        leaves, so the teardown never comes."""
+        with self._lock:
+            cs = self._streams.get(comm)
+        if cs is not None:
+            self._abort(cs)
+
+    def _abort(self, cs: _CommStreams) -> None:
+        with self._gate_wake:
+            cs.aborted = True
+            self._gate_wake.notify()
+
     def release_comm(self, comm: Communicator) -> None:
         """Destroys the communicator's streams once their work has finished (in the background:
         a stream waiting on a dead rank's event may take long)."""
@@ -592,12 +610,7 @@ class GpuOps:
             cs = self._streams.pop(comm, None)
         if cs is None:
             return
-
-        # Ops whose ranks' events have not fired (a dead rank's never will) go ahead: their
-        # outputs are undefined, as the communicator has failed; the work streams finish.
-        with self._gate_wake:
-            cs.aborted = True
-            self._gate_wake.notify()
+        self._abort(cs)  # the work streams finish (``abort_comm``)
 
         def drain() -> None:
             while cs.pending:

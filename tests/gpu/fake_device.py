@@ -7,7 +7,9 @@ driver exports an allocation's "IPC handle" as the file's path, which the daemon
 runtime (``tests/server/gpu_fakes.py:ipc_runtime``, ``SMDDP_TEST_GPU_RUNTIME``) maps, so
 the real daemon reads and writes the ranks' tensors. Events are small shared files too: a
 record bumps a counter, so a rank checks that the daemon recorded its done event before it
-replied. Work on this "GPU" happens at once, so streams only check and log.
+replied. Work on this "GPU" happens at once, so streams only check and log; only
+``FakeStream.synchronize`` waits, for the done events the stream waited on (which the
+daemon's blocking fake runtime, ``ipc_queued_runtime``, bumps when its stream gets there).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import os
 import shutil
 import struct
 import tempfile
+import time
 from contextlib import contextmanager
 from typing import Any
 
@@ -30,6 +33,7 @@ from smddp import cuda_driver
 UUID0 = bytes([0xA0]) * 16  # gpu_fakes.uuid(0): the daemon's fake sees the same GPU
 MEM_PREFIX = b"fakeipc:"
 EVENT_PREFIX = b"fakeevt:"
+STALLED_SUFFIX = ".stalled"  # gpu_fakes.STALLED_SUFFIX
 # One folder per rank process, named for its pid: removed when the process exits (the daemon's
 # mappings outlive the names), and by tests/conftest.py's sweep when it was killed.
 _folder = tempfile.mkdtemp(
@@ -54,17 +58,23 @@ class _Allocation:
 class FakeEvent:
     """An "interprocess event": a counter in a shared file, bumped by each record."""
 
-    def __init__(self, number: int) -> None:
+    def __init__(self, number: int, device: FakeDevice | None = None) -> None:
         self.path = os.path.join(_folder, f"e{number}")
         with open(self.path, "wb") as f:
             f.write(struct.pack("<q", 0))
         self.seen = 0
+        self.waits = 0  # streams' waits on it: the n-th waits for the daemon's n-th record
+        self._device = device
 
     def count(self) -> int:
         with open(self.path, "rb") as f:
             return struct.unpack("<q", f.read(8))[0]
 
     def record(self, stream: Any = None) -> None:
+        if self._device is not None and self._device.stalled:
+            # The rank's stream never gets here (ipc_queued_runtime's waits on it never end).
+            with open(self.path + STALLED_SUFFIX, "w"):
+                pass
         with open(self.path, "r+b") as f:
             value = struct.unpack("<q", f.read(8))[0]
             f.seek(0)
@@ -90,10 +100,13 @@ class FakeStream:
         self.recorded_waits = 0
         self.unrecorded_waits = 0
         self.fail_waits = False  # a test makes the fence fail
+        self.waited: list[tuple[FakeEvent, int]] = []  # (event, the record it waits for)
 
     def wait_event(self, event: FakeEvent) -> None:
         if self.fail_waits:
             raise RuntimeError("cudaStreamWaitEvent: an illegal memory access was encountered")
+        event.waits += 1
+        self.waited.append((event, event.waits))
         count = event.count()
         if count > event.seen:
             self.recorded_waits += 1
@@ -106,6 +119,22 @@ class FakeStream:
 
     def query(self) -> bool:
         return True
+
+    def synchronize(self, timeout_s: float) -> float:
+        """Waits until the daemon has recorded every done event this stream waited on, as
+        ``torch.cuda.synchronize()`` would; returns the seconds it took.
+
+        Raises:
+            TimeoutError: some were not recorded within ``timeout_s``.
+        """
+        start = time.monotonic()
+        while any(event.count() < n for event, n in self.waited):
+            if time.monotonic() - start > timeout_s:
+                behind = [e.path for e, n in self.waited if e.count() < n]
+                raise TimeoutError(f"done events never recorded within {timeout_s} s: {behind}")
+            time.sleep(0.005)
+        self.waited.clear()
+        return time.monotonic() - start
 
 
 class FakeDriver:
@@ -145,6 +174,9 @@ class FakeDevice:
         self.capture = False
         self.driver = FakeDriver(self)
         self.frees = 0  # allocations returned to the "driver" (the allocator's segment.all.freed)
+        # Set by a test: ready events recorded from now on never fire on the daemon's blocking
+        # fake runtime, as if this rank's stream were stuck before them (then it is killed).
+        self.stalled = False
 
     # -- what tests call ------------------------------------------------------------------------
 
@@ -196,7 +228,7 @@ class FakeDevice:
         yield
 
     def event(self, device: int) -> FakeEvent:
-        return FakeEvent(next(self._events))
+        return FakeEvent(next(self._events), self)
 
     def current_stream(self, device: int) -> FakeStream:
         return self.streams[device]

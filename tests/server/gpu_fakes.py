@@ -11,8 +11,10 @@ both the bytes and the order of waits, work and records on each stream.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
+import os
 import sys
 import threading
 from collections.abc import Sequence
@@ -346,6 +348,10 @@ def request(
 
 MEM_PREFIX = b"fakeipc:"  # tests/gpu/fake_device.py: a rank's "IPC handle" names a shared file
 EVENT_PREFIX = b"fakeevt:"
+STALLED_SUFFIX = ".stalled"  # fake_device.py: a ready event recorded while the rank is stalled
+# A file the blocking runtime (ipc_queued_runtime) appends its mappings and drains to, one
+# line each, for the test that started the daemon.
+LEDGER_ENV = "SMDDP_TEST_GPU_LEDGER"
 
 
 @dataclass(eq=False)
@@ -393,7 +399,8 @@ class IpcFakeRuntime(FakeRuntime):
         if alloc.handle.startswith(MEM_PREFIX):
             # Tells the rank's test (tests/gpu) the daemon has unmapped its allocation.
             path = alloc.handle[len(MEM_PREFIX) :].rstrip(b"\0").decode()
-            with open(path + ".closed", "a"):
+            # (Not there when the rank's folder went with its process.)
+            with contextlib.suppress(FileNotFoundError), open(path + ".closed", "a"):
                 pass
 
     def open_event(self, handle: bytes, device: int) -> Any:
@@ -512,3 +519,74 @@ class QueuedFakeRuntime(FakeRuntime):
         with self._cv:
             if not self._cv.wait_for(lambda: not self._queues.get(stream), self.sync_timeout_s):
                 raise CudaCallError(f"cudaStreamSynchronize: {stream!r} never finished")
+
+
+class IpcQueuedFakeRuntime(QueuedFakeRuntime, IpcFakeRuntime):
+    """The ranks' shared files (IpcFakeRuntime) on streams that run in order and block
+    (QueuedFakeRuntime), for a real smddpd: a rank's done event is bumped when the daemon's
+    stream gets to its record, and a ready event the rank recorded while stalled
+    (``fake_device.FakeDevice.stalled``) never fires, as that of a rank killed before its
+    stream got there. Every mapping opened and closed, and every stream synchronized and
+    destroyed, is appended to the ledger file (``LEDGER_ENV``) when one is named."""
+
+    def __init__(self, *args: Any, ledger: str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.ledger = ledger
+
+    def _note(self, line: str) -> None:
+        if self.ledger:
+            with open(self.ledger, "a") as f:
+                f.write(line + "\n")
+
+    def open_memory(self, handle: bytes, device: int) -> int:
+        with self._cv:  # the gate and drain threads resolve addresses meanwhile
+            address = super().open_memory(handle, device)
+        self._note(f"open {address:#x} {_memory_name(handle)}")
+        return address
+
+    def close_memory(self, address: int, device: int) -> None:
+        with self._cv:
+            handle = self.mapped[address].handle
+            super().close_memory(address, device)
+        self._note(f"close {address:#x} {_memory_name(handle)}")
+
+    def wait_event(self, stream: Any, event: Any, device: int) -> None:
+        if isinstance(event, SharedEvent) and os.path.exists(event.path + STALLED_SUFFIX):
+            self.never.add(repr(event))
+        super().wait_event(stream, event, device)
+
+    def record_event(self, event: Any, stream: Any, device: int) -> None:
+        if not isinstance(event, SharedEvent):
+            super().record_event(event, stream, device)
+            return
+        with self._cv:
+            self.log.append(("record", event, stream))
+            self._enqueue(stream, ("run", functools.partial(_bump_if_there, event)))
+
+    def synchronize(self, stream: Any, device: int) -> None:
+        try:
+            super().synchronize(stream, device)
+        except CudaCallError as exc:
+            self._note(f"synchronize {stream!r} failed: {exc}")
+            raise
+        self._note(f"synchronize {stream!r} ok")
+
+    def destroy_stream(self, stream: Any, device: int) -> None:
+        super().destroy_stream(stream, device)
+        self._note(f"destroy_stream {stream!r}")
+
+
+def _memory_name(handle: bytes) -> str:
+    return (
+        handle[len(MEM_PREFIX) :].rstrip(b"\0").decode() if handle.startswith(MEM_PREFIX) else "?"
+    )
+
+
+def _bump_if_there(event: SharedEvent) -> None:
+    with contextlib.suppress(FileNotFoundError):  # the rank's folder went with it
+        event.bump()
+
+
+def ipc_queued_runtime() -> IpcQueuedFakeRuntime:
+    """The factory SMDDP_TEST_GPU_RUNTIME names for a daemon whose fake GPU blocks (GPU 0)."""
+    return IpcQueuedFakeRuntime(devices={uuid(0): 0}, ledger=os.environ.get(LEDGER_ENV))

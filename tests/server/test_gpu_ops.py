@@ -930,6 +930,29 @@ def test_a_killed_ranks_event_never_wedges_the_drain_or_the_survivors_memory() -
     assert rt._queues[gate] and ("synchronize", gate) not in rt.log
 
 
+def test_a_failed_communicators_gates_open_before_its_teardown() -> None:
+    """Rank 1 is killed with its ready event unfired; the communicator fails while the
+    survivors are still in it (their hosts may wait on their streams): its gates open then,
+    so the work stream runs its reductions and every done record, with no rank having left."""
+    rt = QueuedFakeRuntime(never={"ready1"})
+    w = World([0, 0, 0], rt)
+    bufs = [w.buffer(r, 64, pb.FLOAT32) for r in range(3)]
+    for r, b in enumerate(bufs):
+        fill(b, r)
+    w.run(
+        [
+            request(pb.ALL_REDUCE, pb.FLOAT32, 64, r, [b], [b], reduce_op=pb.SUM)
+            for r, b in enumerate(bufs)
+        ]
+    )
+    time.sleep(0.05)
+    assert not rt.calls("reduce")  # held at the gate
+    w.ops.abort_comm(w.comm)
+    (work,) = work_streams(rt)
+    wait_until(lambda: not rt._queues[work])  # its reductions and done records have run
+    assert rt.calls("reduce") and not rt.calls("destroy_stream")  # no teardown yet
+
+
 def test_gate_marks_are_reused_and_destroyed_with_the_communicator() -> None:
     """An op's gate mark is a spare event of an earlier op whose gate opened (no event is
     created and destroyed per op); the communicator's teardown destroys the spares."""
