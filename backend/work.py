@@ -165,7 +165,8 @@ def _backward_done(task: int) -> None:
         # Callbacks run in the order they were added and a chained Future's callbacks run
         # inside its parent's, so once one added now has run, a chain that had not started
         # has ended; one that had may still wait for an op (_chain_waits). Left open: a chain
-        # between two ops just then (PowerSGD computing Q from P) can still fail after this.
+        # whose callback has not yet begun to wait for its op (PowerSGD's P, or Q after P)
+        # can still fail after this, with torch's RuntimeError around the error.
         for _, fut in works:
             fut.then(_ignore).wait()
         with _chain_waits:

@@ -328,15 +328,17 @@ def test_killed_rank_in_powersgd(
         r"disconnected without leaving the communicator .+"
     )
     for g in got:
-        if dies_in == "P" or g["type"] != "RuntimeError":
+        if g["type"] != "RuntimeError":
             assert g["module"] == "smddp.backend.errors", g
             assert g["type"] == "SmddpRankFailedError", g
             assert re.fullmatch(dead, g["message"]), g["message"]
         else:
-            # Left open in backend/work.py (_backward_done): when the pass ends while the
-            # chain is between its P and Q all_reduces and Q then fails, backward() raises
-            # torch's RuntimeError "Got the following error when running the callback: ..."
-            # around the error; it still names the dead rank, and nothing crashes or hangs.
+            # Left open in backend/work.py (_backward_done): when the pass ends while a
+            # chain's callback has not yet begun to wait for its op (P's, or Q's after P),
+            # and that op then fails, backward() raises torch's RuntimeError "Got the
+            # following error when running the callback: ..." around the error; it still
+            # names the dead rank, and nothing crashes or hangs. Seen for P once in CI, on a
+            # loaded machine (the survivors' pass ended before their P all_reduce failed).
             assert re.fullmatch(
                 rf"(Got the following error when running the callback: (RuntimeError: )?)+"
                 rf"SmddpRankFailedError: {dead}",
