@@ -292,6 +292,15 @@ class Rank:
     def stderr(self) -> str:
         return (self.folder / "stderr").read_text(errors="replace")
 
+    def printed_pid(self) -> int:
+        """The pid from the rank's "pid N" line (its program prints it, e.g. before it is
+        killed: the process the test started may be a wrapper)."""
+        for line in self.stdout:
+            m = re.fullmatch(r"pid (\d+)\n?", line)
+            if m:
+                return int(m.group(1))
+        raise AssertionError(f"rank {self.rank} printed no pid: {self.stdout}")
+
     def failure(self) -> str:
         """Why this rank did not finish cleanly, for the test's failure message."""
         rc = self.proc.returncode

@@ -76,14 +76,6 @@ def survivor_rank(rank: int, world: int, init_file: str, mode: str) -> dict[str,
     return error
 
 
-def _pid(r: Any) -> int:
-    for line in r.stdout:
-        m = re.fullmatch(r"pid (\d+)\n?", line)
-        if m:
-            return int(m.group(1))
-    raise AssertionError(f"rank {r.rank} printed no pid: {r.stdout}")
-
-
 def status(path: str) -> pb.StatusReply:
     with grpc.insecure_channel("unix:" + path) as ch:
         return pb_grpc.NodeStub(ch).Status(pb.StatusRequest(), timeout=10)
@@ -129,7 +121,7 @@ def test_killed_rank_fails_the_others_fast(mode, system_daemon, rank_env, spawn_
     )
     ranks.wait_for("ready")
     victim = ranks.ranks[VICTIM]
-    pid = _pid(victim)
+    pid = victim.printed_pid()
     assert pid == victim.proc.pid
     if mode == "waiting":
         _wait_pending(system_daemon.socket, [r for r in range(WORLD) if r != VICTIM])

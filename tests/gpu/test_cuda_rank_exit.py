@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import re
 import signal
 import time
 
@@ -19,14 +18,6 @@ VICTIM = 2
 BOUND_S = 10.0
 
 
-def _pid(r) -> int:
-    for line in r.stdout:
-        m = re.fullmatch(r"pid (\d+)\n?", line)
-        if m:
-            return int(m.group(1))
-    raise AssertionError(f"rank {r.rank} printed no pid: {r.stdout}")
-
-
 @pytest.mark.timeout(300)
 def test_a_rank_killed_mid_op(daemon, spawn_ranks, tmp_path) -> None:
     from cuda_ranks import after_death_rank, dying_world_rank
@@ -38,7 +29,7 @@ def test_a_rank_killed_mid_op(daemon, spawn_ranks, tmp_path) -> None:
     ranks.wait_for("ready")
     time.sleep(0.5)  # well inside the loop of large GPU all_reduces
     victim = ranks.ranks[VICTIM]
-    pid = _pid(victim)
+    pid = victim.printed_pid()
     killed_at = time.time()
     os.kill(pid, signal.SIGKILL)
     victim.proc.wait()

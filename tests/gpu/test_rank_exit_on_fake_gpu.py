@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import re
 import signal
 import sys
 import time
@@ -119,14 +118,6 @@ def after_rank(rank: int, world: int, init_file: str) -> list[str]:
     return check.failures
 
 
-def _pid(r: Any) -> int:
-    for line in r.stdout:
-        m = re.fullmatch(r"pid (\d+)\n?", line)
-        if m:
-            return int(m.group(1))
-    raise AssertionError(f"rank {r.rank} printed no pid: {r.stdout}")
-
-
 def _ledger(path: Path) -> list[list[str]]:
     return [line.split(" ", 2) for line in path.read_text().splitlines()] if path.exists() else []
 
@@ -164,7 +155,7 @@ def test_a_rank_killed_mid_op_on_the_fake_gpu(start_daemon, spawn_ranks, tmp_pat
     )
     ranks.wait_for("stuck")
     victim = ranks.ranks[VICTIM]
-    pid = _pid(victim)
+    pid = victim.printed_pid()
     assert not _ledger(ledger) or all(line[0] != "synchronize" for line in _ledger(ledger))
     killed_at = time.time()
     os.kill(pid, signal.SIGKILL)
