@@ -35,6 +35,7 @@ from typing import Any
 import grpc
 import pytest
 from ci_skips import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401
+from daemon_log import serving_line
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
@@ -73,15 +74,16 @@ class DaemonProcess:
         """Everything the daemon wrote to stderr so far."""
         return self.log_path.read_text(errors="replace")
 
+    def serving_line(self) -> str:
+        """Its "smddpd serving" line, which follows SERVING by a moment: waited for."""
+        return serving_line(self.log, lambda: self.proc.poll() is None, START_TIMEOUT_S)
+
     def http_port(self) -> int:
         """The port its HTTP server took, from its "smddpd serving" line (started with
         ``--http-bind 127.0.0.1:0``: a port picked free here and bound by the daemon later could
-        be taken in between). The line follows SERVING by a moment, so this waits for it."""
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not (found := re.search(r"listening: .*\bHTTP [^,\s]*:(\d+)", self.log())):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"smddpd logged no HTTP listener:\n{self.log()}")
-            time.sleep(0.02)
+        be taken in between)."""
+        found = re.search(r"listening: .*\bHTTP [^,\s]*:(\d+)", self.serving_line())
+        assert found, f"smddpd logged no HTTP listener:\n{self.log()}"
         return int(found[1])
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = STOP_TIMEOUT_S) -> int:
@@ -154,6 +156,11 @@ def _launch(
             pytest.fail(
                 f"smddpd did not report SERVING within {START_TIMEOUT_S} s:\n{daemon.log()}"
             )
+    # Its "smddpd serving" line (every listener) comes a moment after SERVING: tests read it.
+    try:
+        daemon.serving_line()
+    except AssertionError as exc:
+        pytest.fail(str(exc))
     return daemon
 
 

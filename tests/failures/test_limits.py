@@ -39,6 +39,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from daemon_log import serving_line
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from smddp.client import connect
@@ -760,7 +761,7 @@ def test_peer_listeners_are_off_unless_configured_and_the_startup_line_lists_all
         grpc.channel_ready_future(channel).result(timeout=60)
         wait_health(channel, SERVING, timeout_s=60)
         assert _tcp_listeners(proc.pid) == [], _tcp_listeners(proc.pid)
-        line = next(x for x in log_path.read_text().splitlines() if "smddpd serving" in x)
+        line = serving_line(log_path.read_text, lambda: proc.poll() is None)
         print(line)
         assert (
             "peers off (--peer-bind off)" in line
@@ -779,7 +780,7 @@ def test_peer_listeners_are_off_unless_configured_and_the_startup_line_lists_all
 
     # Every listener is on the startup line.
     d = start_daemon(args=("--grpc-bind", "127.0.0.1:0", "--http-bind", "127.0.0.1:0"), name="all")
-    line = next(x for x in d.log().splitlines() if "smddpd serving" in x)
+    line = d.serving_line()
     print(line)
     for what in (
         "gRPC /",
