@@ -322,8 +322,9 @@ def launch_world(tmp_path: Path) -> Iterator[Callable[..., World]]:
         spec = {**spec, "node_of_rank": list(node_of_rank), "barrier_dir": str(folder)}
         (folder / "spec.json").write_text(json.dumps(spec))
         master = nodes[node_of_rank[0]]
-        # In a fresh namespace every port is free; on loopback ask the kernel for one.
-        port = free_port() if not master.prefix else 20000 + secrets.randbelow(20000)
+        # Below the ephemeral range, also in a namespace: its smddpd binds port 0 and connects
+        # out there, from that range (CI saw EADDRINUSE on a port drawn from 20000-39999).
+        port = free_port()
         world = len(node_of_rank)
         procs = []
         for rank, n in enumerate(node_of_rank):
