@@ -35,7 +35,7 @@ from typing import Any
 import grpc
 import pytest
 from ci_skips import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401
-from daemon_log import serving_line
+from daemon_log import http_port, serving_line
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
@@ -79,12 +79,8 @@ class DaemonProcess:
         return serving_line(self.log, lambda: self.proc.poll() is None, START_TIMEOUT_S)
 
     def http_port(self) -> int:
-        """The port its HTTP server took, from its "smddpd serving" line (started with
-        ``--http-bind 127.0.0.1:0``: a port picked free here and bound by the daemon later could
-        be taken in between)."""
-        found = re.search(r"listening: .*\bHTTP [^,\s]*:(\d+)", self.serving_line())
-        assert found, f"smddpd logged no HTTP listener:\n{self.log()}"
-        return int(found[1])
+        """The port its HTTP server took, from its "smddpd serving" line (``daemon_log``)."""
+        return http_port(self.serving_line())
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = STOP_TIMEOUT_S) -> int:
         """Sends ``sig`` and returns the exit status; fails the test if it does not exit in time."""

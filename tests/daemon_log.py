@@ -6,6 +6,7 @@ its log right after seeing SERVING can find it missing; under load CI did. This 
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 
@@ -22,3 +23,12 @@ def serving_line(log: Callable[[], str], running: Callable[[], bool], timeout_s:
         if not running() or time.monotonic() > deadline:
             raise AssertionError(f"smddpd logged no serving line:\n{text}")
         time.sleep(0.02)
+
+
+def http_port(line: str) -> int:
+    """The port of the HTTP listener a "smddpd serving" line names (a daemon started with
+    ``--http-bind 127.0.0.1:0``: a port picked free by the test and bound by the daemon later
+    could be taken in between)."""
+    found = re.search(r"listening: .*\bHTTP [^,\s]*:(\d+)", line)
+    assert found, f"smddpd logged no HTTP listener: {line}"
+    return int(found[1])

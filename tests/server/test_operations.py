@@ -29,7 +29,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from daemon_log import serving_line
+from daemon_log import http_port, serving_line
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from ports import free_port
@@ -84,9 +84,7 @@ class Smddpd:
         """
         if not self._http_port:
             line = serving_line(self.log, lambda: self.proc.poll() is None)
-            found = re.search(r"HTTP 127\.0\.0\.1:(\d+)", line)
-            assert found, f"smddpd logged no HTTP listener:\n{self.log()}"
-            self._http_port = int(found[1])
+            self._http_port = http_port(line)
         return self._http_port
 
     def url(self, path: str) -> str:
