@@ -43,7 +43,6 @@ from smddp.client.direct import (
     all_gather_work,
     all_reduce_work,
     broadcast_work,
-    claimable,
 )
 from smddp.client.discovery import daemon_info, daemon_socket, rendezvous
 from smddp.client.engine import DaemonEngine, request
@@ -130,8 +129,8 @@ class Communicator:
         self._seq = 0
         self._lock = threading.RLock()
         self._closed = False
-        # Direct ops not yet started, which a blocking wait may run in its own thread.
-        self._steal: weakref.WeakKeyDictionary[InFlight, Callable[[bool], bool]] = (
+        # Ops queued on the progress thread, which a blocking wait may run in its own thread.
+        self._steal: weakref.WeakKeyDictionary[InFlight, Callable[[], bool]] = (
             weakref.WeakKeyDictionary()
         )
         self._progress = ProgressThread(f"smddp-progress-{session.comm_id}")
@@ -146,7 +145,7 @@ class Communicator:
     def _retire_through(self, handle: InFlight) -> None:
         if handle.event is not None:
             steal = self._steal.pop(handle, None)
-            if steal is None or not steal(self._progress.queued == 1):
+            if steal is None or not steal():
                 handle.event.wait()  # the progress thread runs it; nothing to do here
             return
         with self._lock:
@@ -231,9 +230,8 @@ class Communicator:
                     if self._region.start(*args):
                         self._region.complete(handle)
                     handle.pending = 0
-                    event.set()
 
-                self._progress.submit(run)
+                self._steal[handle] = self._progress.submit_claimable(run, event)
             elif self._region.start(*args):
                 self._region.open = handle
             return handle
@@ -261,9 +259,7 @@ class Communicator:
                 data.size,
                 work,
             )
-            queued, steal = claimable(run, event)
-            self._progress.submit(queued)
-            self._steal[handle] = steal
+            self._steal[handle] = self._progress.submit_claimable(run, event)
             return handle
 
     def _via_daemon(

@@ -9,7 +9,6 @@ collective is a ``Work``: a generator per chunk whose yields are its synchronisa
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -103,7 +102,8 @@ class DirectOps:
         n: int,
         work: Work,
     ) -> Callable[[], None]:
-        """The op, ready to run in some thread; it sets ``op.event`` when it is over.
+        """The op, ready to run in some thread (``ProgressThread.submit_claimable``, which
+        sets ``op.event`` once it is over).
 
         ``signature``: (kind, wire dtype, count, root, reduce op). For each chunk,
         ``work(a, b, bufs)`` gets the chunk's element range and every rank's buffer (mapped
@@ -129,8 +129,6 @@ class DirectOps:
         first_buffer = self._count
         self._count += chunks
         area = self.base
-        event = op.event
-        assert event is not None
 
         def run() -> None:
             first = True
@@ -170,32 +168,5 @@ class DirectOps:
                 )
             finally:
                 op.pending = 0
-                event.set()
 
         return run
-
-
-def claimable(
-    run: Callable[[], None], event: threading.Event
-) -> tuple[Callable[[], None], Callable[[bool], bool]]:
-    """``run`` as two entries of which only the first to come runs it: ``queued()`` for the
-    progress thread, and ``steal(alone)`` for a caller that waits (it runs it when ``alone``:
-    nothing else is queued, so the ranks' order stays). A thread handoff each way costs tens
-    of microseconds on a busy host, which a blocking call saves this way.
-    """
-    claim = threading.Lock()
-
-    def queued() -> None:
-        if claim.acquire(blocking=False):
-            run()
-        else:
-            # The caller runs it: what was queued after it must still wait for it.
-            event.wait()
-
-    def steal(alone: bool) -> bool:
-        if alone and claim.acquire(blocking=False):
-            run()
-            return True
-        return False
-
-    return queued, steal

@@ -17,7 +17,7 @@ import numpy as np
 
 from smddp.client.errors import DaemonLostError, SmddpError
 from smddp.client.inflight import InFlight, RegionWait
-from smddp.client.shm import ShmPath
+from smddp.client.shm import ShmPath, native_reduce
 from smddp.reduce import _BOOL_UFUNCS, _UFUNCS
 from smddp.region import DEFAULT_DATA_BYTES, H_ALARM
 from smddp.v1 import smddp_pb2 as pb
@@ -28,7 +28,18 @@ Steps = tuple[Step | None, Step | None]
 
 
 def reduce_rank_order(out: np.ndarray, ins: list[np.ndarray], reduce_op: int) -> None:
-    """Reduces ``ins`` in rank order into ``out`` (``out`` aliases none of them)."""
+    """Reduces ``ins`` in rank order into ``out`` (``out`` aliases none of them): in C for
+    the common dtypes and SUM or AVG (one pass, every input read once), else as
+    ``numpy_rank_order`` does; both give the same bits."""
+    if (reduce_op == pb.SUM or reduce_op == pb.AVG) and native_reduce(
+        out, ins, reduce_op == pb.AVG
+    ):
+        return
+    numpy_rank_order(out, ins, reduce_op)
+
+
+def numpy_rank_order(out: np.ndarray, ins: list[np.ndarray], reduce_op: int) -> None:
+    """``reduce_rank_order`` with numpy's ufuncs, one input after the other."""
     op = cast("pb.ReduceOp", reduce_op)  # the tables' keys are the enum's values
     uf = _BOOL_UFUNCS[op] if out.dtype == np.bool_ else _UFUNCS[op]
     uf(ins[0], ins[1], out=out)

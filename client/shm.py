@@ -360,11 +360,23 @@ class ShmPath:
         return views
 
 
+def _native() -> bool:
+    """True when the C part is built and not turned off (SMDDP_NATIVE=0)."""
+    return _fastregion is not None and os.environ.get("SMDDP_NATIVE", "1") != "0"
+
+
+def native_reduce(out: np.ndarray, ins: list[np.ndarray], average: bool) -> bool:
+    """True once the C part has reduced ``ins`` in their order into ``out`` (divided by
+    their number when ``average``), bitwise as numpy would, without the GIL; False (``out``
+    untouched) for what it leaves to numpy (dtypes, aliasing) or without the C part."""
+    return _native() and _fastregion.reduce_into(out, ins, average)
+
+
 def _native_slot(
     region: np.ndarray, rank: int, world: int, view: RegionView, spin_s: float
 ) -> _fastregion.Slot | None:
     """The C side of this rank's slot, or None (not built, or SMDDP_NATIVE=0)."""
-    if _fastregion is None or os.environ.get("SMDDP_NATIVE", "1") == "0":
+    if not _native():
         return None
     from smddp import region as layout
 

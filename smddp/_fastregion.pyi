@@ -3,6 +3,8 @@ from typing import Any
 
 LAYOUT: tuple[str, ...]
 
+def reduce_into(out: Any, ins: Any, average: bool) -> bool: ...
+
 class Slot:
     def __init__(
         self,

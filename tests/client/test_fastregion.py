@@ -16,7 +16,7 @@ import pytest
 
 from smddp import _fastregion, region
 from smddp.client.errors import DaemonLostError
-from smddp.client.region_ops import reduce_rank_order
+from smddp.client.region_ops import numpy_rank_order, reduce_rank_order
 from smddp.client.shm import ShmPath
 from smddp.region import (
     C_BYTES,
@@ -165,7 +165,7 @@ def test_its_reductions_are_numpy_s_to_the_bit(world: int, dtype: type, op: int)
     for r in range(world):
         assert slots[r].fill(1, x[r])
     want = np.empty(n, dtype)
-    reduce_rank_order(
+    numpy_rank_order(
         want, [rgn.view.data(r, 1)[: want.nbytes].view(dtype) for r in range(world)], op
     )
     for r in range(world):
@@ -194,6 +194,63 @@ def test_what_it_does_not_reduce_it_leaves_to_numpy_untouched(dtype: type, op: i
     out = np.ones(8, dtype)
     assert slot.reduce(0, out, op) is False
     assert out.tobytes() == np.ones(8, dtype).tobytes()
+
+
+def _far_apart(rng: np.random.Generator, dtype: type, shape: tuple[int, ...]) -> np.ndarray:
+    """Values whose sums show the order of the additions in their bits (floats of magnitudes
+    far apart; integers over the whole range, which wrap)."""
+    if np.dtype(dtype).kind == "f":
+        scale = 10.0 ** rng.integers(-8, 8, shape)
+        return (rng.standard_normal(shape) * scale).astype(dtype)
+    info = np.iinfo(dtype)
+    return rng.integers(info.min, info.max, shape, dtype=dtype, endpoint=True)
+
+
+@pytest.mark.parametrize("world", [2, 3, 5, 8])
+@pytest.mark.parametrize("dtype,op", CASES)
+def test_reduce_into_is_numpy_s_to_the_bit_over_many_blocks(
+    world: int, dtype: type, op: int
+) -> None:
+    # Not a multiple of the C part's block (2048 elements) nor of any vector's width.
+    n = 3 * 2048 + 13
+    x = _far_apart(np.random.default_rng(world * 100 + op), dtype, (world, n))
+    ins = [x[r] for r in range(world)]
+    want = np.empty(n, dtype)
+    numpy_rank_order(want, ins, op)
+    got = np.full(n, 7, dtype)
+    assert _fastregion.reduce_into(got, ins, op == pb.AVG) is True
+    assert got.tobytes() == want.tobytes()
+    again = np.empty(n, dtype)
+    reduce_rank_order(again, ins, op)  # what the direct path calls: the C part, here
+    assert again.tobytes() == want.tobytes()
+
+
+def test_reduce_into_leaves_to_numpy_what_it_cannot_take_and_touches_nothing() -> None:
+    a, b = np.arange(64, dtype=np.float32), np.ones(64, np.float32)
+    out = np.zeros(64, np.float32)
+    declined = [
+        (out, [a]),  # one input
+        (out, [a] * 257),  # more inputs than it takes
+        (a, [a, b]),  # out is an input
+        (a[8:40], [a[:32], b[:32]]),  # out overlaps an input
+        (out, [a, b[:63]]),  # lengths differ
+        (out, [a, b.astype(np.float64)]),  # formats differ
+        (out, [a[::2], b[::2]]),  # not contiguous
+        (out.astype(np.float16), [a.astype(np.float16), b.astype(np.float16)]),  # dtype
+        (np.zeros(64, np.int64), [a.astype(np.int64), b.astype(np.int64)], True),  # int AVG
+    ]
+    for case in declined:
+        dst, ins, *average = case
+        before = dst.tobytes()
+        assert _fastregion.reduce_into(dst, ins, bool(average)) is False
+        assert dst.tobytes() == before
+    readonly = np.zeros(64, np.float32)
+    readonly.flags.writeable = False
+    assert _fastregion.reduce_into(readonly, [a, b], False) is False
+    with pytest.raises(TypeError):
+        _fastregion.reduce_into(out, 5, False)
+    # Declining raised nothing that lingers: the next call reduces.
+    assert _fastregion.reduce_into(out, [a, b], False) and (out == a + 1).all()
 
 
 def test_fill_copies_any_buffer_s_bytes_and_declines_what_has_none() -> None:
