@@ -113,7 +113,8 @@ class Communicator:
         half = session.arena.nbytes // 2
         self._engine = DaemonEngine(session, half, timeout_s)
         shared = single_node and session.world_size > 1
-        self._direct = DirectOps(self.rank, half, half, config.direct_chunk(ALIGN), ALIGN)
+        chunk = config.direct_chunk(ALIGN, session.world_size)
+        self._direct = DirectOps(self.rank, half, half, chunk, ALIGN)
         self._direct_min = config.direct_min_bytes if shared else -1
         # The region and direct paths: every collective they can carry, between the ranks.
         self._use_shm = shared and config.region

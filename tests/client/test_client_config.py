@@ -11,6 +11,7 @@ from smddp.client.config import (
     DEFAULT_ARENA_BYTES,
     DEFAULT_DIRECT_CHUNK_BYTES,
     DEFAULT_DIRECT_MIN_BYTES,
+    SHARED_CORES_DIRECT_CHUNK_BYTES,
     ClientConfig,
 )
 
@@ -72,3 +73,9 @@ def test_the_direct_chunk_is_the_default_or_the_setting_in_whole_alignments() ->
     assert ClientConfig(direct_chunk_bytes=4096).direct_chunk(64) == 4096
     assert ClientConfig(direct_chunk_bytes=4100).direct_chunk(64) == 4096
     assert ClientConfig.from_env({"SMDDP_DIRECT_CHUNK_BYTES": "65536"}).direct_chunk(64) == 65536
+
+
+def test_ranks_that_share_cpus_take_larger_chunks_unless_told() -> None:
+    assert ClientConfig().direct_chunk(64, ranks=4, cpus=4) == DEFAULT_DIRECT_CHUNK_BYTES
+    assert ClientConfig().direct_chunk(64, ranks=4, cpus=2) == SHARED_CORES_DIRECT_CHUNK_BYTES
+    assert ClientConfig(direct_chunk_bytes=4096).direct_chunk(64, ranks=4, cpus=2) == 4096
