@@ -237,6 +237,7 @@ def test_reduce_into_leaves_to_numpy_what_it_cannot_take_and_touches_nothing() -
         (out, [a, b.astype(np.float64)]),  # formats differ
         (out, [a[::2], b[::2]]),  # not contiguous
         (out.astype(np.float16), [a.astype(np.float16), b.astype(np.float16)]),  # dtype
+        (out.astype(ml_dtypes.bfloat16), [a.astype(ml_dtypes.bfloat16)] * 2),  # no buffer
         (np.zeros(64, np.int64), [a.astype(np.int64), b.astype(np.int64)], True),  # int AVG
     ]
     for case in declined:
