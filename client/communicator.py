@@ -131,7 +131,7 @@ class Communicator:
         self._lock = threading.RLock()
         self._closed = False
         # Ops queued on the progress thread, which a blocking wait may run in its own thread.
-        self._steal: weakref.WeakKeyDictionary[InFlight, Callable[[], bool]] = (
+        self._claims: weakref.WeakKeyDictionary[InFlight, Callable[[], bool]] = (
             weakref.WeakKeyDictionary()
         )
         self._progress = ProgressThread(f"smddp-progress-{session.comm_id}")
@@ -145,8 +145,8 @@ class Communicator:
 
     def _retire_through(self, handle: InFlight) -> None:
         if handle.event is not None:
-            steal = self._steal.pop(handle, None)
-            if steal is None or not steal():
+            claim = self._claims.pop(handle, None)
+            if claim is None or not claim():
                 handle.event.wait()  # the progress thread runs it; nothing to do here
             return
         with self._lock:
@@ -228,11 +228,16 @@ class Communicator:
                 handle.pending = 1
 
                 def run() -> None:
-                    if self._region.start(*args):
-                        self._region.complete(handle)
+                    try:
+                        if self._region.start(*args):
+                            self._region.complete(handle)
+                    except Exception as exc:  # a bug must fail the op, not the ops behind it
+                        handle.error = SmddpError(
+                            f"rank {self.rank}: op #{seq} failed in the progress thread: {exc!r}"
+                        )
                     handle.pending = 0
 
-                self._steal[handle] = self._progress.submit_claimable(run, event)
+                self._claims[handle] = self._progress.submit_claimable(run, event)
             elif self._region.start(*args):
                 self._region.open = handle
             return handle
@@ -260,7 +265,7 @@ class Communicator:
                 data.size,
                 work,
             )
-            self._steal[handle] = self._progress.submit_claimable(run, event)
+            self._claims[handle] = self._progress.submit_claimable(run, event)
             return handle
 
     def _via_daemon(

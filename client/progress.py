@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import traceback
 from collections.abc import Callable
 
 
@@ -119,4 +120,9 @@ class ProgressThread:
             fn = self._queue.get()
             if fn is None:
                 return
-            fn()
+            try:
+                fn()
+            except Exception:
+                # A bug in one op: say so, and run the ops behind it (its own waiter has been
+                # released by its finish), rather than leave them all waiting on a dead thread.
+                traceback.print_exc()

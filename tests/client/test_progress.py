@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from smddp.client.progress import ProgressThread
 
 
@@ -82,3 +84,22 @@ def test_a_claimed_op_holds_back_what_was_queued_after_it() -> None:
     p.drain()
     assert order == ["first", "later"]
     p.stop()
+
+
+def test_an_op_that_raises_releases_its_waiter_and_the_ops_behind_it_still_run(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    p = ProgressThread("test-progress")
+
+    def broken() -> None:
+        raise RuntimeError("a bug in an op")
+
+    ev = threading.Event()
+    p.submit_claimable(broken, ev)
+    after = threading.Event()
+    p.submit(after.set)
+    assert ev.wait(5) and after.wait(5)
+    p.drain()
+    assert not p.busy()
+    p.stop()
+    assert "a bug in an op" in capfd.readouterr().err
