@@ -277,6 +277,8 @@ class GpuOps:
         self._streams: weakref.WeakKeyDictionary[Communicator, _CommStreams] = (
             weakref.WeakKeyDictionary()
         )
+        # Communicators aborted before their first GPU op had streams: those open at once.
+        self._aborted: weakref.WeakSet[Communicator] = weakref.WeakSet()
         self._devices: dict[bytes, int] = {}
         # Mappings by (handle, buffer id, device): a handle is opened on each GPU whose kernels or
         # copies access it (as NCCL does): memory opened on one GPU and read from another
@@ -595,6 +597,10 @@ class GpuOps:
         leaves, so the teardown never comes."""
         with self._lock:
             cs = self._streams.get(comm)
+            if cs is None:
+                # Its first GPU op may still be on its way here (being resolved, or queued
+                # behind another op): its gates must not wait for the teardown either.
+                self._aborted.add(comm)
         if cs is not None:
             self._abort(cs)
 
@@ -719,11 +725,13 @@ class GpuOps:
     # -- running ops --------------------------------------------------------------------------
 
     def _comm_streams(self, comm: Communicator) -> _CommStreams:
-        cs = self._streams.get(comm)
-        if cs is None:
-            cs = _CommStreams(self.rt)
-            self._streams[comm] = cs
-        return cs
+        with self._lock:
+            cs = self._streams.get(comm)
+            if cs is None:
+                cs = _CommStreams(self.rt)
+                cs.aborted = comm in self._aborted
+                self._streams[comm] = cs
+            return cs
 
     def _peer(self, device: int, peer: int, who: str) -> None:
         if device == peer or (device, peer) in self._peers:

@@ -953,6 +953,25 @@ def test_a_failed_communicators_gates_open_before_its_teardown() -> None:
     assert rt.calls("reduce") and not rt.calls("destroy_stream")  # no teardown yet
 
 
+def test_a_communicator_failed_before_its_first_gpu_op_opens_that_op_s_gates() -> None:
+    """The communicator fails while its first GPU op is still on its way (no streams yet);
+    that op, gated on a ready event that never fires (a dead rank's), must not wait for the
+    teardown either: its reductions and done records run, with no rank having left."""
+    rt = QueuedFakeRuntime(never={"ready1"})
+    w = World([0, 0, 0], rt)
+    bufs = [w.buffer(r, 64, pb.FLOAT32) for r in range(3)]
+    w.ops.abort_comm(w.comm)  # before any stream of it exists
+    w.run(
+        [
+            request(pb.ALL_REDUCE, pb.FLOAT32, 64, r, [b], [b], reduce_op=pb.SUM)
+            for r, b in enumerate(bufs)
+        ]
+    )
+    (work,) = work_streams(rt)
+    wait_until(lambda: rt.calls("reduce") and not rt._queues[work])
+    assert not rt.calls("destroy_stream")  # no teardown yet
+
+
 def test_gate_marks_are_reused_and_destroyed_with_the_communicator() -> None:
     """An op's gate mark is a spare event of an earlier op whose gate opened (no event is
     created and destroyed per op); the communicator's teardown destroys the spares."""
