@@ -121,6 +121,7 @@ class Communicator:
         self._region = RegionOps(
             f"job {session.job_id} comm {session.comm_id}",
             self.rank,
+            self.world_size,
             timeout_s,
             self._open_region,
             # Looked up when the region opens: a session without one need not have them.

@@ -19,7 +19,7 @@ from smddp.client.errors import DaemonLostError, SmddpError
 from smddp.client.inflight import InFlight, RegionWait
 from smddp.client.shm import ShmPath, native_reduce
 from smddp.reduce import _BOOL_UFUNCS, _UFUNCS
-from smddp.region import DEFAULT_DATA_BYTES, H_ALARM
+from smddp.region import H_ALARM, data_bytes_for
 from smddp.v1 import smddp_pb2 as pb
 
 Step = Callable[[ShmPath, int], None]
@@ -56,6 +56,7 @@ class RegionOps:
         self,
         name: str,
         rank: int,
+        world: int,
         timeout_s: float,
         open_region: Callable[[], tuple[list[np.ndarray], np.ndarray]],
         daemon_alive: Callable[[], bool],
@@ -71,8 +72,9 @@ class RegionOps:
         self._shm: ShmPath | None = None
         self.peer_maps: list[np.ndarray] = []
         self.open: InFlight | None = None  # its op whose completion is still due
-        # The largest op the region carries (a slot's data buffer): known once it is mapped.
-        self.max_bytes = DEFAULT_DATA_BYTES
+        # The largest op the region carries (a slot's data buffer): the daemon's choice, read
+        # once it is mapped; until then the size it makes for this world.
+        self.max_bytes = data_bytes_for(world)
 
     @property
     def shm(self) -> ShmPath:

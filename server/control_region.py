@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from smddp.region import (
-    DEFAULT_DATA_BYTES,
     G_ARRIVAL,
     G_COUNT,
     G_DTYPE,
@@ -30,6 +29,7 @@ from smddp.region import (
     S_OPS,
     S_SEQ,
     RegionView,
+    data_bytes_for,
     init_header,
     region_bytes,
 )
@@ -50,7 +50,10 @@ class RegionPending:
 class ControlRegion:
     """One communicator's region, created and mapped by the daemon."""
 
-    def __init__(self, world_size: int, data_bytes: int = DEFAULT_DATA_BYTES) -> None:
+    def __init__(self, world_size: int, data_bytes: int | None = None) -> None:
+        """``data_bytes``: each data buffer's size (default ``data_bytes_for(world_size)``)."""
+        if data_bytes is None:
+            data_bytes = data_bytes_for(world_size)
         self.nbytes = region_bytes(world_size, data_bytes)
         self.fd = os.memfd_create("smddp-region", os.MFD_CLOEXEC)
         try:

@@ -105,6 +105,20 @@ SKEW_TABLE_OFFSET = OP_TABLE_OFFSET + KINDS * DTYPES * OP_COLS * 8
 DATA_OFFSET = -(-(SKEW_TABLE_OFFSET + KINDS * SKEW_COLS * 8) // 4096) * 4096
 
 DEFAULT_DATA_BYTES = 256 << 10  # per buffer; a rank has two
+# ...and this many for a communicator of at most SMALL_WORLD ranks on the node. An op in the
+# region takes one synchronisation, and every rank reduces all of it (so its cost grows with
+# the world); a direct op takes two per chunk, each rank reducing its own segment. Measured
+# 2026-12-03, paired benchmark, 1 MiB all_reduce, gloo time / smddp time, two runs each: in
+# the region 3.94 / 4.03 at w=2 and 5.07 / 4.73 at w=4 (4 ranks on 2 cores), direct 2.13 /
+# 2.42 and 4.42 / 4.05. Pages of a memfd are only allocated once written: a job of small ops
+# holds no more memory than before.
+SMALL_WORLD_DATA_BYTES = 1 << 20
+SMALL_WORLD = 4
+
+
+def data_bytes_for(world_size: int) -> int:
+    """The size of each of a rank's two data buffers in a region of ``world_size`` ranks."""
+    return SMALL_WORLD_DATA_BYTES if world_size <= SMALL_WORLD else DEFAULT_DATA_BYTES
 
 
 def slot_bytes(data_bytes: int) -> int:

@@ -4,9 +4,9 @@ PowerSGD is the hardest case for a Python backend's Futures: ``powerSGD_hook`` a
 ``batched_powerSGD_hook`` chain ``then`` callbacks that start further all_reduces
 (``async_op=True``) and wait on their Futures from torch's inter-op pool (``get_future`` on a
 foreign thread, backend/work.py). The model has a 1-D bias and a [1, H] weight that
-PowerSGD all_reduces uncompressed, small compressed weights, and two large ones (> 256 KiB, the
-region's buffer: larger ops run on the progress thread) whose P and Q all_reduces are also
-larger than 256 KiB, so the callbacks' ops take both the region's inline path and the
+PowerSGD all_reduces uncompressed, small compressed weights, and two large ones (> 1 MiB, the
+region's buffer at these worlds: larger ops run on the progress thread) whose P and Q
+all_reduces are also larger than 1 MiB, so the callbacks' ops take both the region's inline path and the
 progress thread.
 
 Each rank trains two DDP models with the same seed in the same process, one on the smddp
@@ -31,12 +31,12 @@ from typing import Any
 import pytest
 import torch
 
-# Bigger than 65,536 so that the [H, 8] and [16, H] weights' P (H x rank) and Q (H x rank) are
-# over 256 KiB at rank 1 (the region's buffer: the op runs on the progress thread).
-HIDDEN = 68_000
+# Bigger than 262,144 so that the [H, 8] and [16, H] weights' P (H x rank) and Q (H x rank)
+# are over 1 MiB at rank 1 (the region's buffer: the op runs on the progress thread).
+HIDDEN = 270_000
 STEPS = 6
 START_POWERSGD_ITER = 2  # steps 0-1: PowerSGD's vanilla all_reduce warm-up; then compressed
-# One bucket (the model's gradients are 7 MiB). With several, PowerSGD races with itself on
+# One bucket (the model's gradients are 27 MB). With several, PowerSGD races with itself on
 # any backend whose Futures complete on another thread: the inter-op pool starts one bucket's
 # P all_reduce while the autograd thread starts the next bucket's first one, in an order that
 # differs between ranks (measured: gloo aborts the process, "Received data size doesn't match

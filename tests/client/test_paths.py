@@ -4,7 +4,8 @@ The same ranks' script runs three times against a real daemon: with the region (
 in the control region, large ones direct), with ``SMDDP_REGION=0`` and no direct path
 (everything through the daemon, cut into chunks), and with ``SMDDP_REGION=0`` and a low
 direct threshold (small ops through the daemon, large all_reduce, broadcast and all_gather
-direct). Sizes on both sides of a region buffer (256 KiB) and of the daemon's chunk.
+direct). Sizes on both sides of a region buffer (1 MiB at these worlds) and of the daemon's
+chunk.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from smddp.client import ClientConfig, connect
 from smddp.v1 import smddp_pb2 as pb
 
 WORLD = 3
-SIZES = (1, 1000, 100_003)  # elements: 100_003 float32 is past a region buffer
+SIZES = (1, 1000, 300_007)  # elements: 300_007 float32 is past a region buffer
 
 
 def paths_worker(rank: int, world: int, socket_path: str, job: str, token: bytes) -> list[str]:

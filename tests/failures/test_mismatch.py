@@ -15,9 +15,9 @@ import pytest
 
 WORLD = 3
 N = 4096
-DIRECT_N = (
-    1 << 18
-)  # 1 MiB of float32: all_reduce runs "direct" (ranks reduce from each other's arenas)
+# 2 MiB of float32, past the region's buffer (1 MiB at 3 ranks): all_reduce runs "direct"
+# (ranks reduce from each other's arenas)
+DIRECT_N = 1 << 19
 JOB = r"job j[0-9a-f]{16} comm [^:]+"
 
 # case: (what each rank calls as op #3, the message after "job J comm C: ")
@@ -43,8 +43,8 @@ CASES: dict[str, str] = {
         r"while ranks 0-1 called all_reduce\(SUM, 4096 x float32\)"
     ),
     "direct count": (
-        r"rank 0 called all_reduce\(SUM, 262145 x float32\) as op #3 "
-        r"while ranks 1-2 called all_reduce\(SUM, 262144 x float32\)"
+        r"rank 0 called all_reduce\(SUM, 524289 x float32\) as op #3 "
+        r"while ranks 1-2 called all_reduce\(SUM, 524288 x float32\)"
     ),
 }
 
