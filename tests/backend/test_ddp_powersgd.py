@@ -6,8 +6,8 @@ PowerSGD is the hardest case for a Python backend's Futures: ``powerSGD_hook`` a
 foreign thread, backend/work.py). The model has a 1-D bias and a [1, H] weight that
 PowerSGD all_reduces uncompressed, small compressed weights, and two large ones (> 1 MiB, the
 region's buffer at these worlds: larger ops run on the progress thread) whose P and Q
-all_reduces are also larger than 1 MiB, so the callbacks' ops take both the region's inline path and the
-progress thread.
+all_reduces are also larger than 1 MiB, so the callbacks' ops take both the region's inline
+path and the progress thread.
 
 Each rank trains two DDP models with the same seed in the same process, one on the smddp
 default group and one on a gloo group, and compares their parameters after every step: bitwise
