@@ -46,7 +46,7 @@ from smddp.client.direct import (
 )
 from smddp.client.discovery import daemon_info, daemon_socket, rendezvous
 from smddp.client.engine import DaemonEngine, request
-from smddp.client.errors import SmddpError, UnsupportedError
+from smddp.client.errors import SmddpError, UnsupportedError, progress_bug
 from smddp.client.inflight import InFlight
 from smddp.client.progress import ProgressThread
 from smddp.client.region_ops import RegionOps, Steps
@@ -233,9 +233,7 @@ class Communicator:
                         if self._region.start(*args):
                             self._region.complete(handle)
                     except Exception as exc:  # a bug must fail the op, not the ops behind it
-                        handle.error = SmddpError(
-                            f"rank {self.rank}: op #{seq} failed in the progress thread: {exc!r}"
-                        )
+                        handle.error = progress_bug(self.rank, seq, exc)
                     handle.pending = 0
 
                 self._claims[handle] = self._progress.submit_claimable(run, event)

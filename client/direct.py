@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from smddp.client.errors import SmddpError
+from smddp.client.errors import SmddpError, progress_bug
 from smddp.client.inflight import InFlight
 from smddp.client.region_ops import reduce_rank_order
 from smddp.client.shm import ShmPath
@@ -163,9 +163,7 @@ class DirectOps:
             except SmddpError as exc:
                 op.error = exc
             except Exception as exc:  # a bug must fail the op, not hang its waiters
-                op.error = SmddpError(
-                    f"rank {self.rank}: op #{seq} failed in the progress thread: {exc!r}"
-                )
+                op.error = progress_bug(self.rank, seq, exc)
             finally:
                 op.pending = 0
 

@@ -69,6 +69,12 @@ def op_error(kind: int, message: str) -> OpError:
     return err
 
 
+def progress_bug(rank: int, seq: int, exc: Exception) -> SmddpError:
+    """The error of op ``seq`` when something other than an SmddpError escaped it on the
+    progress thread (a bug): it fails that op, rather than hang its waiters."""
+    return SmddpError(f"rank {rank}: op #{seq} failed in the progress thread: {exc!r}")
+
+
 def __getattr__(name: str) -> type[OpTimeoutError]:
     # The class was called TimeoutError, which shadowed the builtin in every module that
     # imported it; the old name still resolves for code that reads it as an attribute.

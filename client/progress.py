@@ -53,30 +53,25 @@ class ProgressThread:
         ``event`` once it has finished."""
         claimed = threading.Lock()
 
-        def finish() -> None:
-            self._finish()
-            event.set()
+        def run_once() -> bool:
+            if not claimed.acquire(blocking=False):
+                return False
+            try:
+                run()
+            finally:
+                self._finish()
+                event.set()
+            return True
 
         def queued() -> None:
-            if claimed.acquire(blocking=False):
-                try:
-                    run()
-                finally:
-                    finish()
-            else:
+            if not run_once():
                 # The caller runs it: what was queued after it must still wait for it.
                 event.wait()
 
         ticket = self._enqueue(queued)
 
         def claim() -> bool:
-            if self._finished == ticket and claimed.acquire(blocking=False):
-                try:
-                    run()
-                finally:
-                    finish()
-                return True
-            return False
+            return self._finished == ticket and run_once()
 
         return claim
 

@@ -399,7 +399,7 @@ static PyObject *Slot_fill(Slot *self, PyObject *const *args, Py_ssize_t nargs) 
 
 /* The reductions: out[i] = ((ins[0][i] + ins[1][i]) + ins[2][i]) + ..., in rank order,
    element by element, then / world for AVG: the same IEEE operations as numpy's passes
-   (smddp.client.region_ops.reduce_rank_order), so the same bits. The elements are taken in
+   (smddp.client.region_ops.numpy_rank_order), so the same bits. The elements are taken in
    blocks that stay in the L1 cache, every input read once and out written once (numpy's
    passes read out again for each input past the second); the loops vectorise (-O3, and a
    clone per vector extension on x86-64). out aliases no input (the callers check). */
