@@ -118,15 +118,22 @@ class Communicator:
         self._direct_min = config.direct_min_bytes if shared else -1
         # The region and direct paths: every collective they can carry, between the ranks.
         self._use_shm = shared and config.region
+        # Spanning nodes, the region holds the ranks on this node (one slot each, in rank
+        # order), and carries the local phases of the small ops of COMBINED_KINDS.
+        local = session.local_ranks
+        self._node_phases = (
+            not single_node and config.region and len(local) > 1 and session.node_region
+        )
         self._region = RegionOps(
             f"job {session.job_id} comm {session.comm_id}",
-            self.rank,
-            self.world_size,
+            local.index(self.rank),
+            len(local),
             timeout_s,
             self._open_region,
             # Looked up when the region opens: a session without one need not have them.
             lambda: self.session.alive(),
             lambda: self.session.gone(),
+            local,
         )
         self._seq = 0
         self._lock = threading.RLock()
@@ -241,6 +248,54 @@ class Communicator:
                 self._region.open = handle
             return handle
 
+    def _spans(self, nbytes: int) -> bool:
+        return self._node_phases and nbytes <= self._region.max_bytes
+
+    def _across_nodes(
+        self, kind: int, data: np.ndarray | None, root: int = 0, reduce_op: int = 0
+    ) -> Handle:
+        """An all_reduce, broadcast or barrier of a communicator spanning nodes whose data
+        fits a region buffer, as a region op (``RegionOps.across_nodes``): the node's ranks
+        combine their data in the region, the lowest alone takes the op to the daemon
+        (``node_combined``), which exchanges it with the other nodes, and the others copy
+        its result in the region.
+
+        Every rank of the node waits in the region while its lowest rank is at the daemon;
+        an error there fails the communicator and the daemon writes it into the region, so
+        every rank raises the same one. An op through the daemon that follows first
+        completes this one, so the daemon gets the ops in order.
+        """
+        local = self.session.local_ranks
+        root_slot = local.index(root) if kind == pb.BROADCAST and root in local else None
+
+        def leg(seq: int) -> None:
+            part = Handle(self, "op", seq)
+            req = request(
+                seq, kind, data.dtype if data is not None else None, count, root, reduce_op
+            )
+            req.node_combined = True
+            if data is None:
+                self._engine.barrier(part, req)
+            else:
+                here = kind == pb.ALL_REDUCE or root_slot is not None
+                elsewhere = kind == pb.ALL_REDUCE or root_slot is None
+                self._engine.elementwise(part, req, data, send=here, receive=elsewhere)
+            self._engine.retire_through(part)
+            if part.error is not None:
+                raise part.error
+
+        code = code_of(data.dtype) if data is not None else 0
+        count = data.size if data is not None else 0
+        nbytes = data.nbytes if data is not None else 0
+        steps = self._region.across_nodes(kind, data, root_slot, reduce_op, leg)
+        return self._in_region(kind, code, count, root, reduce_op, nbytes, steps)
+
+    def _complete_open(self) -> None:
+        """Completes the region op still due before an op through the daemon: on a
+        communicator spanning nodes it may owe the daemon its leg, which must go first."""
+        if self._node_phases and self._region.open is not None:
+            self._region.complete(self._region.open)
+
     def _run_direct(
         self, kind: int, data: np.ndarray, root: int, reduce_op: int, work: Work
     ) -> Handle:
@@ -279,6 +334,7 @@ class Communicator:
         """Numbers an op and sends it through the daemon; ``cut`` submits its chunks."""
         with self._lock:
             self._check_open()
+            self._complete_open()
             handle = self._next()
             cut(handle, request(self._seq, kind, dtype, count, root, reduce_op))
             return handle
@@ -291,6 +347,7 @@ class Communicator:
         """
         with self._lock:
             self._check_open()
+            self._complete_open()
             if req.kind in P2P_KINDS:
                 req.seq = self._engine.next_p2p_seq(req.root, req.kind)
             else:
@@ -320,6 +377,8 @@ class Communicator:
         if self._fits(data.nbytes):
             steps = self._region.all_reduce(data, reduce_op)
             return self._in_region(pb.ALL_REDUCE, code, data.size, 0, reduce_op, data.nbytes, steps)
+        if self._spans(data.nbytes):
+            return self._across_nodes(pb.ALL_REDUCE, data, 0, reduce_op)
         if self._goes_direct(data.nbytes):
             work = all_reduce_work(data, reduce_op, self.rank, self.world_size)
             return self._run_direct(pb.ALL_REDUCE, data, 0, reduce_op, work)
@@ -340,6 +399,8 @@ class Communicator:
             steps = self._region.broadcast(data, root)
             code = code_of(data.dtype)
             return self._in_region(pb.BROADCAST, code, data.size, root, 0, data.nbytes, steps)
+        if self._spans(data.nbytes):
+            return self._across_nodes(pb.BROADCAST, data, root)
         if self._goes_direct(data.nbytes):
             work = broadcast_work(data, root, self.rank)
             return self._run_direct(pb.BROADCAST, data, root, 0, work)
@@ -481,6 +542,8 @@ class Communicator:
         """Completes once every rank has called it."""
         if self._use_shm:
             return self._in_region(pb.BARRIER, 0, 0, 0, 0, 0, (None, None))
+        if self._node_phases:
+            return self._across_nodes(pb.BARRIER, None)
         return self._via_daemon(pb.BARRIER, None, 0, 0, 0, self._engine.barrier)
 
     def send(self, array: np.ndarray, dst: int, tag: int = 0) -> Handle:

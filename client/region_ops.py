@@ -10,7 +10,7 @@ whose completion is still due, and each collective's fill and finish.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import cast
 
 import numpy as np
@@ -18,8 +18,8 @@ import numpy as np
 from smddp.client.errors import DaemonLostError, SmddpError
 from smddp.client.inflight import InFlight, RegionWait
 from smddp.client.shm import ShmPath, native_reduce
-from smddp.reduce import _BOOL_UFUNCS, _UFUNCS
-from smddp.region import H_ALARM, data_bytes_for
+from smddp.reduce import _BOOL_UFUNCS, _UFUNCS, reduce_into
+from smddp.region import G_KIND, G_OP, G_SEQ, H_ALARM, data_bytes_for
 from smddp.v1 import smddp_pb2 as pb
 
 Step = Callable[[ShmPath, int], None]
@@ -61,10 +61,14 @@ class RegionOps:
         open_region: Callable[[], tuple[list[np.ndarray], np.ndarray]],
         daemon_alive: Callable[[], bool],
         daemon_gone: Callable[[], DaemonLostError],
+        ranks: Sequence[int] = (),
     ) -> None:
-        """``open_region()`` maps the peers' arenas and the region (the daemon hands them)."""
+        """``open_region()`` maps the peers' arenas and the region (the daemon hands them).
+        ``rank`` is this rank's slot; ``ranks``, the communicator's rank of every slot (see
+        ``ShmPath``)."""
         self.name = name
         self.rank = rank
+        self.ranks = tuple(ranks)
         self.timeout_s = timeout_s
         self._open_region = open_region
         self._alive = daemon_alive
@@ -82,7 +86,7 @@ class RegionOps:
         if self._shm is None:
             self.peer_maps, region = self._open_region()
             self._shm = ShmPath(
-                self.name, self.rank, region, self.timeout_s, self._alive, self._gone
+                self.name, self.rank, region, self.timeout_s, self._alive, self._gone, self.ranks
             )
             self.max_bytes = self._shm.data_bytes
         return self._shm
@@ -242,3 +246,63 @@ class RegionOps:
                 reduce_rank_order(out, [b[me * n : (me + 1) * n] for b in bufs], reduce_op)
 
         return fill, finish
+
+    def across_nodes(
+        self,
+        kind: int,
+        data: np.ndarray | None,
+        root_slot: int | None,
+        reduce_op: int,
+        leg: Callable[[int], None],
+    ) -> Steps:
+        """An all_reduce, broadcast or barrier of a communicator spanning nodes: two
+        synchronisations in the region around the node's exchange with the others, which
+        its lowest rank (slot 0) runs through the daemon, ``leg(seq)``.
+
+        In: slot 0 gets the node's share in its ``data``: the node's ranks' data reduced in
+        slot order (all_reduce: as the daemon reduces a node's ranks, ``divisor=1``, so the
+        bits are the same), or the root's when the root is on this node (broadcast). Out:
+        the others copy slot 0's result. A barrier moves nothing.
+
+        An error of the leg that the daemon did not write into the region (its connection
+        broke) slot 0 records there, so that every rank of the node raises it.
+        """
+        me = self.rank
+        moves = data is not None and kind != pb.BARRIER
+        buf = data if data is not None else np.empty(0, np.uint8)
+        n, dtype = buf.size, buf.dtype
+
+        def give(shm: ShmPath, p: int) -> None:
+            np.copyto(shm.sized(p, dtype, n)[me], buf)
+
+        def combine(shm: ShmPath, p: int) -> None:
+            bufs = shm.sized(p, dtype, n)
+            if kind == pb.ALL_REDUCE:
+                reduce_into([buf], [buf] + bufs[1:], reduce_op, divisor=1, threads=1)
+            elif root_slot:
+                np.copyto(buf, bufs[root_slot])
+
+        gives_in = moves and me != 0 and (kind == pb.ALL_REDUCE or me == root_slot)
+        gets_out = moves and me not in (0, root_slot)
+
+        def finish(shm: ShmPath, p: int) -> None:
+            sig = shm.view.signature_at(me, p)
+            seq = sig[G_SEQ]
+            if me == 0:
+                if moves:
+                    combine(shm, p)
+                try:
+                    leg(seq)
+                except SmddpError as exc:
+                    shm.view.set_slot_error(me, getattr(exc, "kind", pb.INVALID), str(exc))
+                    raise
+            q = shm.next_parity()
+            if moves and me == 0:
+                give(shm, q)
+            target = shm.publish(seq, q, *sig[G_KIND : G_OP + 1])
+            shm.wait(target, seq)
+            shm.agree(seq, q)
+            if gets_out:
+                np.copyto(buf, shm.sized(q, dtype, n)[0])
+
+        return (give if gives_in else None), finish

@@ -73,6 +73,11 @@ class DaemonSession:
         self.socket_path = socket_path
         self.rank = register.rank
         self.world_size = register.world_size
+        # The communicator's ranks on this node, in the daemon's order (its region's slots).
+        self.local_ranks: tuple[int, ...] = next(
+            (tuple(n.ranks) for n in register.nodes if register.rank in n.ranks),
+            tuple(range(register.world_size)),
+        )
         self.job_id = register.job_id
         self.comm_id = register.comm_id
         self._stub = pb_grpc.NodeStub(grpc_channel(socket_path))
@@ -87,6 +92,8 @@ class DaemonSession:
         self._secret = reply.session_secret
         self.chunk_bytes = reply.chunk_bytes
         self.daemon_node_id = reply.daemon_node_id
+        # The daemon runs the local phases of ops spanning nodes in the region.
+        self.node_region = reply.node_region
         self.arena = ClientArena(register.arena_bytes)
         self._replies: dict[int, pb.OpReply] = {}
         self._closed = False
@@ -269,11 +276,11 @@ class DaemonSession:
         return reply
 
     def peer_arenas(self) -> tuple[list[np.ndarray], np.ndarray]:
-        """Maps the arena of every rank of the communicator (in rank order; our own included)
-        and the communicator's control region.
+        """Maps the arena of every rank of the communicator on this node (``local_ranks``,
+        our own included) and the communicator's control region.
 
-        Only for single-node communicators, and only with no op in flight: the reply is the
-        next message on the data socket. Blocks until every rank has attached.
+        Only with no op in flight: the reply is the next message on the data socket. Blocks
+        until every rank has attached.
 
         Raises:
             ConnectError: the daemon refused (e.g. the communicator failed).
@@ -283,7 +290,7 @@ class DaemonSession:
             self._sock.sendall(pack(MSG_PEER_ARENAS, b""))
             self._sock.settimeout(None)
             msg, fds, _flags, _addr = socket.recv_fds(
-                self._sock, MAX_MESSAGE_BYTES, self.world_size + 1
+                self._sock, MAX_MESSAGE_BYTES, len(self.local_ranks) + 1
             )
         except OSError as exc:
             raise self.gone(exc) from None
@@ -294,7 +301,7 @@ class DaemonSession:
         kind, payload = unpack(msg)
         answer = pb.AttachReply.FromString(payload) if kind == MSG_PEER_ARENAS_REPLY else None
         try:
-            if answer is None or not answer.ok or len(fds) != self.world_size + 1:
+            if answer is None or not answer.ok or len(fds) != len(self.local_ranks) + 1:
                 raise ConnectError(
                     f"smddpd at {self.socket_path} gave no peer arenas: "
                     f"{answer.error if answer is not None else f'message type {kind}'}"

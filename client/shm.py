@@ -1,4 +1,4 @@
-"""The shared-memory path: a single-node communicator's collectives run between its ranks.
+"""The shared-memory path: a communicator's collectives run between its ranks on one node.
 
 Through the communicator's control region (``smddp.region``), with no message to the daemon:
 a rank copies its input into its slot's data buffer (or, for large ops, its arena), writes
@@ -19,7 +19,7 @@ from __future__ import annotations
 import bisect
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -94,11 +94,16 @@ class ShmPath:
         timeout_s: float,
         daemon_alive: Callable[[], bool],
         daemon_gone: Callable[[], DaemonLostError],
+        ranks: Sequence[int] = (),
     ) -> None:
+        """``rank``: this rank's slot; ``ranks``: the communicator's rank of each slot, as
+        messages name them (default: the slot's own number; a communicator spanning nodes
+        has a slot for each of its ranks on this node)."""
         self.name = name
         self.rank = rank
         self.view = v = RegionView(region)
         self.world = v.world
+        self.ranks = list(ranks) or list(range(v.world))
         self.data_bytes = v.data_bytes
         self.timeout_s = timeout_s
         self._alive = daemon_alive
@@ -240,11 +245,16 @@ class ShmPath:
         self.error = op_error(
             pb.TIMEOUT,
             f"{self.name}: op #{seq} {describe(*sig[G_KIND : G_OP + 1])} timed out: "
-            f"{rank_list(lagging or [-1])} never arrived while {rank_list(arrived)} waited "
+            f"{self._names(lagging) or 'no rank'} never arrived while {self._names(arrived)} "
+            f"waited "
             f"{waited:.1f} s, past the group's timeout of {self.timeout_s:.1f} s "
             "(smddpd did not answer in time)",
         )
         raise self.error
+
+    def _names(self, slots: list[int]) -> str:
+        """``ranks 0-2``: the communicator's ranks of some slots, for a message."""
+        return rank_list([self.ranks[j] for j in slots]) if slots else ""
 
     # -- one op ----------------------------------------------------------------------------------
 
@@ -302,7 +312,7 @@ class ShmPath:
 
         def call(ranks: list[int]) -> str:
             sig = sigs[ranks[0]]
-            text = f"{rank_list(ranks)} called {describe(*sig[G_KIND : G_OP + 1])}"
+            text = f"{self._names(ranks)} called {describe(*sig[G_KIND : G_OP + 1])}"
             return text if sig[G_SEQ] == seq else f"{text} as op #{sig[G_SEQ]}"
 
         message = f"{self.name}: {call(ordered[0][1])} as op #{seq} while " + " and ".join(

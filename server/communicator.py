@@ -33,6 +33,7 @@ from smddp.server.logthrottle import refusals
 from smddp.server.peer_wire import FRAME_DATA, Frame
 from smddp.v1 import smddp_pb2 as pb
 from smddp.wire import (
+    COMBINED_KINDS,
     KIND_NAMES,
     P2P_KINDS,
     REDUCING_KINDS,
@@ -270,30 +271,29 @@ class Communicator:
             self._attached.notify_all()
 
     def arena_fds(self) -> list[int]:
-        """The arena memfds of every rank in rank order, then the control region's memfd,
-        once all have attached.
+        """The arena memfds of the communicator's ranks on this node (all of them, unless it
+        spans nodes) in rank order, then the control region's memfd, once all have attached.
+        The region has one slot per rank on this node, in that order (``local_ranks``).
 
         Raises:
-            FailedPrecondition: the communicator spans nodes, failed, or ranks did not attach
-                within the timeout.
+            FailedPrecondition: the communicator failed, or ranks did not attach within the
+                timeout.
         """
-        if self.peers is not None:
-            raise FailedPrecondition(
-                f"{self.name()}: direct arena access is for single-node communicators"
-            )
         deadline = time.monotonic() + self.timeout_s
         with self._attached:
             while True:
                 if self._failed is not None:
                     raise FailedPrecondition(self._failed[1])
-                ready = [self.members.get(r) for r in range(self.world_size)]
+                ready = [self.members.get(r) for r in self.local_ranks]
                 if all(s is not None and s.arena is not None for s in ready):
                     if self.region is None:
-                        self.region = ControlRegion(self.world_size)
+                        self.region = ControlRegion(len(self.local_ranks))
                     return [s.arena.fd for s in ready] + [self.region.fd]  # type: ignore[union-attr]
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    missing = [r for r, s in enumerate(ready) if s is None or s.arena is None]
+                    missing = [
+                        r for r, s in zip(self.local_ranks, ready) if s is None or s.arena is None
+                    ]
                     raise FailedPrecondition(
                         f"{self.name()}: {rank_list(missing)} did not attach within "
                         f"{self.timeout_s:.0f} s"
@@ -383,6 +383,8 @@ class Communicator:
             src, dst = session.rank, req.root
         elif req.kind == pb.RECV:
             src, dst = req.root, session.rank
+        elif req.node_combined:
+            return ("c", req.seq, req.part), (session.rank,)  # it carries the node's share
         else:
             return ("c", req.seq, req.part), self.local_ranks
         here = tuple(r for r in (src, dst) if r not in self._remote)
@@ -415,6 +417,17 @@ class Communicator:
             raise InvalidRequest(
                 f"{describe_request(req)}: GPU tensors are not supported yet in a communicator "
                 f"spanning nodes ({len(self.nodes)} nodes); move them to the CPU first"
+            )
+        if req.node_combined and (
+            self.peers is None
+            or req.kind not in COMBINED_KINDS
+            or req.HasField("cuda")
+            or session.rank != self.local_ranks[0]
+        ):
+            raise InvalidRequest(
+                f"{describe_request(req)}: only the lowest rank of a node "
+                f"(rank {self.local_ranks[0]}) sends an op its node combined, and only an "
+                "all_reduce, broadcast or barrier in host memory of a communicator spanning nodes"
             )
         # Chunks come in order; anything else is a client bug that would desynchronise ranks.
         with session.lock:
@@ -575,7 +588,9 @@ class Communicator:
             r.input.nbytes + sum(b.nbytes for b in r.send_blocks) + _gpu_bytes(r) for r in reqs
         )
         final = reqs[0].part + 1 == reqs[0].parts
-        if final:
+        # An op the node combined in the region is counted there, by every rank of the node.
+        counted = reqs[0].node_combined
+        if final and not counted:
             with self._lock:
                 self.ops_completed += 1
             for s in sessions:
@@ -583,7 +598,7 @@ class Communicator:
         else:
             self._progress[op_key] = (start, nbytes)
         # Count the op before any rank hears of it, so that a scrape after wait() sees it.
-        if final and self._metrics is not None:
+        if final and not counted and self._metrics is not None:
             skew = last[2] - pending.first_arrival
             self._metrics.op_done(
                 self.job_id,
@@ -777,15 +792,37 @@ class Communicator:
             self.fail(found[0], found[1])
             return
         p = region.pending(int(now * 1e9))
-        if p is None or p.waited_s <= self.timeout_s:
+        if p is None:
             return
+        missing = [self.local_ranks[i] for i in p.missing]
+        arrived = [self.local_ranks[i] for i in p.arrived]
         with self._lock:
-            labels = self._labels(p.missing)
-            culprit = self.members.get(p.missing[0]) if len(p.missing) == 1 else None
+            # Ranks that sent op #k to the daemon while others run it in the region called
+            # different ops (a size on either side of the region's, a GPU tensor and a host one).
+            elsewhere = {
+                r: req
+                for q in self._pending.values()
+                if q.key[0] == "c" and q.seq == p.seq
+                for r, (_, req, _) in q.arrivals.items()
+                if r in missing
+            }
+            labels = self._labels(missing)
+            culprit = self.members.get(missing[0]) if len(missing) == 1 else None
+        if elsewhere:
+            ranks = sorted(elsewhere)
+            self.fail(
+                pb.MISMATCH,
+                f"{self.name()}: {rank_list(ranks)} called "
+                f"{describe_request(elsewhere[ranks[0]])} as op #{p.seq} while "
+                f"{rank_list(arrived)} called {p.description}",
+            )
+            return
+        if p.waited_s <= self.timeout_s:
+            return
         message = (
             f"{self.name()}: op #{p.seq} {p.description} timed out: "
-            f"{rank_list(p.missing)} never arrived ({', '.join(labels)}) while "
-            f"{rank_list(p.arrived)} waited {p.waited_s:.1f} s, "
+            f"{rank_list(missing)} never arrived ({', '.join(labels)}) while "
+            f"{rank_list(arrived)} waited {p.waited_s:.1f} s, "
             f"past the group's timeout of {self.timeout_s:.1f} s"
         )
         self.fail(pb.TIMEOUT, message, culprit=culprit)
@@ -796,8 +833,11 @@ class Communicator:
         if region is not None and self._metrics is not None:
             with self._lock:  # a scrape and the last rank's departure may both drain
                 if self.region is not None:
+                    ops, nbytes, skew, last = region.new_counts()
+                    by_rank = np.zeros(self.world_size, dtype=last.dtype)
+                    by_rank[list(self.local_ranks)] = last  # its slots are the node's ranks
                     self._metrics.add_region_counts(
-                        self.job_id, self.world_size, *region.new_counts()
+                        self.job_id, self.world_size, ops, nbytes, skew, by_rank
                     )
 
     def close(self) -> None:
@@ -825,8 +865,9 @@ class Communicator:
                 world_size=self.world_size,
                 failed=self._failed[1] if self._failed else "",
                 ops_completed=self.ops_completed
-                + (self.region.ops_completed(self.local_ranks[0]) if self.region else 0),
+                + (self.region.ops_completed(0) if self.region else 0),
             )
+            slot = {r: i for i, r in enumerate(self.local_ranks)}
             for r, s in sorted(self.members.items()):
                 st.ranks.add(
                     rank=r,
@@ -835,7 +876,7 @@ class Communicator:
                     node_id=s.node_id,
                     attached=s.arena is not None,
                     ops_completed=s.ops_completed
-                    + (self.region.ops_completed(r) if self.region else 0),
+                    + (self.region.ops_completed(slot[r]) if self.region and r in slot else 0),
                 )
             region_op = (
                 self.region.pending() if self.region is not None and self._failed is None else None
@@ -845,8 +886,8 @@ class Communicator:
                     seq=region_op.seq,
                     part=0,
                     description=region_op.description,
-                    arrived_ranks=region_op.arrived,
-                    missing_ranks=region_op.missing,
+                    arrived_ranks=[self.local_ranks[i] for i in region_op.arrived],
+                    missing_ranks=[self.local_ranks[i] for i in region_op.missing],
                     waited_seconds=region_op.waited_s,
                 )
             for p in sorted(self._pending.values(), key=lambda x: (x.seq, x.part)):

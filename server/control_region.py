@@ -1,7 +1,9 @@
 """The daemon's side of a communicator's control region: it creates it and supervises.
 
-The ranks run their single-node collectives through the region (see ``smddp.region``); the
-daemon never takes part in them. It marks the communicator failed there (every waiting rank
+The communicator's ranks on this node run their collectives through the region (see
+``smddp.region``); the daemon takes no part in them, beyond the exchange with other nodes
+that a communicator spanning nodes asks of it (``OpRequest.node_combined``). Slot i is the
+communicator's ``local_ranks[i]``. It marks the communicator failed there (every waiting rank
 wakes and raises the same error), finds ops that waited past the timeout, shows in-flight
 ops to ``smddpctl status`` and reads the ranks' counters into its metrics.
 """

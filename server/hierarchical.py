@@ -52,7 +52,9 @@ class _NodeChunk:
         self.node_ids = layout.node_ids()
         self.nodes = layout.nodes
         self.me = layout.my_node
-        self.local = self.nodes[self.me]
+        # The ranks whose data this node brings: all of the node's, or its lowest alone when
+        # they combined it in the control region first (OpRequest.node_combined).
+        self.local = list(reqs)
         self.reqs = reqs
         self.arenas = arenas
         self.req0 = reqs[self.local[0]]
@@ -97,7 +99,8 @@ class _NodeChunk:
         raise OpMismatch(
             f"{self.layout.name()}: {rank_list(list(self.nodes[node]))} (node "
             f"{self.node_ids[node]}) "
-            f"called {theirs} as op #{self.req0.seq} while {rank_list(list(self.local))} (node "
+            f"called {theirs} as op #{self.req0.seq} while {rank_list(list(self.nodes[self.me]))} "
+            "(node "
             f"{self.node_ids[self.me]}) called {describe_request(self.req0)}"
         )
 
@@ -173,7 +176,8 @@ def _broadcast(c: _NodeChunk) -> None:
     root_node = c.node_of[c.req0.root]
     outs = [c.output(r) for r in c.local]
     if root_node == c.me:
-        data = c.input(c.req0.root)
+        # Combined in the region, the root's data came to the node's lowest rank.
+        data = c.input(c.req0.root if c.req0.root in c.reqs else c.local[0])
         for j in c.others():
             c.send(j, 0, [data])
     else:

@@ -66,6 +66,7 @@ class NodeService(pb_grpc.NodeServicer, EdgeService):
             chunk_bytes=session.comm.chunk_bytes,
             daemon_node_id=self._registry.config.node_id,
             daemon_version=__version__,
+            node_region=True,
         )
 
     @edge("Ops stream")

@@ -1,7 +1,8 @@
-"""The control region of a single-node communicator: its layout, and waiting on its words.
+"""The control region of a communicator's ranks on one node: its layout, and waiting on its words.
 
-The daemon creates one region (a memfd) per single-node communicator and hands it to the
-communicator's ranks only, with their arenas. The ranks run their collectives through it
+The daemon creates one region (a memfd) per communicator and hands it to the communicator's
+ranks on its node only, with their arenas (a communicator spanning nodes has one per node,
+for the local phases of its small ops). The ranks run their collectives through it
 without a message to the daemon; the daemon maps it too, as supervisor: it writes a failure
 into the header (a rank died, a timeout, shutdown), reads in-flight ops for ``smddpctl
 status`` and reads the ranks' counters for its metrics. Both sides import this module, which

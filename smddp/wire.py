@@ -130,6 +130,9 @@ REDUCE_NAMES: dict[int, str] = {
 REDUCING_KINDS: frozenset[int] = frozenset({pb.ALL_REDUCE, pb.REDUCE, pb.REDUCE_SCATTER})
 ROOTED_KINDS: frozenset[int] = frozenset({pb.BROADCAST, pb.REDUCE, pb.GATHER, pb.SCATTER})
 P2P_KINDS: frozenset[int] = frozenset({pb.SEND, pb.RECV})
+# The ops whose local phases run in the control region on a communicator spanning nodes
+# (OpRequest.node_combined): the node's lowest rank alone takes them to the daemon.
+COMBINED_KINDS: frozenset[int] = frozenset({pb.ALL_REDUCE, pb.BROADCAST, pb.BARRIER})
 
 
 def dtype_name(dtype: int) -> str:

@@ -338,6 +338,7 @@ class FakeSession:
 
         self.rank, self.world_size, self.chunk_bytes = 0, 2, 1 << 16
         self.comm_id, self.job_id = "fake-comm", "fake-job"
+        self.local_ranks, self.node_region = (0, 1), False
         self.arena = ClientArena(1 << 20)
         self.sent: list[pb.OpRequest] = []
         self.fail = fail

@@ -307,18 +307,20 @@ class TopologyReply(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., peer_address: _Optional[str] = ..., cpu_count: _Optional[int] = ..., devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., jobs: _Optional[_Iterable[_Union[JobLayout, _Mapping]]] = ..., peer_transport: _Optional[_Union[Transport, str]] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("session_id", "session_secret", "chunk_bytes", "daemon_node_id", "daemon_version")
+    __slots__ = ("session_id", "session_secret", "chunk_bytes", "daemon_node_id", "daemon_version", "node_region")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_SECRET_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     DAEMON_NODE_ID_FIELD_NUMBER: _ClassVar[int]
     DAEMON_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NODE_REGION_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     session_secret: bytes
     chunk_bytes: int
     daemon_node_id: str
     daemon_version: str
-    def __init__(self, session_id: _Optional[str] = ..., session_secret: _Optional[bytes] = ..., chunk_bytes: _Optional[int] = ..., daemon_node_id: _Optional[str] = ..., daemon_version: _Optional[str] = ...) -> None: ...
+    node_region: bool
+    def __init__(self, session_id: _Optional[str] = ..., session_secret: _Optional[bytes] = ..., chunk_bytes: _Optional[int] = ..., daemon_node_id: _Optional[str] = ..., daemon_version: _Optional[str] = ..., node_region: _Optional[bool] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
     __slots__ = ("session_id", "session_secret")
@@ -369,7 +371,7 @@ class Region(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class OpRequest(_message.Message):
-    __slots__ = ("request_id", "session_id", "session_secret", "seq", "part", "parts", "kind", "dtype", "count", "root", "reduce_op", "tag", "input", "output", "send_blocks", "recv_blocks", "direct", "cuda")
+    __slots__ = ("request_id", "session_id", "session_secret", "seq", "part", "parts", "kind", "dtype", "count", "root", "reduce_op", "tag", "input", "output", "send_blocks", "recv_blocks", "direct", "cuda", "node_combined")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_SECRET_FIELD_NUMBER: _ClassVar[int]
@@ -388,6 +390,7 @@ class OpRequest(_message.Message):
     RECV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DIRECT_FIELD_NUMBER: _ClassVar[int]
     CUDA_FIELD_NUMBER: _ClassVar[int]
+    NODE_COMBINED_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     session_id: str
     session_secret: bytes
@@ -406,7 +409,8 @@ class OpRequest(_message.Message):
     recv_blocks: _containers.RepeatedCompositeFieldContainer[Region]
     direct: bool
     cuda: CudaOp
-    def __init__(self, request_id: _Optional[int] = ..., session_id: _Optional[str] = ..., session_secret: _Optional[bytes] = ..., seq: _Optional[int] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., kind: _Optional[_Union[OpKind, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., count: _Optional[int] = ..., root: _Optional[int] = ..., reduce_op: _Optional[_Union[ReduceOp, str]] = ..., tag: _Optional[int] = ..., input: _Optional[_Union[Region, _Mapping]] = ..., output: _Optional[_Union[Region, _Mapping]] = ..., send_blocks: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., recv_blocks: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., direct: _Optional[bool] = ..., cuda: _Optional[_Union[CudaOp, _Mapping]] = ...) -> None: ...
+    node_combined: bool
+    def __init__(self, request_id: _Optional[int] = ..., session_id: _Optional[str] = ..., session_secret: _Optional[bytes] = ..., seq: _Optional[int] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., kind: _Optional[_Union[OpKind, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., count: _Optional[int] = ..., root: _Optional[int] = ..., reduce_op: _Optional[_Union[ReduceOp, str]] = ..., tag: _Optional[int] = ..., input: _Optional[_Union[Region, _Mapping]] = ..., output: _Optional[_Union[Region, _Mapping]] = ..., send_blocks: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., recv_blocks: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., direct: _Optional[bool] = ..., cuda: _Optional[_Union[CudaOp, _Mapping]] = ..., node_combined: _Optional[bool] = ...) -> None: ...
 
 class CudaBuffer(_message.Message):
     __slots__ = ("ipc_handle", "alloc_base", "alloc_bytes", "offset", "nbytes", "buffer_id")
