@@ -292,7 +292,9 @@ class Communicator:
 
     def _complete_open(self) -> None:
         """Completes the region op still due before an op through the daemon: on a
-        communicator spanning nodes it may owe the daemon its leg, which must go first."""
+        communicator spanning nodes it may owe the daemon its leg, which must go first (the
+        daemon takes collectives in order), and which the node's other ranks may be waiting
+        for before they send what this op would receive (point-to-point)."""
         if self._node_phases and self._region.open is not None:
             self._region.complete(self._region.open)
 
@@ -559,6 +561,7 @@ class Communicator:
         check_peer(peer, self.rank, self.world_size, what)
         with self._lock:
             self._check_open()
+            self._complete_open()
             seq = self._engine.next_p2p_seq(peer, kind)
             template = request(seq, kind, data.dtype, data.size, root=peer)
             template.tag = tag

@@ -332,3 +332,32 @@ def test_a_timeout_in_the_region_names_the_missing_rank_on_both_nodes(loopback_n
         assert "op #1 all_reduce(SUM, 8 x float32)" in text and "rank 1 " in text, text
     for comm in comms:
         comm.close()
+
+
+@pytest.mark.timeout(120)
+def test_the_lowest_rank_takes_its_op_to_the_daemon_before_it_receives(loopback_nodes) -> None:
+    # Rank 1 waits for the all_reduce before it sends; rank 0 receives before it waits. The
+    # daemon path let that run (the daemon had rank 0's op), and so must the region: rank 0's
+    # recv first takes its all_reduce to the daemon.
+    nodes = loopback_nodes(2)
+    w = World(nodes, [0, 0, 1, 1])
+    comms = w.run(range(4), lambda r: w.connect(r))
+
+    def rank_main(r: int) -> Any:
+        x = np.full(4, float(r + 1), np.float32)
+        op = comms[r].all_reduce(x)
+        if r == 0:
+            got = np.zeros(3, np.float32)
+            comms[0].recv(got, 1).wait()
+            op.wait()
+            return x.tolist(), got.tolist()
+        op.wait()
+        if r == 1:
+            comms[1].send(np.arange(3, dtype=np.float32), 0).wait()
+        return x.tolist()
+
+    results = w.run(range(4), rank_main)
+    assert results[0] == ([10.0] * 4, [0.0, 1.0, 2.0]), results
+    assert results[1:] == [[10.0] * 4] * 3, results
+    for comm in comms:
+        comm.close()
