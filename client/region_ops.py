@@ -22,6 +22,11 @@ from smddp.reduce import _BOOL_UFUNCS, _UFUNCS, reduce_into
 from smddp.region import G_KIND, G_OP, G_SEQ, H_ALARM, data_bytes_for
 from smddp.v1 import smddp_pb2 as pb
 
+# How long the second synchronisation of an op spanning nodes goes on waiting for the node's
+# ranks once the communicator failed (``ShmPath.wait``); within the 2 s in which a rank's
+# failure reaches every rank.
+NODE_GRACE_S = 1.0
+
 Step = Callable[[ShmPath, int], None]
 # (fill, finish), each given the region and the op's parity
 Steps = tuple[Step | None, Step | None]
@@ -300,7 +305,9 @@ class RegionOps:
             if moves and me == 0:
                 give(shm, q)
             target = shm.publish(seq, q, *sig[G_KIND : G_OP + 1])
-            shm.wait(target, seq)
+            # The exchange succeeded: a failure now (a rank elsewhere that finished and
+            # left) fails the next op, not this one, once the node's ranks are here.
+            shm.wait(target, seq, NODE_GRACE_S)
             shm.agree(seq, q)
             if gets_out:
                 np.copyto(buf, shm.sized(q, dtype, n)[0])

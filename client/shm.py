@@ -47,6 +47,7 @@ from smddp.region import (
     OP_COLS,
     OP_TABLE_OFFSET,
     S_DONE,
+    S_ERR_KIND,
     S_LAST,
     S_OPS,
     S_PID,
@@ -79,6 +80,9 @@ SLEEP_SLICE_S = 0.05
 # Ops that never wait (every rank arrives together) would otherwise not notice that the daemon
 # died: the region needs no daemon to run. So an op's entry asks at most this often.
 ALIVE_CHECK_S = 0.1
+# How often a rank looks for the others during ``wait``'s grace (a rare path: the
+# communicator has failed).
+GRACE_POLL_S = 0.001
 # The daemon enforces the op timeout; this is a rank's last resort when it cannot.
 GRACE_S = 30.0
 
@@ -184,8 +188,35 @@ class ShmPath:
                 break
         return self.step
 
-    def wait(self, target: int, seq: int) -> None:
-        """Returns once every other rank's step has reached ``target``."""
+    def wait(self, target: int, seq: int, grace_s: float = 0.0) -> None:
+        """Returns once every other rank's step has reached ``target``.
+
+        ``grace_s``: when the communicator fails meanwhile, how long to go on waiting for
+        ranks that will still arrive unless they failed too (they recorded an error, or
+        the grace ran out). An op whose outcome was settled before the failure (the second
+        synchronisation of ``RegionOps.across_nodes``, after the node's exchange succeeded)
+        then still completes: a rank of another node that finished the op and left must
+        not fail it here.
+        """
+        try:
+            self._wait(target, seq)
+        except OpError:
+            if grace_s <= 0 or not self._arrive_within(target, grace_s):
+                raise
+            self.error = None  # the op completed; the next one raises the failure
+
+    def _arrive_within(self, target: int, grace_s: float) -> bool:
+        q = self.q
+        deadline = time.perf_counter() + grace_s
+        while time.perf_counter() < deadline:
+            if all(q[w] >= target for _, w, _ in self.others):
+                return True
+            if any(q[self.bases[j] + S_ERR_KIND] for j, _, _ in self.others):
+                return False  # one gave up: it will not arrive
+            time.sleep(GRACE_POLL_S)
+        return False
+
+    def _wait(self, target: int, seq: int) -> None:
         spin_s = self.spin_s
         if self.native is not None:
             arrived = self._spin(target)  # spins as _wait_one would

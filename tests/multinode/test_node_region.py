@@ -361,3 +361,35 @@ def test_the_lowest_rank_takes_its_op_to_the_daemon_before_it_receives(loopback_
     assert results[1:] == [[10.0] * 4] * 3, results
     for comm in comms:
         comm.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_elsewhere_that_finished_and_left_does_not_fail_the_op(loopback_nodes) -> None:
+    # node1's lowest rank has its result from the daemon but is slow to hand it on; node0's
+    # ranks, done with the op, leave meanwhile, which fails the communicator. Rank 3, waiting
+    # for rank 2's result in the region, must still complete the op (its next one fails).
+    nodes = loopback_nodes(2)
+    w = World(nodes, [0, 0, 1, 1])
+    comms = w.run(range(4), lambda r: w.connect(r))
+    engine = comms[2]._engine
+    retire = engine.retire_through
+
+    def slow_retire(op: Any) -> None:
+        retire(op)
+        time.sleep(0.5)  # node0's ranks close in this time
+
+    engine.retire_through = slow_retire  # type: ignore[method-assign]
+
+    def rank_main(r: int) -> Any:
+        x = np.full(4, float(r + 1), np.float32)
+        comms[r].all_reduce(x).wait()
+        if r < 2:
+            comms[r].close()
+        return x.tolist()
+
+    results = w.run(range(4), rank_main)
+    assert results == [[10.0] * 4] * 4, results
+    with pytest.raises(RankFailedError, match="has left the communicator"):
+        comms[3].all_reduce(np.ones(4, np.float32)).wait()
+    for comm in comms[2:]:
+        comm.close()
