@@ -307,7 +307,7 @@ class RegionOps:
             target = shm.publish(seq, q, *sig[G_KIND : G_OP + 1])
             # The exchange succeeded: a failure now (a rank elsewhere that finished and
             # left) fails the next op, not this one, once the node's ranks are here.
-            shm.wait(target, seq, NODE_GRACE_S)
+            shm.wait(target, seq, NODE_GRACE_S, spin=me == 0)
             shm.agree(seq, q)
             if gets_out:
                 np.copyto(buf, shm.sized(q, dtype, n)[0])

@@ -188,8 +188,11 @@ class ShmPath:
                 break
         return self.step
 
-    def wait(self, target: int, seq: int, grace_s: float = 0.0) -> None:
+    def wait(self, target: int, seq: int, grace_s: float = 0.0, spin: bool = True) -> None:
         """Returns once every other rank's step has reached ``target``.
+
+        ``spin``: False to sleep at once, for a wait that lasts a network exchange (spinning
+        would only take the core from the work it waits for).
 
         ``grace_s``: when the communicator fails meanwhile, how long to go on waiting for
         ranks that will still arrive unless they failed too (they recorded an error, or
@@ -199,7 +202,7 @@ class ShmPath:
         not fail it here.
         """
         try:
-            self._wait(target, seq)
+            self._wait(target, seq, spin)
         except OpError:
             if grace_s <= 0 or not self._arrive_within(target, grace_s):
                 raise
@@ -216,9 +219,9 @@ class ShmPath:
             time.sleep(GRACE_POLL_S)
         return False
 
-    def _wait(self, target: int, seq: int) -> None:
-        spin_s = self.spin_s
-        if self.native is not None:
+    def _wait(self, target: int, seq: int, spin: bool = True) -> None:
+        spin_s = self.spin_s if spin else 0.0
+        if spin and self.native is not None:
             arrived = self._spin(target)  # spins as _wait_one would
             if arrived > 0:
                 return
