@@ -87,6 +87,23 @@ class World:
         return list(self.pool.map(guarded, ranks))
 
 
+@pytest.fixture
+def two_nodes(loopback_nodes) -> Any:
+    """``two_nodes(timeout_s=60)``: a World of ranks 0, 1 on node0 and 2, 3 on node1, and
+    its connected communicators, closed at the end of the test."""
+    made: list[Communicator] = []
+
+    def make(timeout_s: float = 60.0) -> tuple[World, list[Communicator]]:
+        w = World(loopback_nodes(2), [0, 0, 1, 1])
+        comms = w.run(range(4), lambda r: w.connect(r, timeout_s=timeout_s))
+        made.extend(comms)
+        return w, comms
+
+    yield make
+    for comm in made:
+        comm.close()
+
+
 def reference(xs: list[np.ndarray], node_of_rank: list[int], op: str) -> np.ndarray:
     """The daemons' order: each node's ranks in rank order, then the nodes in node order."""
     ufunc = {"sum": np.add, "avg": np.add, "max": np.maximum, "product": np.multiply}[op]
@@ -270,10 +287,8 @@ def _raised(results: list[Any], ranks: Sequence[int], kind: type, match: str) ->
 
 
 @pytest.mark.timeout(120)
-def test_a_mismatch_found_in_the_region_fails_both_nodes(loopback_nodes) -> None:
-    nodes = loopback_nodes(2)
-    w = World(nodes, [0, 0, 1, 1])
-    comms = w.run(range(4), lambda r: w.connect(r))
+def test_a_mismatch_found_in_the_region_fails_both_nodes(two_nodes) -> None:
+    w, comms = two_nodes()
 
     def rank_main(r: int) -> Any:
         x = np.ones(8, np.float32)
@@ -283,17 +298,13 @@ def test_a_mismatch_found_in_the_region_fails_both_nodes(loopback_nodes) -> None
     # node0's ranks find it in their region; node1's hear it from node0's daemon.
     _raised(results, range(4), SmddpError, "while rank 1 called broadcast(src=0, 8 x float32)")
     assert isinstance(results[0], MismatchError) and isinstance(results[1], MismatchError)
-    for comm in comms:
-        comm.close()
 
 
 @pytest.mark.timeout(120)
 def test_a_rank_at_the_daemon_while_the_others_are_in_the_region_is_a_mismatch(
-    loopback_nodes,
+    two_nodes,
 ) -> None:
-    nodes = loopback_nodes(2)
-    w = World(nodes, [0, 0, 1, 1])
-    comms = w.run(range(4), lambda r: w.connect(r))
+    w, comms = two_nodes()
     big = 400_000  # 1.6 MB: larger than a region buffer, so rank 1 takes it to the daemon
 
     def rank_main(r: int) -> Any:
@@ -310,15 +321,11 @@ def test_a_rank_at_the_daemon_while_the_others_are_in_the_region_is_a_mismatch(
     )
     assert len(texts) == 1, texts
     assert time.monotonic() - started < 10, "found by the daemon's watchdog, not a timeout"
-    for comm in comms:
-        comm.close()
 
 
 @pytest.mark.timeout(120)
-def test_a_timeout_in_the_region_names_the_missing_rank_on_both_nodes(loopback_nodes) -> None:
-    nodes = loopback_nodes(2)
-    w = World(nodes, [0, 0, 1, 1])
-    comms = w.run(range(4), lambda r: w.connect(r, timeout_s=1.0))
+def test_a_timeout_in_the_region_names_the_missing_rank_on_both_nodes(two_nodes) -> None:
+    w, comms = two_nodes(timeout_s=1.0)
 
     def rank_main(r: int) -> Any:
         comms[r].all_reduce(np.ones(8, np.float32)).wait()
@@ -330,18 +337,14 @@ def test_a_timeout_in_the_region_names_the_missing_rank_on_both_nodes(loopback_n
         assert isinstance(got, OpTimeoutError), f"rank {r}: {got!r}"
         text = str(got)
         assert "op #1 all_reduce(SUM, 8 x float32)" in text and "rank 1 " in text, text
-    for comm in comms:
-        comm.close()
 
 
 @pytest.mark.timeout(120)
-def test_the_lowest_rank_takes_its_op_to_the_daemon_before_it_receives(loopback_nodes) -> None:
+def test_the_lowest_rank_takes_its_op_to_the_daemon_before_it_receives(two_nodes) -> None:
     # Rank 1 waits for the all_reduce before it sends; rank 0 receives before it waits. The
     # daemon path let that run (the daemon had rank 0's op), and so must the region: rank 0's
     # recv first takes its all_reduce to the daemon.
-    nodes = loopback_nodes(2)
-    w = World(nodes, [0, 0, 1, 1])
-    comms = w.run(range(4), lambda r: w.connect(r))
+    w, comms = two_nodes()
 
     def rank_main(r: int) -> Any:
         x = np.full(4, float(r + 1), np.float32)
@@ -359,18 +362,14 @@ def test_the_lowest_rank_takes_its_op_to_the_daemon_before_it_receives(loopback_
     results = w.run(range(4), rank_main)
     assert results[0] == ([10.0] * 4, [0.0, 1.0, 2.0]), results
     assert results[1:] == [[10.0] * 4] * 3, results
-    for comm in comms:
-        comm.close()
 
 
 @pytest.mark.timeout(120)
-def test_a_rank_elsewhere_that_finished_and_left_does_not_fail_the_op(loopback_nodes) -> None:
+def test_a_rank_elsewhere_that_finished_and_left_does_not_fail_the_op(two_nodes) -> None:
     # node1's lowest rank has its result from the daemon but is slow to hand it on; node0's
     # ranks, done with the op, leave meanwhile, which fails the communicator. Rank 3, waiting
     # for rank 2's result in the region, must still complete the op (its next one fails).
-    nodes = loopback_nodes(2)
-    w = World(nodes, [0, 0, 1, 1])
-    comms = w.run(range(4), lambda r: w.connect(r))
+    w, comms = two_nodes()
     engine = comms[2]._engine
     retire = engine.retire_through
 
@@ -391,5 +390,3 @@ def test_a_rank_elsewhere_that_finished_and_left_does_not_fail_the_op(loopback_n
     assert results == [[10.0] * 4] * 4, results
     with pytest.raises(RankFailedError, match="has left the communicator"):
         comms[3].all_reduce(np.ones(4, np.float32)).wait()
-    for comm in comms[2:]:
-        comm.close()
