@@ -267,6 +267,9 @@ class Communicator:
         """
         local = self.session.local_ranks
         root_slot = local.index(root) if kind == pb.BROADCAST and root in local else None
+        code = code_of(data.dtype) if data is not None else 0
+        count = data.size if data is not None else 0
+        nbytes = data.nbytes if data is not None else 0
 
         def leg(seq: int) -> None:
             part = Handle(self, "op", seq)
@@ -284,9 +287,6 @@ class Communicator:
             if part.error is not None:
                 raise part.error
 
-        code = code_of(data.dtype) if data is not None else 0
-        count = data.size if data is not None else 0
-        nbytes = data.nbytes if data is not None else 0
         steps = self._region.across_nodes(kind, data, root_slot, reduce_op, leg)
         return self._in_region(kind, code, count, root, reduce_op, nbytes, steps)
 

@@ -284,7 +284,7 @@ class RegionOps:
             bufs = shm.sized(p, dtype, n)
             if kind == pb.ALL_REDUCE:
                 reduce_into([buf], [buf] + bufs[1:], reduce_op, divisor=1, threads=1)
-            elif root_slot:
+            elif root_slot is not None and root_slot != 0:  # the root is here, not slot 0
                 np.copyto(buf, bufs[root_slot])
 
         gives_in = moves and me != 0 and (kind == pb.ALL_REDUCE or me == root_slot)

@@ -280,8 +280,7 @@ class ShmPath:
             pb.TIMEOUT,
             f"{self.name}: op #{seq} {describe(*sig[G_KIND : G_OP + 1])} timed out: "
             f"{self._names(lagging) or 'no rank'} never arrived while {self._names(arrived)} "
-            f"waited "
-            f"{waited:.1f} s, past the group's timeout of {self.timeout_s:.1f} s "
+            f"waited {waited:.1f} s, past the group's timeout of {self.timeout_s:.1f} s "
             "(smddpd did not answer in time)",
         )
         raise self.error
