@@ -40,7 +40,6 @@ from smddp.client.config import DEFAULT_ARENA_BYTES, ClientConfig
 from smddp.client.direct import (
     DirectOps,
     Work,
-    all_gather_work,
     all_reduce_work,
     broadcast_work,
 )
@@ -114,7 +113,7 @@ class Communicator:
         self._engine = DaemonEngine(session, half, timeout_s)
         shared = single_node and session.world_size > 1
         chunk = config.direct_chunk(ALIGN, session.world_size)
-        self._direct = DirectOps(self.rank, half, half, chunk, ALIGN)
+        self._direct = DirectOps(self.rank, half, half, chunk, ALIGN, config.single_copy)
         self._direct_min = config.direct_min_bytes if shared else -1
         # The region and direct paths: every collective they can carry, between the ranks.
         self._use_shm = shared and config.region
@@ -303,15 +302,9 @@ class Communicator:
     ) -> Handle:
         """Starts a large op on the direct path (``direct``), on the progress thread; a
         blocking wait may claim it first and run it in its own thread."""
-        with self._lock:
-            begun = self._begin_region()
-            if isinstance(begun, Handle):
-                return begun  # the communicator has failed
-            shm, handle, seq = begun
-            event = handle.event = threading.Event()
-            handle.pending = 1
-            signature = (kind, code_of(data.dtype), data.size, root, reduce_op)
-            run = self._direct.runner(
+        signature = (kind, code_of(data.dtype), data.size, root, reduce_op)
+        return self._submit_direct(
+            lambda handle, shm, seq: self._direct.runner(
                 handle,
                 shm,
                 self._region.peer_maps,
@@ -321,7 +314,29 @@ class Communicator:
                 data.size,
                 work,
             )
-            self._claims[handle] = self._progress.submit_claimable(run, event)
+        )
+
+    def _gather_direct(self, src: np.ndarray, outs: list[np.ndarray]) -> Handle:
+        """A large all_gather on the direct path: the ranks read each other's inputs in
+        place where they can (``DirectOps.gather_runner``)."""
+        signature = (pb.ALL_GATHER, code_of(src.dtype), src.size, 0, 0)
+        return self._submit_direct(
+            lambda handle, shm, seq: self._direct.gather_runner(
+                handle, shm, self._region.peer_maps, seq, signature, outs, src
+            )
+        )
+
+    def _submit_direct(self, build: Callable[[Handle, ShmPath, int], Callable[[], None]]) -> Handle:
+        """Numbers a direct op and hands ``build(handle, shm, seq)``, its run, to the
+        progress thread."""
+        with self._lock:
+            begun = self._begin_region()
+            if isinstance(begun, Handle):
+                return begun  # the communicator has failed
+            shm, handle, seq = begun
+            event = handle.event = threading.Event()
+            handle.pending = 1
+            self._claims[handle] = self._progress.submit_claimable(build(handle, shm, seq), event)
             return handle
 
     def _via_daemon(
@@ -460,7 +475,7 @@ class Communicator:
             steps = self._region.gather(src, outs)
             return self._in_region(kind, code_of(src.dtype), src.size, root, 0, src.nbytes, steps)
         if kind == pb.ALL_GATHER and outs is not None and self._goes_direct(src.nbytes):
-            return self._run_direct(kind, src, 0, 0, all_gather_work(outs, src, self.rank))
+            return self._gather_direct(src, outs)
         return self._via_daemon(
             kind,
             src.dtype,

@@ -18,6 +18,7 @@ ENV_ARENA_BYTES = "SMDDP_ARENA_BYTES"
 ENV_DIRECT_MIN_BYTES = "SMDDP_DIRECT_MIN_BYTES"
 ENV_DIRECT_CHUNK_BYTES = "SMDDP_DIRECT_CHUNK_BYTES"
 ENV_REGION = "SMDDP_REGION"
+ENV_SINGLE_COPY = "SMDDP_SINGLE_COPY"
 ENV_OP_CHANNEL = "SMDDP_OP_CHANNEL"
 ENV_NODE_ID = "SMDDP_NODE_ID"
 ENV_EMBEDDED = "SMDDP_EMBEDDED"
@@ -58,6 +59,9 @@ class ClientConfig:
         direct_chunk_bytes: the direct path's chunk (``SMDDP_DIRECT_CHUNK_BYTES``); None
             takes ``DEFAULT_DIRECT_CHUNK_BYTES``; the same on every rank.
         region: False sends every op through the daemon (``SMDDP_REGION=0``).
+        single_copy: False keeps a large all_gather on one node in shared memory, where it
+            would otherwise read the other ranks' inputs in place (``SMDDP_SINGLE_COPY=0``;
+            one rank's False is enough: the ranks decide together).
         op_channel: ``socket`` (the data socket) or ``grpc`` (the Ops stream)
             (``SMDDP_OP_CHANNEL``); checked when the session opens.
         node_id: this node's name in registrations (``SMDDP_NODE_ID``, else the host name).
@@ -70,6 +74,7 @@ class ClientConfig:
     direct_min_bytes: int = DEFAULT_DIRECT_MIN_BYTES
     direct_chunk_bytes: int | None = None
     region: bool = True
+    single_copy: bool = True
     op_channel: str = "socket"
     node_id: str = field(default_factory=gethostname)
     embedded: bool = True
@@ -94,6 +99,7 @@ class ClientConfig:
             direct_min_bytes=int(env.get(ENV_DIRECT_MIN_BYTES, DEFAULT_DIRECT_MIN_BYTES)),
             direct_chunk_bytes=int(chunk) if chunk is not None else None,
             region=env.get(ENV_REGION, "1") != "0",
+            single_copy=env.get(ENV_SINGLE_COPY, "1") != "0",
             op_channel=env.get(ENV_OP_CHANNEL, "socket"),
             node_id=env.get(ENV_NODE_ID) or gethostname(),
             embedded=env.get(ENV_EMBEDDED) != "0",

@@ -9,14 +9,17 @@ collective is a ``Work``: a generator per chunk whose yields are its synchronisa
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Callable, Iterator
 
 import numpy as np
 
 from smddp.client.errors import SmddpError, progress_bug
 from smddp.client.inflight import InFlight
+from smddp.client.peer_memory import read
 from smddp.client.region_ops import reduce_rank_order
 from smddp.client.shm import ShmPath
+from smddp.v1 import smddp_pb2 as pb
 
 # A chunk's buffer is reused DIRECT_BUFFERS chunks later. A chunk's last step (reading the
 # others' buffers) runs beside the next chunk's first (writing this rank's), in the same
@@ -24,6 +27,9 @@ from smddp.client.shm import ShmPath
 # apart, and every later write to a buffer comes at least one synchronisation after the
 # last read of it.
 DIRECT_BUFFERS = 2
+
+# (kind, wire dtype, count, root, reduce op)
+Signature = tuple[int, int, int, int, int]
 
 # work(a, b, bufs): the steps of the chunk of elements [a, b), given every rank's buffer.
 Work = Callable[[int, int, list[np.ndarray]], Iterator[None]]
@@ -85,11 +91,26 @@ def all_gather_work(outs: list[np.ndarray], src: np.ndarray, me: int) -> Work:
 class DirectOps:
     """A rank's direct buffers: where they lie in every arena, and which one is next."""
 
-    def __init__(self, rank: int, base: int, area_bytes: int, chunk_bytes: int, align: int):
+    def __init__(
+        self,
+        rank: int,
+        base: int,
+        area_bytes: int,
+        chunk_bytes: int,
+        align: int,
+        single_copy: bool = True,
+    ):
+        """``single_copy``: False keeps all_gather in the arenas (``SMDDP_SINGLE_COPY=0``),
+        here and, through this rank's verdict, on every rank."""
         self.rank = rank
         self.base = base
         self.buffer = max(align, min(chunk_bytes, area_bytes // DIRECT_BUFFERS) // align * align)
         self._count = 0  # chunks run so far: every rank numbers them alike
+        self.single_copy = single_copy
+        # Whether the ranks read each other's all_gather inputs in place (peer_memory):
+        # decided by all of them together at the first all_gather (every rank takes part,
+        # whatever its own setting, so that all run the same steps).
+        self.in_place: bool | None = None
 
     def runner(
         self,
@@ -97,7 +118,7 @@ class DirectOps:
         shm: ShmPath,
         maps: list[np.ndarray],
         seq: int,
-        signature: tuple[int, int, int, int, int],
+        signature: Signature,
         dtype: np.dtype,
         n: int,
         work: Work,
@@ -120,46 +141,149 @@ class DirectOps:
         turn: one is written again only after every rank has passed the last step that
         reads it.
         """
+        chunks = self._chunks(signature, dtype, n, work)
+
+        def run() -> None:
+            parity = shm.next_parity()
+            chunks(shm, seq, parity, maps, False)
+            shm.done(seq, parity, signature[0], signature[1], n * dtype.itemsize)
+
+        return self._guarded(op, shm, seq, run)
+
+    def gather_runner(
+        self,
+        op: InFlight,
+        shm: ShmPath,
+        maps: list[np.ndarray],
+        seq: int,
+        signature: Signature,
+        outs: list[np.ndarray],
+        src: np.ndarray,
+    ) -> Callable[[], None]:
+        """An all_gather, as ``runner`` runs one: each rank reads the others' inputs in place
+        (``_gather_in_place``) once they have all found that they can, else through the
+        arenas (``all_gather_work``).
+
+        The first all_gather decides for the communicator: after its first synchronisation
+        each rank tries to read every other one's probe word (``ShmPath.judge_peers``), and
+        after a second, all of them read the same verdicts.
+        """
+        n = src.size
+        # Numbered now whichever way it runs, as every rank numbers them alike.
+        chunks = self._chunks(signature, src.dtype, n, all_gather_work(outs, src, self.rank))
+
+        def run() -> None:
+            parity = shm.next_parity()
+            shm.offer_source(src.ctypes.data)
+            published = self.in_place is None
+            if published:
+                target = shm.publish(seq, parity, *signature)
+                shm.wait(target, seq)
+                shm.agree(seq, parity)
+                shm.judge_peers(self.single_copy)
+                shm.wait(shm.bump(), seq)
+                self.in_place = shm.peers_readable()
+            if self.in_place:
+                self._gather_in_place(shm, seq, parity, signature, published, outs, src)
+            else:
+                chunks(shm, seq, parity, maps, published)
+            shm.done(seq, parity, signature[0], signature[1], n * src.dtype.itemsize)
+
+        return self._guarded(op, shm, seq, run)
+
+    def _gather_in_place(
+        self,
+        shm: ShmPath,
+        seq: int,
+        parity: int,
+        signature: Signature,
+        published: bool,
+        outs: list[np.ndarray],
+        src: np.ndarray,
+    ) -> None:
+        """Copies this rank's input into its own output while the others arrive, then reads
+        each other rank's input from its memory into theirs; a last synchronisation keeps
+        every input unchanged until all have read it."""
+        me = self.rank
+        target = 0 if published else shm.publish(seq, parity, *signature)
+        np.copyto(outs[me], src)
+        if not published:
+            shm.wait(target, seq)
+            shm.agree(seq, parity)
+        for j, out in enumerate(outs):
+            if j == me:
+                continue
+            pid, address = shm.source_of(j)
+            try:
+                read(pid, out, address)
+            except OSError as exc:
+                if exc.errno != errno.ESRCH:
+                    raise shm.fail(
+                        pb.INVALID,
+                        f"{shm.name}: rank {me} could not read rank {j}'s all_gather input in "
+                        f"place in op #{seq} ({exc.strerror}), although every rank could at "
+                        "the communicator's first all_gather; SMDDP_SINGLE_COPY=0 keeps "
+                        "all_gather in shared memory",
+                    ) from None
+                # It died: the daemon fails the communicator, the wait below raises that.
+        shm.wait(shm.bump(), seq)
+
+    def _chunks(
+        self, signature: Signature, dtype: np.dtype, n: int, work: Work
+    ) -> Callable[[ShmPath, int, int, list[np.ndarray], bool], None]:
+        """The op's chunks, their buffers numbered now (see ``runner``): ``chunks(shm, seq,
+        parity, maps, published)`` runs them, the first synchronisation with the op's
+        signature unless ``published`` (the ranks compared it already)."""
         kind, code, count, root, reduce_op = signature
         s = dtype.itemsize
         size = self.buffer
         per = max(1, size // s)
-        chunks = max(1, -(-n // per))
+        total = max(1, -(-n // per))
         # Which buffer each chunk uses, fixed now: every rank numbers them alike.
         first_buffer = self._count
-        self._count += chunks
+        self._count += total
         area = self.base
 
+        def chunks(
+            shm: ShmPath, seq: int, parity: int, maps: list[np.ndarray], published: bool
+        ) -> None:
+            first = not published
+            chunk: Iterator[None] | None = None  # the chunk whose steps run now
+            c = 0
+            while True:
+                if chunk is not None:
+                    try:
+                        next(chunk)
+                    except StopIteration:
+                        chunk = None  # its last step ran: the next chunk starts beside it
+                if chunk is None:
+                    if c == total:
+                        break
+                    a, b = c * per, min(n, (c + 1) * per)
+                    base = area + ((first_buffer + c) % DIRECT_BUFFERS) * size
+                    bufs = [pm[base : base + (b - a) * s].view(dtype) for pm in maps]
+                    chunk = work(a, b, bufs)
+                    c += 1
+                    next(chunk)  # its first step (every work yields at least once)
+                if first:
+                    target = shm.publish(seq, parity, kind, code, count, root, reduce_op)
+                    shm.wait(target, seq)
+                    shm.agree(seq, parity)
+                    first = False
+                else:
+                    shm.wait(shm.bump(), seq)
+
+        return chunks
+
+    def _guarded(
+        self, op: InFlight, shm: ShmPath, seq: int, body: Callable[[], None]
+    ) -> Callable[[], None]:
+        """``body`` as the op's run: its error becomes the op's, and the op is over after it."""
+
         def run() -> None:
-            first = True
             try:
                 shm.check()
-                parity = shm.next_parity()
-                chunk: Iterator[None] | None = None  # the chunk whose steps run now
-                c = 0
-                while True:
-                    if chunk is not None:
-                        try:
-                            next(chunk)
-                        except StopIteration:
-                            chunk = None  # its last step ran: the next chunk starts beside it
-                    if chunk is None:
-                        if c == chunks:
-                            break
-                        a, b = c * per, min(n, (c + 1) * per)
-                        base = area + ((first_buffer + c) % DIRECT_BUFFERS) * size
-                        bufs = [pm[base : base + (b - a) * s].view(dtype) for pm in maps]
-                        chunk = work(a, b, bufs)
-                        c += 1
-                        next(chunk)  # its first step (every work yields at least once)
-                    if first:
-                        target = shm.publish(seq, parity, kind, code, count, root, reduce_op)
-                        shm.wait(target, seq)
-                        shm.agree(seq, parity)
-                        first = False
-                    else:
-                        shm.wait(shm.bump(), seq)
-                shm.done(seq, parity, kind, code, count * s)
+                body()
             except SmddpError as exc:
                 op.error = exc
             except Exception as exc:  # a bug must fail the op, not hang its waiters

@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from smddp.client.errors import DaemonLostError, MismatchError, OpError, op_error
+from smddp.client.peer_memory import Probe, reaches
 from smddp.region import (
     C_BYTES,
     C_DUR_BUCKET,
@@ -46,13 +47,20 @@ from smddp.region import (
     LATENCY_BUCKETS,
     OP_COLS,
     OP_TABLE_OFFSET,
+    READS_NO,
+    READS_UNKNOWN,
+    READS_YES,
     S_DONE,
     S_ERR_KIND,
     S_LAST,
     S_OPS,
     S_PID,
+    S_PROBE_ADDRESS,
+    S_PROBE_VALUE,
+    S_READS,
     S_SEQ,
     S_SLEEPING,
+    S_SOURCE,
     S_STEP,
     SIG_WORD,
     SIG_WORDS,
@@ -123,6 +131,10 @@ class ShmPath:
         self.my_address = v.step_address(rank)
         self.step = self.q[self.base + S_STEP]
         self.q[self.base + S_PID] = os.getpid()
+        self._probe = Probe()
+        self.q[self.base + S_PROBE_ADDRESS] = self._probe.address
+        self.q[self.base + S_PROBE_VALUE] = self._probe.value
+        self.q[self.base + S_READS] = READS_UNKNOWN
         slot_start = HEADER_BYTES + rank * v.slot_bytes
         self.op_base = (slot_start + OP_TABLE_OFFSET) // 8
         self.skew_base = (slot_start + SKEW_TABLE_OFFSET) // 8
@@ -289,6 +301,33 @@ class ShmPath:
         """``ranks 0-2``: the communicator's ranks of some slots, for a message."""
         return rank_list([self.ranks[j] for j in slots]) if slots else ""
 
+    # -- reading the others' memory in place ---------------------------------------------------
+
+    def judge_peers(self, allowed: bool) -> None:
+        """Writes this rank's verdict on reading every other rank's memory in place
+        (``peer_memory``): yes when ``allowed`` and it reads each one's probe word back."""
+        q = self.q
+        ok = allowed and all(
+            reaches(q[b + S_PID], q[b + S_PROBE_ADDRESS], q[b + S_PROBE_VALUE])
+            for b in (self.bases[j] for j, _, _ in self.others)
+        )
+        q[self.base + S_READS] = READS_YES if ok else READS_NO
+
+    def peers_readable(self) -> bool:
+        """After a synchronisation that followed every rank's ``judge_peers``: True when
+        every rank can read every other one (the same answer on every rank)."""
+        return all(self.q[b + S_READS] == READS_YES for b in self.bases)
+
+    def offer_source(self, address: int) -> None:
+        """Publishes where this rank's source of its next single-copy op lies (before the op's
+        first synchronisation, which makes it visible)."""
+        self.q[self.base + S_SOURCE] = address
+
+    def source_of(self, slot: int) -> tuple[int, int]:
+        """(pid, address): where the rank of ``slot`` offered its source."""
+        b = self.bases[slot]
+        return self.q[b + S_PID], self.q[b + S_SOURCE]
+
     # -- one op ----------------------------------------------------------------------------------
 
     def next_parity(self) -> int:
@@ -333,6 +372,14 @@ class ShmPath:
         for b in self.bases:
             if q[b + off + G_PACKED] != mine or q[b + off + G_SEQ] != seq:
                 self._mismatch(seq, parity)
+
+    def fail(self, kind: int, message: str) -> OpError:
+        """Records this rank's error in its slot, where every other rank finds it (they
+        raise the same), and returns it to raise."""
+        self.view.set_slot_error(self.rank, kind, message)
+        futex_wake(self.my_address)  # a rank asleep on our step sees the alarm at once
+        self.error = op_error(kind, message)
+        return self.error
 
     def _mismatch(self, seq: int, parity: int) -> None:
         groups: dict[tuple[int, ...], list[int]] = {}

@@ -12,9 +12,11 @@ Layout (int64 words unless said otherwise): a header of ``HEADER_BYTES``, then o
 ``slot_bytes`` per rank. A slot holds its rank's step counter (every synchronisation point
 bumps it; a rank waits until every other rank's step has reached its own), the op sequence
 number it last arrived at and completed, the op's signature per parity (double buffered: op
-k's signature and data stay readable until every rank has arrived at op k+1), an error
-area, the rank's metric counters and its two data buffers. Only the slot's rank writes its
-slot; only the daemon writes the header, except the alarm word, which any side sets once.
+k's signature and data stay readable until every rank has arrived at op k+1), what the
+others need to read its memory in place (its pid, the address of a single-copy op's source,
+a probe word, and whether it can read theirs), an error area, the rank's metric counters
+and its two data buffers. Only the slot's rank writes its slot; only the daemon writes the
+header, except the alarm word, which any side sets once.
 
 x86-64 keeps stores in order (TSO), so data written before a step is bumped is visible to a
 rank that sees the bump; numpy writes each aligned int64 word with one store.
@@ -57,6 +59,13 @@ S_LAST = 6  # ops at which this rank arrived last (straggler count)
 S_OPS = 7  # ops this rank completed through the region
 S_ERR_KIND = 8
 S_ERR_LEN = 9
+# Reading the others' memory in place (client/peer_memory.py): the address of this rank's
+# source of the single-copy op in flight, the address and value of a word in this rank's
+# process that identifies it, and this rank's verdict on reading every other rank (READS_*).
+S_SOURCE = 10
+S_PROBE_ADDRESS = 11
+S_PROBE_VALUE = 12
+S_READS = 13
 SIG_WORD = 16  # two signatures of SIG_WORDS each, by op parity
 SIG_WORDS = 8
 # Signature words.
@@ -66,6 +75,10 @@ ERR_MSG_MAX = 4096 - ERR_MSG_OFFSET
 
 STATE_IDLE = 0
 STATE_FAILED = 2
+
+READS_UNKNOWN = 0
+READS_YES = 1
+READS_NO = 2
 
 # Metric counters, per (op kind, dtype), kept by each rank in its slot (the daemon reads them).
 KINDS = 16

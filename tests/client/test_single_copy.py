@@ -1,0 +1,186 @@
+"""Large all_gathers on one node read the other ranks' inputs in place (client/peer_memory.py).
+
+Real daemon, ranks in processes of their own (the test process is rank 0): the reads cross
+processes as a job's do. Results are compared element for element with what every rank's
+input must be; the ranks must decide alike whether they read in place, fall back to the
+arenas together, and raise the same error on every rank when a read is refused later.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import secrets
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from smddp.client import connect
+from smddp.client.config import ClientConfig
+from smddp.client.errors import OpError
+from smddp.client.peer_memory import Probe, reaches, read
+from smddp.v1 import smddp_pb2 as pb
+
+WORLD = 3
+# Element counts whose inputs are larger than a region buffer (1 MiB at this world), so the
+# all_gathers run direct; odd sizes, so no chunk or read is a round number.
+CASES = [("float32", 300_007), ("float16", 700_001), ("int64", 140_003), ("bool", 1_200_007)]
+
+
+def _input(dtype: str, n: int, rank: int, round_: int) -> np.ndarray:
+    rng = np.random.default_rng(1000 * round_ + rank)
+    if dtype == "bool":
+        return rng.random(n) < 0.5
+    if dtype == "int64":
+        return rng.integers(-(1 << 40), 1 << 40, n)
+    return (rng.standard_normal(n) * 100).astype(dtype)
+
+
+def _gathers(comm, rank: int) -> list[str]:
+    """Every case twice (the second time with fresh outputs and changed inputs), with direct
+    and region all_reduces between them, and two all_gathers started before either is
+    waited for. Returns what differed."""
+    problems = []
+    for round_ in range(2):
+        for dtype, n in CASES:
+            src = _input(dtype, n, rank, round_)
+            outs = [np.zeros(n, dtype) for _ in range(WORLD)]
+            comm.all_gather(outs, src).wait()
+            for j in range(WORLD):
+                if not np.array_equal(outs[j], _input(dtype, n, j, round_)):
+                    problems.append(f"rank {rank}: {dtype} x {n}, round {round_}: block {j}")
+            big = np.full(400_000, float(rank), np.float32)
+            comm.all_reduce(big).wait()  # direct
+            small = np.full(5, float(rank), np.float64)
+            comm.all_reduce(small).wait()  # in the region
+            if big[0] != sum(range(WORLD)) or small[0] != sum(range(WORLD)):
+                problems.append(f"rank {rank}: all_reduce after {dtype}")
+    a, b = _input("float32", 300_007, rank, 5), _input("float32", 400_009, rank, 6)
+    outs_a = [np.zeros(a.size, np.float32) for _ in range(WORLD)]
+    outs_b = [np.zeros(b.size, np.float32) for _ in range(WORLD)]
+    ha, hb = comm.all_gather(outs_a, a), comm.all_gather(outs_b, b)
+    hb.wait()
+    ha.wait()
+    for j in range(WORLD):
+        if not np.array_equal(outs_a[j], _input("float32", 300_007, j, 5)):
+            problems.append(f"rank {rank}: the first of two open all_gathers, block {j}")
+        if not np.array_equal(outs_b[j], _input("float32", 400_009, j, 6)):
+            problems.append(f"rank {rank}: the second of two open all_gathers, block {j}")
+    return problems
+
+
+def _rank(socket_path: str, job: str, token: bytes, rank: int, single_copy: bool, q) -> None:
+    config = ClientConfig(single_copy=single_copy)
+    comm = connect(job, token, rank, WORLD, socket_path=socket_path, config=config)
+    problems = _gathers(comm, rank)
+    q.put((rank, comm._direct.in_place, problems))
+    comm.close()
+
+
+def _run(d, single_copy: dict[int, bool]) -> dict[int, tuple[bool, list[str]]]:
+    job, token = f"single-copy-{secrets.token_hex(4)}", secrets.token_bytes(16)
+    ctx = multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    procs = [
+        ctx.Process(target=_rank, args=(d.socket, job, token, r, single_copy.get(r, True), q))
+        for r in range(1, WORLD)
+    ]
+    for p in procs:
+        p.start()
+    _rank(d.socket, job, token, 0, single_copy.get(0, True), q)
+    results = {}
+    for _ in range(WORLD):
+        rank, in_place, problems = q.get(timeout=120)
+        results[rank] = (in_place, problems)
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    return results
+
+
+@pytest.mark.timeout(240)
+def test_all_gathers_read_in_place_across_processes(start_daemon) -> None:
+    results = _run(start_daemon(), {})
+    assert {r: in_place for r, (in_place, _) in results.items()} == {0: True, 1: True, 2: True}
+    assert [p for _, problems in results.values() for p in problems] == []
+
+
+@pytest.mark.timeout(240)
+def test_one_rank_turning_it_off_keeps_every_rank_in_the_arenas(start_daemon) -> None:
+    results = _run(start_daemon(), {2: False})
+    assert {r: in_place for r, (in_place, _) in results.items()} == {0: False, 1: False, 2: False}
+    assert [p for _, problems in results.values() for p in problems] == []
+
+
+def _drops_privileges(socket_path: str, job: str, token: bytes, rank: int, q) -> None:
+    comm = connect(job, token, rank, WORLD, socket_path=socket_path)
+    src = np.full(400_000, rank, np.float32)
+    outs = [np.zeros(src.size, np.float32) for _ in range(WORLD)]
+    comm.all_gather(outs, src).wait()
+    if rank == WORLD - 1:
+        os.setresuid(65534, 65534, 65534)  # from now on it may not read root's processes
+    q.put("ready")
+    started = time.monotonic()
+    try:
+        comm.all_gather(outs, src).wait()
+        q.put((rank, None, None))
+    except OpError as exc:
+        # Every rank at once, not at the group's timeout.
+        q.put((rank, type(exc).__name__, str(exc), time.monotonic() - started < 5))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(os.geteuid() != 0, reason="changes a rank's user: needs root")
+def test_a_read_refused_later_fails_the_op_on_every_rank(start_daemon) -> None:
+    d = start_daemon()
+    job, token = f"single-copy-{secrets.token_hex(4)}", secrets.token_bytes(16)
+    ctx = multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    procs = [
+        ctx.Process(target=_drops_privileges, args=(d.socket, job, token, r, q))
+        for r in range(WORLD)
+    ]
+    for p in procs:
+        p.start()
+    got = [q.get(timeout=60) for _ in range(2 * WORLD)]
+    assert got.count("ready") == WORLD
+    outcomes = sorted(x for x in got if x != "ready")
+    for p in procs:
+        p.join(30)
+    kinds = {outcome[1] for outcome in outcomes}
+    messages = {outcome[2] for outcome in outcomes}
+    assert kinds == {"OpError"}, outcomes
+    assert all(outcome[3] for outcome in outcomes), outcomes
+    assert len(messages) == 1, outcomes
+    (message,) = messages
+    assert "rank 2 could not read rank 0's all_gather input in place in op #2" in message
+    assert "Operation not permitted" in message and "SMDDP_SINGLE_COPY=0" in message
+
+
+def test_a_probe_reaches_only_the_process_that_holds_it() -> None:
+    probe = Probe()
+    assert reaches(os.getpid(), probe.address, probe.value)
+    assert not reaches(os.getpid(), probe.address, probe.value + 1)
+    assert not reaches(os.getpid(), 0, probe.value)
+    assert not reaches(0, probe.address, probe.value)
+    # Another process at the same pid number (another pid namespace, a reused pid) does not
+    # hold this process's value there.
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert not reaches(other.pid, probe.address, probe.value)
+    finally:
+        other.kill()
+        other.wait()
+    with pytest.raises(OSError):
+        read(other.pid, np.zeros(1, np.int64), probe.address)  # gone: ESRCH
+
+
+def test_read_copies_a_range_in_calls_of_at_most_read_bytes() -> None:
+    src = np.arange(3_000_001, dtype=np.int16)  # ~6 MB: several calls, the last one short
+    dst = np.zeros_like(src)
+    read(os.getpid(), dst, src.ctypes.data)
+    assert np.array_equal(dst, src)
+    assert pb.INVALID  # the error kind a refused read carries
