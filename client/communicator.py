@@ -316,6 +316,25 @@ class Communicator:
             )
         )
 
+    def _reads_in_place(self) -> bool:
+        """Whether the ranks read each other's memory in place (``peer_memory``).
+
+        The first all_gather decides it among them (``DirectOps.gather_runner``); an op
+        that asks after one has started waits for it. If none has, the ranks decide now:
+        a barrier (every rank has mapped the region and published its probe word), then
+        the minimum of their verdicts. Every rank submits its ops in the same order, so
+        every rank takes the same way here.
+        """
+        direct = self._direct
+        if direct.in_place is None and direct.decider is not None:
+            self._retire_through(direct.decider)
+        if direct.in_place is None:
+            self.barrier().wait()
+            vote = np.array([int(self._region.shm.judge_peers(direct.single_copy))], np.int64)
+            self.all_reduce(vote, pb.MIN).wait()
+            direct.in_place = bool(vote[0])
+        return direct.in_place
+
     def _gather_direct(self, src: np.ndarray, outs: list[np.ndarray]) -> Handle:
         """A large all_gather on the direct path: the ranks read each other's inputs in
         place where they can (``DirectOps.gather_runner``)."""
@@ -540,6 +559,13 @@ class Communicator:
         dtype = ins[0].dtype
         if any(x.dtype != dtype for x in ins + outs):
             raise UnsupportedError("all_to_all: every input and output must have the same dtype")
+        if self._use_shm and self._reads_in_place():
+            signature = (pb.ALL_TO_ALL, code_of(dtype), 0, 0, 0)  # totals may differ
+            return self._submit_direct(
+                lambda handle, shm, seq: self._direct.all_to_all_runner(
+                    handle, shm, seq, signature, ins, outs
+                )
+            )
         total = sum(x.size for x in ins)
         need = np.array([(total + sum(x.size for x in outs)) * dtype.itemsize], dtype=np.int64)
         with self._lock:

@@ -111,6 +111,7 @@ class DirectOps:
         # decided by all of them together at the first all_gather (every rank takes part,
         # whatever its own setting, so that all run the same steps).
         self.in_place: bool | None = None
+        self.decider: InFlight | None = None  # the all_gather that decides it, once started
 
     def runner(
         self,
@@ -169,6 +170,8 @@ class DirectOps:
         after a second, all of them read the same verdicts.
         """
         n = src.size
+        if self.in_place is None and self.decider is None:
+            self.decider = op
         # Numbered now whichever way it runs, as every rank numbers them alike.
         chunks = self._chunks(signature, src.dtype, n, all_gather_work(outs, src, self.rank))
 
@@ -191,6 +194,78 @@ class DirectOps:
 
         return self._guarded(op, shm, seq, run)
 
+    def all_to_all_runner(
+        self,
+        op: InFlight,
+        shm: ShmPath,
+        seq: int,
+        signature: Signature,
+        ins: list[np.ndarray],
+        outs: list[np.ndarray],
+    ) -> Callable[[], None]:
+        """An all_to_all, the ranks reading each other's blocks in place (only once
+        ``in_place`` holds): each writes where its blocks for every rank lie, and their
+        sizes, into its slot's data buffer; after the op's first synchronisation each reads
+        its block from every other rank, checking that the sizes agree; a last one keeps
+        every input unchanged until all have read it."""
+        w = len(ins)
+        me = self.rank
+        lo = min(x.ctypes.data for x in ins)
+        hi = max(x.ctypes.data + x.nbytes for x in ins)
+        if any(o.ctypes.data < hi and lo < o.ctypes.data + o.nbytes for o in outs if o.nbytes):
+            # Outputs over the inputs: the others would read what this rank has written.
+            ins = [x.copy() for x in ins]
+        nbytes = sum(x.nbytes for x in ins)
+
+        def run() -> None:
+            parity = shm.next_parity()
+            table = shm.sized(parity, np.dtype(np.int64), 2 * w)
+            table[me][:w] = [x.ctypes.data for x in ins]
+            table[me][w:] = [x.size for x in ins]
+            if ins[me].size != outs[me].size:
+                raise self._split_mismatch(shm, me, ins[me].size, outs[me].size)
+            target = shm.publish(seq, parity, *signature)
+            np.copyto(outs[me], ins[me])
+            shm.wait(target, seq)
+            shm.agree(seq, parity)
+            for s, out in enumerate(outs):
+                if s == me:
+                    continue
+                size = int(table[s][w + me])
+                if size != out.size:
+                    raise self._split_mismatch(shm, s, size, out.size)
+                if size:
+                    self._read(shm, seq, s, out, int(table[s][me]), "all_to_all block")
+            shm.wait(shm.bump(), seq)
+            shm.done(seq, parity, signature[0], signature[1], nbytes)
+
+        return self._guarded(op, shm, seq, run)
+
+    def _split_mismatch(self, shm: ShmPath, s: int, sends: int, expects: int) -> SmddpError:
+        me = self.rank
+        return shm.fail(
+            pb.INVALID,
+            f"{shm.name}: all_to_all: rank {s} sends {sends} elements to rank {me} but rank "
+            f"{me} expects {expects} from rank {s} (input and output split sizes disagree)",
+        )
+
+    def _read(
+        self, shm: ShmPath, seq: int, s: int, out: np.ndarray, address: int, what: str
+    ) -> None:
+        """Reads rank ``s``'s memory at ``address`` into ``out``."""
+        try:
+            read(shm.pid_of(s), out, address)
+        except OSError as exc:
+            if exc.errno != errno.ESRCH:
+                raise shm.fail(
+                    pb.INVALID,
+                    f"{shm.name}: rank {self.rank} could not read rank {s}'s {what} in place "
+                    f"in op #{seq} ({exc.strerror}), although every rank could at the "
+                    "communicator's first all_gather or all_to_all; SMDDP_SINGLE_COPY=0 "
+                    "keeps them in shared memory",
+                ) from None
+            # It died: the daemon fails the communicator, the op's next wait raises that.
+
     def _gather_in_place(
         self,
         shm: ShmPath,
@@ -211,21 +286,8 @@ class DirectOps:
             shm.wait(target, seq)
             shm.agree(seq, parity)
         for j, out in enumerate(outs):
-            if j == me:
-                continue
-            pid, address = shm.source_of(j)
-            try:
-                read(pid, out, address)
-            except OSError as exc:
-                if exc.errno != errno.ESRCH:
-                    raise shm.fail(
-                        pb.INVALID,
-                        f"{shm.name}: rank {me} could not read rank {j}'s all_gather input in "
-                        f"place in op #{seq} ({exc.strerror}), although every rank could at "
-                        "the communicator's first all_gather; SMDDP_SINGLE_COPY=0 keeps "
-                        "all_gather in shared memory",
-                    ) from None
-                # It died: the daemon fails the communicator, the wait below raises that.
+            if j != me:
+                self._read(shm, seq, j, out, shm.source_of(j), "all_gather input")
         shm.wait(shm.bump(), seq)
 
     def _chunks(

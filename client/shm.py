@@ -303,15 +303,16 @@ class ShmPath:
 
     # -- reading the others' memory in place ---------------------------------------------------
 
-    def judge_peers(self, allowed: bool) -> None:
-        """Writes this rank's verdict on reading every other rank's memory in place
-        (``peer_memory``): yes when ``allowed`` and it reads each one's probe word back."""
+    def judge_peers(self, allowed: bool) -> bool:
+        """Writes and returns this rank's verdict on reading every other rank's memory in
+        place (``peer_memory``): yes when ``allowed`` and it reads each one's probe word back."""
         q = self.q
         ok = allowed and all(
             reaches(q[b + S_PID], q[b + S_PROBE_ADDRESS], q[b + S_PROBE_VALUE])
             for b in (self.bases[j] for j, _, _ in self.others)
         )
         q[self.base + S_READS] = READS_YES if ok else READS_NO
+        return ok
 
     def peers_readable(self) -> bool:
         """After a synchronisation that followed every rank's ``judge_peers``: True when
@@ -323,10 +324,13 @@ class ShmPath:
         first synchronisation, which makes it visible)."""
         self.q[self.base + S_SOURCE] = address
 
-    def source_of(self, slot: int) -> tuple[int, int]:
-        """(pid, address): where the rank of ``slot`` offered its source."""
-        b = self.bases[slot]
-        return self.q[b + S_PID], self.q[b + S_SOURCE]
+    def source_of(self, slot: int) -> int:
+        """Where the rank of ``slot`` offered its source (an address in its process)."""
+        return self.q[self.bases[slot] + S_SOURCE]
+
+    def pid_of(self, slot: int) -> int:
+        """The process of the rank of ``slot``, as it knows its pid."""
+        return self.q[self.bases[slot] + S_PID]
 
     # -- one op ----------------------------------------------------------------------------------
 

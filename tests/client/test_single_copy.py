@@ -1,4 +1,5 @@
-"""Large all_gathers on one node read the other ranks' inputs in place (client/peer_memory.py).
+"""all_gathers and all_to_alls on one node read the other ranks' inputs in place
+(client/peer_memory.py).
 
 Real daemon, ranks in processes of their own (the test process is rank 0): the reads cross
 processes as a job's do. Results are compared element for element with what every rank's
@@ -72,25 +73,73 @@ def _gathers(comm, rank: int) -> list[str]:
     return problems
 
 
-def _rank(socket_path: str, job: str, token: bytes, rank: int, single_copy: bool, q) -> None:
+def _split(s: int, d: int, round_: int) -> int:
+    """How many elements rank s sends rank d: uneven, some blocks empty."""
+    return (s * 7 + d * 3 + round_ * 5) % 4 * 60_001
+
+
+def _block(s: int, d: int, round_: int, dtype: str) -> np.ndarray:
+    return _input(dtype, _split(s, d, round_), 100 * s + d, round_)
+
+
+def _all_to_alls(comm, rank: int) -> list[str]:
+    """Uneven all_to_alls (the first one of the communicator's ops that reads in place, so
+    the ranks vote), one whose outputs lie over its inputs, and one right behind an
+    all_gather that has not run yet (which decides instead, when it comes first)."""
+    problems = []
+    for round_, dtype in enumerate(["float32", "int64", "float16", "bool"]):
+        ins = [_block(rank, d, round_, dtype) for d in range(WORLD)]
+        outs = [np.zeros(_split(s, rank, round_), dtype) for s in range(WORLD)]
+        comm.all_to_all(outs, ins).wait()
+        for s in range(WORLD):
+            if not np.array_equal(outs[s], _block(s, rank, round_, dtype)):
+                problems.append(f"rank {rank}: all_to_all {dtype}: block from {s}")
+    n = 90_001
+    both = np.concatenate([_input("float32", n, 10 * rank + d, 9) for d in range(WORLD)])
+    views = [both[d * n : (d + 1) * n] for d in range(WORLD)]
+    comm.all_to_all(views, views).wait()  # in place, as all_to_all_single(t, t)
+    for s in range(WORLD):
+        if not np.array_equal(views[s], _input("float32", n, 10 * s + rank, 9)):
+            problems.append(f"rank {rank}: all_to_all over its own input: block from {s}")
+    src = _input("float32", 300_007, rank, 7)
+    gathered = [np.zeros(src.size, np.float32) for _ in range(WORLD)]
+    pending = comm.all_gather(gathered, src)
+    ins = [np.full(1000, 10 * rank + d, np.int64) for d in range(WORLD)]
+    outs = [np.zeros(1000, np.int64) for _ in range(WORLD)]
+    comm.all_to_all(outs, ins).wait()
+    pending.wait()
+    if [int(o[0]) for o in outs] != [10 * s + rank for s in range(WORLD)]:
+        problems.append(f"rank {rank}: all_to_all behind an all_gather")
+    if not all(np.array_equal(gathered[j], _input("float32", 300_007, j, 7)) for j in range(WORLD)):
+        problems.append(f"rank {rank}: the all_gather in front of an all_to_all")
+    return problems
+
+
+def _rank(
+    socket_path: str, job: str, token: bytes, rank: int, single_copy: bool, script: str, q
+) -> None:
     config = ClientConfig(single_copy=single_copy)
     comm = connect(job, token, rank, WORLD, socket_path=socket_path, config=config)
-    problems = _gathers(comm, rank)
+    problems = {"gathers": _gathers, "all_to_alls": _all_to_alls}[script](comm, rank)
     q.put((rank, comm._direct.in_place, problems))
     comm.close()
 
 
-def _run(d, single_copy: dict[int, bool]) -> dict[int, tuple[bool, list[str]]]:
+def _run(
+    d, single_copy: dict[int, bool], script: str = "gathers"
+) -> dict[int, tuple[bool, list[str]]]:
     job, token = f"single-copy-{secrets.token_hex(4)}", secrets.token_bytes(16)
     ctx = multiprocessing.get_context("spawn")
     q = ctx.Queue()
     procs = [
-        ctx.Process(target=_rank, args=(d.socket, job, token, r, single_copy.get(r, True), q))
+        ctx.Process(
+            target=_rank, args=(d.socket, job, token, r, single_copy.get(r, True), script, q)
+        )
         for r in range(1, WORLD)
     ]
     for p in procs:
         p.start()
-    _rank(d.socket, job, token, 0, single_copy.get(0, True), q)
+    _rank(d.socket, job, token, 0, single_copy.get(0, True), script, q)
     results = {}
     for _ in range(WORLD):
         rank, in_place, problems = q.get(timeout=120)
@@ -102,17 +151,54 @@ def _run(d, single_copy: dict[int, bool]) -> dict[int, tuple[bool, list[str]]]:
 
 
 @pytest.mark.timeout(240)
-def test_all_gathers_read_in_place_across_processes(start_daemon) -> None:
-    results = _run(start_daemon(), {})
+@pytest.mark.parametrize("script", ["gathers", "all_to_alls"])
+def test_ops_read_in_place_across_processes(start_daemon, script: str) -> None:
+    results = _run(start_daemon(), {}, script)
     assert {r: in_place for r, (in_place, _) in results.items()} == {0: True, 1: True, 2: True}
     assert [p for _, problems in results.values() for p in problems] == []
 
 
 @pytest.mark.timeout(240)
-def test_one_rank_turning_it_off_keeps_every_rank_in_the_arenas(start_daemon) -> None:
-    results = _run(start_daemon(), {2: False})
+@pytest.mark.parametrize("script", ["gathers", "all_to_alls"])
+def test_one_rank_turning_it_off_keeps_every_rank_off(start_daemon, script: str) -> None:
+    """The all_gathers run through the arenas, the all_to_alls through the daemon."""
+    results = _run(start_daemon(), {2: False}, script)
     assert {r: in_place for r, (in_place, _) in results.items()} == {0: False, 1: False, 2: False}
     assert [p for _, problems in results.values() for p in problems] == []
+
+
+def _split_disagrees(socket_path: str, job: str, token: bytes, rank: int, q) -> None:
+    comm = connect(job, token, rank, WORLD, socket_path=socket_path)
+    ins = [np.ones(10, np.float32) for _ in range(WORLD)]
+    outs = [np.zeros(11 if (rank, s) == (2, 0) else 10, np.float32) for s in range(WORLD)]
+    try:
+        comm.all_to_all(outs, ins).wait()
+        q.put((rank, None, None))
+    except OpError as exc:
+        q.put((rank, type(exc).__name__, str(exc)))
+
+
+@pytest.mark.timeout(120)
+def test_split_sizes_that_disagree_fail_every_rank_alike(start_daemon) -> None:
+    d = start_daemon()
+    job, token = f"single-copy-{secrets.token_hex(4)}", secrets.token_bytes(16)
+    ctx = multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    procs = [
+        ctx.Process(target=_split_disagrees, args=(d.socket, job, token, r, q))
+        for r in range(WORLD)
+    ]
+    for p in procs:
+        p.start()
+    outcomes = sorted(q.get(timeout=60) for _ in range(WORLD))
+    for p in procs:
+        p.join(30)
+    assert {kind for _, kind, _ in outcomes} == {"OpError"}, outcomes
+    assert len({message for _, _, message in outcomes}) == 1, outcomes
+    assert (
+        "all_to_all: rank 0 sends 10 elements to rank 2 but rank 2 expects 11 from rank 0 "
+        "(input and output split sizes disagree)" in outcomes[0][2]
+    )
 
 
 def _drops_privileges(socket_path: str, job: str, token: bytes, rank: int, q) -> None:
