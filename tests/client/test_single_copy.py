@@ -14,6 +14,7 @@ import os
 import secrets
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -21,7 +22,7 @@ import pytest
 
 from smddp.client import connect
 from smddp.client.config import ClientConfig
-from smddp.client.errors import OpError
+from smddp.client.errors import OpError, RankFailedError
 from smddp.client.peer_memory import Probe, reaches, read
 from smddp.v1 import smddp_pb2 as pb
 
@@ -270,3 +271,60 @@ def test_read_copies_a_range_in_calls_of_at_most_read_bytes() -> None:
     read(os.getpid(), dst, src.ctypes.data)
     assert np.array_equal(dst, src)
     assert pb.INVALID  # the error kind a refused read carries
+
+
+def _loops(socket_path: str, job: str, token: bytes, rank: int, op: str, ready) -> None:
+    comm = connect(job, token, rank, WORLD, socket_path=socket_path)
+    n = 2_000_000  # 8 MB per rank: each op takes a while, so the kill lands inside one
+    src = np.ones(n, np.float32)
+    outs = [np.zeros(n, np.float32) for _ in range(WORLD)]
+    comm.all_gather(outs, src).wait()
+    ready.set()
+    while True:
+        if op == "all_gather":
+            comm.all_gather(outs, src).wait()
+        else:
+            comm.all_to_all(outs, [src] * WORLD).wait()
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("op", ["all_gather", "all_to_all"])
+def test_a_rank_killed_while_the_others_read_it_fails_them_fast(start_daemon, op: str) -> None:
+    d = start_daemon()
+    job, token = f"single-copy-{secrets.token_hex(4)}", secrets.token_bytes(16)
+    ctx = multiprocessing.get_context("spawn")
+    ready = ctx.Event()
+    victim = ctx.Process(target=_loops, args=(d.socket, job, token, 2, op, ready))
+    victim.start()
+    comms = [connect(job, token, r, WORLD, socket_path=d.socket) for r in range(2)]
+    n = 2_000_000
+    srcs = [np.ones(n, np.float32) for _ in range(2)]
+    outs = [[np.zeros(n, np.float32) for _ in range(WORLD)] for _ in range(2)]
+    errors: list[BaseException | None] = [None, None]
+    killed: list[float] = []
+
+    def loop(r: int) -> None:
+        try:
+            comms[r].all_gather(outs[r], srcs[r]).wait()  # as the victim's first op
+            while True:
+                if op == "all_gather":
+                    comms[r].all_gather(outs[r], srcs[r]).wait()
+                else:
+                    comms[r].all_to_all(outs[r], [srcs[r]] * WORLD).wait()
+                if ready.is_set() and not killed and r == 0:
+                    killed.append(time.monotonic())
+                    victim.kill()
+        except OpError as exc:
+            errors[r] = exc
+
+    threads = [threading.Thread(target=loop, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads), "a rank hung after rank 2 died"
+    assert killed and time.monotonic() - killed[0] < 5
+    assert all(isinstance(e, RankFailedError) for e in errors), errors
+    assert len({str(e) for e in errors}) == 1, errors
+    assert f"rank 2 (pid {victim.pid}," in str(errors[0])
+    victim.join(10)
