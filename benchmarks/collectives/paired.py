@@ -13,7 +13,7 @@ parameters) against the same step under ``no_sync`` for both backends and for DD
 hook that communicates nothing (DDP's own work on a synchronised step, which both backends
 pay), and single-core copy and add of the same sizes.
 busbw follows nccl-tests: all_reduce 2(n-1)/n x bytes / time, all_gather (n-1)/n x output
-bytes / time, broadcast bytes / time.
+bytes / time, all_to_all (n-1)/n x input bytes / time, broadcast bytes / time.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from typing import Any
 
 from benchmarks.collectives.plot import require_matplotlib
 
-# (op, bytes): bytes are the tensor's (all_gather: the output's), as in the issue's table.
+# (op, bytes): bytes are the tensor's (all_gather: the output's; all_to_all: each rank's
+# input, the same size as its output), as in the issue's table.
 CASES = (
     ("all_reduce", 4),
     ("all_reduce", 64 << 10),
@@ -40,6 +41,8 @@ CASES = (
     ("solo_all_reduce", 4),  # on groups of one rank: new_group([rank]) of each backend
     ("broadcast", 16 << 20),
     ("all_gather", 16 << 20),
+    ("all_to_all", 1 << 20),
+    ("all_to_all", 16 << 20),
 )
 
 
@@ -64,7 +67,7 @@ def _time_case(
     if op == "all_gather":
         n = max(1, n // world)
     t = torch.ones(n, dtype=torch.float32)
-    out = torch.empty(n * world, dtype=torch.float32)
+    out = torch.empty(n if op == "all_to_all" else n * world, dtype=torch.float32)
 
     def call(group: Any) -> None:
         if op in ("all_reduce", "solo_all_reduce"):
@@ -73,6 +76,8 @@ def _time_case(
             dist.barrier(group=group)
         elif op == "broadcast":
             dist.broadcast(t, src=0, group=group)
+        elif op == "all_to_all":
+            dist.all_to_all_single(out, t, group=group)
         else:
             dist.all_gather_into_tensor(out, t, group=group)
 
@@ -237,7 +242,11 @@ def _fmt_t(s: float) -> str:
 
 
 def _busbw(op: str, nbytes: int, world: int, s: float) -> float:
-    factor = {"all_reduce": 2 * (world - 1) / world, "all_gather": (world - 1) / world}.get(op, 1.0)
+    factor = {
+        "all_reduce": 2 * (world - 1) / world,
+        "all_gather": (world - 1) / world,
+        "all_to_all": (world - 1) / world,
+    }.get(op, 1.0)
     return factor * nbytes / s / 1e9
 
 
