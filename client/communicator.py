@@ -536,6 +536,14 @@ class Communicator:
             nbytes = out.nbytes * w if ins is not None else 0
             code = code_of(out.dtype)
             return self._in_region(kind, code, out.size, root, reduce_op, nbytes, steps)
+        in_place = kind == pb.REDUCE_SCATTER and self._use_shm and ins is not None
+        if in_place and ins is not None and self._reads_in_place():
+            signature = (kind, code_of(out.dtype), out.size, 0, reduce_op)
+            return self._submit_direct(
+                lambda handle, shm, seq: self._direct.reduce_scatter_runner(
+                    handle, shm, seq, signature, out, ins
+                )
+            )
         return self._via_daemon(
             kind,
             out.dtype,

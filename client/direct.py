@@ -88,6 +88,14 @@ def all_gather_work(outs: list[np.ndarray], src: np.ndarray, me: int) -> Work:
     return work
 
 
+def _overlaps(out: np.ndarray, ins: list[np.ndarray]) -> bool:
+    """True when ``out`` may lie over the memory of some input (their bounds meet)."""
+    if not out.nbytes:
+        return False
+    a, b = out.ctypes.data, out.ctypes.data + out.nbytes
+    return any(x.nbytes and x.ctypes.data < b and a < x.ctypes.data + x.nbytes for x in ins)
+
+
 class DirectOps:
     """A rank's direct buffers: where they lie in every arena, and which one is next."""
 
@@ -210,9 +218,7 @@ class DirectOps:
         every input unchanged until all have read it."""
         w = len(ins)
         me = self.rank
-        lo = min(x.ctypes.data for x in ins)
-        hi = max(x.ctypes.data + x.nbytes for x in ins)
-        if any(o.ctypes.data < hi and lo < o.ctypes.data + o.nbytes for o in outs if o.nbytes):
+        if any(_overlaps(o, ins) for o in outs):
             # Outputs over the inputs: the others would read what this rank has written.
             ins = [x.copy() for x in ins]
         nbytes = sum(x.nbytes for x in ins)
@@ -238,6 +244,55 @@ class DirectOps:
                     self._read(shm, seq, s, out, int(table[s][me]), "all_to_all block")
             shm.wait(shm.bump(), seq)
             shm.done(seq, parity, signature[0], signature[1], nbytes)
+
+        return self._guarded(op, shm, seq, run)
+
+    def reduce_scatter_runner(
+        self,
+        op: InFlight,
+        shm: ShmPath,
+        seq: int,
+        signature: Signature,
+        out: np.ndarray,
+        ins: list[np.ndarray],
+    ) -> Callable[[], None]:
+        """A reduce_scatter, the ranks reading each other's blocks in place (only once
+        ``in_place`` holds): each writes where its inputs for every rank lie into its slot's
+        data buffer; after the op's first synchronisation each reads its block from every
+        other rank, a chunk at a time into scratch, and reduces the chunk in rank order into
+        its output; a last synchronisation keeps every input unchanged until all have read
+        it."""
+        w = len(ins)
+        me = self.rank
+        reduce_op = signature[4]
+        if _overlaps(out, ins):
+            ins = [x.copy() for x in ins]  # the reduction writes none of its inputs
+        n = out.size
+        s = out.dtype.itemsize
+        per = max(1, self.buffer // s)
+
+        def run() -> None:
+            parity = shm.next_parity()
+            table = shm.sized(parity, np.dtype(np.int64), w)
+            table[me][:] = [x.ctypes.data for x in ins]
+            target = shm.publish(seq, parity, *signature)
+            scratch = [np.empty(min(per, n), out.dtype) for _ in range(w - 1)]
+            shm.wait(target, seq)
+            shm.agree(seq, parity)
+            for a in range(0, n, per):
+                b = min(n, a + per)
+                parts = []
+                for j in range(w):
+                    if j == me:
+                        parts.append(ins[me][a:b])
+                        continue
+                    part = scratch[j - (j > me)][: b - a]
+                    address = int(table[j][me]) + a * s
+                    self._read(shm, seq, j, part, address, "reduce_scatter block")
+                    parts.append(part)
+                reduce_rank_order(out[a:b], parts, reduce_op)
+            shm.wait(shm.bump(), seq)
+            shm.done(seq, parity, signature[0], signature[1], n * w * s)
 
         return self._guarded(op, shm, seq, run)
 

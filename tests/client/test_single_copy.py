@@ -1,5 +1,5 @@
-"""all_gathers and all_to_alls on one node read the other ranks' inputs in place
-(client/peer_memory.py).
+"""all_gathers, all_to_alls and reduce_scatters on one node read the other ranks' inputs in
+place (client/peer_memory.py).
 
 Real daemon, ranks in processes of their own (the test process is rank 0): the reads cross
 processes as a job's do. Results are compared element for element with what every rank's
@@ -116,12 +116,62 @@ def _all_to_alls(comm, rank: int) -> list[str]:
     return problems
 
 
+RS_CASES = [
+    ("float32", pb.SUM),
+    ("float32", pb.AVG),
+    ("float64", pb.SUM),
+    ("float16", pb.SUM),
+    ("int64", pb.PRODUCT),
+    ("int64", pb.MAX),
+]
+
+
+def _reduce_scatters(comm, rank: int, token: bytes) -> list[str]:
+    """Bitwise what the daemon gives (a second communicator of the same ranks that does not
+    read in place), in chunks of 24 KiB, including one whose output is its own input block."""
+    daemon = connect(
+        comm.session.job_id,
+        token,
+        rank,
+        WORLD,
+        comm_id="through-the-daemon",
+        socket_path=comm.config.socket,
+        config=ClientConfig(socket=comm.config.socket, single_copy=False),
+    )
+    problems = []
+    n = 300_007
+    for round_, (dtype, op) in enumerate(RS_CASES):
+        ins = [_input(dtype, n, 10 * rank + d, round_) for d in range(WORLD)]
+        if op == pb.PRODUCT:
+            ins = [x % 3 + 1 for x in ins]  # no overflow to hide a wrong order
+        got, want = np.zeros(n, dtype), np.zeros(n, dtype)
+        comm.reduce_scatter(got, ins, op).wait()
+        daemon.reduce_scatter(want, ins, op).wait()
+        if got.tobytes() != want.tobytes():
+            problems.append(
+                f"rank {rank}: reduce_scatter {dtype} op {op} differs from the daemon's"
+            )
+    both = np.concatenate([_input("float32", n, 10 * rank + d, 8) for d in range(WORLD)])
+    blocks = [both[d * n : (d + 1) * n] for d in range(WORLD)]
+    want = np.zeros(n, np.float32)
+    daemon.reduce_scatter(want, [b.copy() for b in blocks]).wait()
+    comm.reduce_scatter(blocks[rank], blocks).wait()  # the output is its own input block
+    if blocks[rank].tobytes() != want.tobytes():
+        problems.append(f"rank {rank}: reduce_scatter into its own input block")
+    daemon.close()
+    return problems
+
+
 def _rank(
     socket_path: str, job: str, token: bytes, rank: int, single_copy: bool, script: str, q
 ) -> None:
-    config = ClientConfig(single_copy=single_copy)
+    chunk = 24 << 10 if script == "reduce_scatters" else None
+    config = ClientConfig(socket=socket_path, single_copy=single_copy, direct_chunk_bytes=chunk)
     comm = connect(job, token, rank, WORLD, socket_path=socket_path, config=config)
-    problems = {"gathers": _gathers, "all_to_alls": _all_to_alls}[script](comm, rank)
+    if script == "reduce_scatters":
+        problems = _reduce_scatters(comm, rank, token)
+    else:
+        problems = {"gathers": _gathers, "all_to_alls": _all_to_alls}[script](comm, rank)
     q.put((rank, comm._direct.in_place, problems))
     comm.close()
 
@@ -152,7 +202,7 @@ def _run(
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("script", ["gathers", "all_to_alls"])
+@pytest.mark.parametrize("script", ["gathers", "all_to_alls", "reduce_scatters"])
 def test_ops_read_in_place_across_processes(start_daemon, script: str) -> None:
     results = _run(start_daemon(), {}, script)
     assert {r: in_place for r, (in_place, _) in results.items()} == {0: True, 1: True, 2: True}
@@ -160,7 +210,7 @@ def test_ops_read_in_place_across_processes(start_daemon, script: str) -> None:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("script", ["gathers", "all_to_alls"])
+@pytest.mark.parametrize("script", ["gathers", "all_to_alls", "reduce_scatters"])
 def test_one_rank_turning_it_off_keeps_every_rank_off(start_daemon, script: str) -> None:
     """The all_gathers run through the arenas, the all_to_alls through the daemon."""
     results = _run(start_daemon(), {2: False}, script)
