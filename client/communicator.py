@@ -335,6 +335,17 @@ class Communicator:
             direct.in_place = bool(vote[0])
         return direct.in_place
 
+    def _rooted_in_place(
+        self, kind: int, mine: np.ndarray, blocks: list[np.ndarray] | None, root: int
+    ) -> Handle:
+        """A large gather or scatter read in place (``DirectOps.rooted_runner``)."""
+        signature = (kind, code_of(mine.dtype), mine.size, root, 0)
+        return self._submit_direct(
+            lambda handle, shm, seq: self._direct.rooted_runner(
+                handle, shm, seq, signature, mine, blocks
+            )
+        )
+
     def _gather_direct(self, src: np.ndarray, outs: list[np.ndarray]) -> Handle:
         """A large all_gather on the direct path: the ranks read each other's inputs in
         place where they can (``DirectOps.gather_runner``)."""
@@ -495,6 +506,8 @@ class Communicator:
             return self._in_region(kind, code_of(src.dtype), src.size, root, 0, src.nbytes, steps)
         if kind == pb.ALL_GATHER and outs is not None and self._goes_direct(src.nbytes):
             return self._gather_direct(src, outs)
+        if kind == pb.GATHER and self._use_shm and self._reads_in_place():
+            return self._rooted_in_place(kind, src, outs, root)
         return self._via_daemon(
             kind,
             src.dtype,
@@ -536,6 +549,8 @@ class Communicator:
             nbytes = out.nbytes * w if ins is not None else 0
             code = code_of(out.dtype)
             return self._in_region(kind, code, out.size, root, reduce_op, nbytes, steps)
+        if kind == pb.SCATTER and self._use_shm and self._reads_in_place():
+            return self._rooted_in_place(kind, out, ins, root)
         in_place = kind == pb.REDUCE_SCATTER and self._use_shm and ins is not None
         if in_place and ins is not None and self._reads_in_place():
             signature = (kind, code_of(out.dtype), out.size, 0, reduce_op)

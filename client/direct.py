@@ -296,6 +296,52 @@ class DirectOps:
 
         return self._guarded(op, shm, seq, run)
 
+    def rooted_runner(
+        self,
+        op: InFlight,
+        shm: ShmPath,
+        seq: int,
+        signature: Signature,
+        mine: np.ndarray,
+        blocks: list[np.ndarray] | None,
+    ) -> Callable[[], None]:
+        """A gather or scatter between the root and every rank, reading in place (only once
+        ``in_place`` holds). gather: ``mine`` is this rank's input, ``blocks`` the root's
+        outputs, which the root reads from each rank. scatter: ``mine`` is this rank's
+        output, ``blocks`` the root's inputs, where each rank reads its own. A last
+        synchronisation keeps every input unchanged until it has been read."""
+        kind, root = signature[0], signature[3]
+        me = self.rank
+        scatter = kind == pb.SCATTER
+        if scatter and blocks is not None and _overlaps(mine, blocks):
+            blocks = [x.copy() for x in blocks]  # the others would read what the root wrote
+        w = shm.world
+        nbytes = mine.nbytes * w if blocks is not None else 0
+
+        def run() -> None:
+            parity = shm.next_parity()
+            table = shm.sized(parity, np.dtype(np.int64), w)
+            if blocks is not None and scatter:
+                table[me][:] = [x.ctypes.data for x in blocks]
+            shm.offer_source(mine.ctypes.data)
+            target = shm.publish(seq, parity, *signature)
+            if blocks is not None and scatter:  # the root's own block
+                np.copyto(mine, blocks[me])
+            elif blocks is not None:
+                np.copyto(blocks[me], mine)
+            shm.wait(target, seq)
+            shm.agree(seq, parity)
+            if scatter and me != root:
+                self._read(shm, seq, root, mine, int(table[root][me]), "scatter input")
+            elif not scatter and blocks is not None:
+                for j, out in enumerate(blocks):
+                    if j != me:
+                        self._read(shm, seq, j, out, shm.source_of(j), "gather input")
+            shm.wait(shm.bump(), seq)
+            shm.done(seq, parity, kind, signature[1], nbytes)
+
+        return self._guarded(op, shm, seq, run)
+
     def _split_mismatch(self, shm: ShmPath, s: int, sends: int, expects: int) -> SmddpError:
         me = self.rank
         return shm.fail(

@@ -1,5 +1,5 @@
-"""all_gathers, all_to_alls and reduce_scatters on one node read the other ranks' inputs in
-place (client/peer_memory.py).
+"""all_gathers, all_to_alls, reduce_scatters, gathers and scatters on one node read the other
+ranks' inputs in place (client/peer_memory.py).
 
 Real daemon, ranks in processes of their own (the test process is rank 0): the reads cross
 processes as a job's do. Results are compared element for element with what every rank's
@@ -162,6 +162,32 @@ def _reduce_scatters(comm, rank: int, token: bytes) -> list[str]:
     return problems
 
 
+def _rooted(comm, rank: int) -> list[str]:
+    """Large gathers and scatters from every root, one scatter whose root's output is one of
+    its inputs."""
+    problems = []
+    n = 300_007
+    for round_, (dtype, root) in enumerate([("float32", 0), ("int64", 1), ("float16", 2)]):
+        src = _input(dtype, n, rank, round_)
+        outs = [np.zeros(n, dtype) for _ in range(WORLD)] if rank == root else None
+        comm.gather(outs, src, root).wait()
+        if outs is not None and not all(
+            np.array_equal(outs[j], _input(dtype, n, j, round_)) for j in range(WORLD)
+        ):
+            problems.append(f"rank {rank}: gather {dtype} to {root}")
+        ins = [_input(dtype, n, 10 + d, round_) for d in range(WORLD)] if rank == root else None
+        out = np.zeros(n, dtype)
+        comm.scatter(out, ins, root).wait()
+        if not np.array_equal(out, _input(dtype, n, 10 + rank, round_)):
+            problems.append(f"rank {rank}: scatter {dtype} from {root}")
+    ins = [_input("float32", n, 20 + d, 9) for d in range(WORLD)]
+    out = ins[1] if rank == 0 else np.zeros(n, np.float32)
+    comm.scatter(out, ins if rank == 0 else None, 0).wait()
+    if not np.array_equal(out, _input("float32", n, 20 + rank, 9)):
+        problems.append(f"rank {rank}: a scatter whose root's output is one of its inputs")
+    return problems
+
+
 def _rank(
     socket_path: str, job: str, token: bytes, rank: int, single_copy: bool, script: str, q
 ) -> None:
@@ -171,7 +197,8 @@ def _rank(
     if script == "reduce_scatters":
         problems = _reduce_scatters(comm, rank, token)
     else:
-        problems = {"gathers": _gathers, "all_to_alls": _all_to_alls}[script](comm, rank)
+        scripts = {"gathers": _gathers, "all_to_alls": _all_to_alls, "rooted": _rooted}
+        problems = scripts[script](comm, rank)
     q.put((rank, comm._direct.in_place, problems))
     comm.close()
 
@@ -202,7 +229,7 @@ def _run(
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("script", ["gathers", "all_to_alls", "reduce_scatters"])
+@pytest.mark.parametrize("script", ["gathers", "all_to_alls", "reduce_scatters", "rooted"])
 def test_ops_read_in_place_across_processes(start_daemon, script: str) -> None:
     results = _run(start_daemon(), {}, script)
     assert {r: in_place for r, (in_place, _) in results.items()} == {0: True, 1: True, 2: True}
@@ -210,7 +237,7 @@ def test_ops_read_in_place_across_processes(start_daemon, script: str) -> None:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("script", ["gathers", "all_to_alls", "reduce_scatters"])
+@pytest.mark.parametrize("script", ["gathers", "all_to_alls", "reduce_scatters", "rooted"])
 def test_one_rank_turning_it_off_keeps_every_rank_off(start_daemon, script: str) -> None:
     """The all_gathers run through the arenas, the all_to_alls through the daemon."""
     results = _run(start_daemon(), {2: False}, script)
