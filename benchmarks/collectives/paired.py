@@ -13,7 +13,8 @@ parameters) against the same step under ``no_sync`` for both backends and for DD
 hook that communicates nothing (DDP's own work on a synchronised step, which both backends
 pay), and single-core copy and add of the same sizes.
 busbw follows nccl-tests: all_reduce 2(n-1)/n x bytes / time, all_gather (n-1)/n x output
-bytes / time, all_to_all (n-1)/n x input bytes / time, broadcast bytes / time.
+bytes / time, all_to_all and reduce_scatter (n-1)/n x input bytes / time, gather and scatter
+(n-1)/n x the root's bytes / time (what crosses between ranks), broadcast bytes / time.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ from typing import Any
 
 from benchmarks.collectives.plot import require_matplotlib
 
-# (op, bytes): bytes are the tensor's (all_gather: the output's; all_to_all: each rank's
-# input, the same size as its output), as in the issue's table.
+# (op, bytes): bytes are the tensor's, as in the issue's table (all_gather and gather: the
+# output's; all_to_all, reduce_scatter: each rank's input; scatter: the root's inputs).
 CASES = (
     ("all_reduce", 4),
     ("all_reduce", 64 << 10),
@@ -43,7 +44,12 @@ CASES = (
     ("all_gather", 16 << 20),
     ("all_to_all", 1 << 20),
     ("all_to_all", 16 << 20),
+    ("reduce_scatter", 16 << 20),
+    ("gather", 16 << 20),
+    ("scatter", 16 << 20),
 )
+# Each rank's share of a case's bytes.
+_SHARED = ("all_gather", "gather", "scatter")
 
 
 def _rounds(nbytes: int) -> tuple[int, int]:
@@ -64,10 +70,12 @@ def _time_case(
     import torch.distributed as dist
 
     n = max(1, nbytes // 4)
-    if op == "all_gather":
+    if op in _SHARED:
         n = max(1, n // world)
     t = torch.ones(n, dtype=torch.float32)
     out = torch.empty(n if op == "all_to_all" else n * world, dtype=torch.float32)
+    part = torch.empty(n // world if op == "reduce_scatter" else n, dtype=torch.float32)
+    blocks = list(out.chunk(world)) if rank == 0 else None  # the root's, gather and scatter
 
     def call(group: Any) -> None:
         if op in ("all_reduce", "solo_all_reduce"):
@@ -78,6 +86,12 @@ def _time_case(
             dist.broadcast(t, src=0, group=group)
         elif op == "all_to_all":
             dist.all_to_all_single(out, t, group=group)
+        elif op == "reduce_scatter":
+            dist.reduce_scatter_tensor(part, t, group=group)
+        elif op == "gather":
+            dist.gather(t, blocks, dst=0, group=group)
+        elif op == "scatter":
+            dist.scatter(part, blocks, src=0, group=group)
         else:
             dist.all_gather_into_tensor(out, t, group=group)
 
@@ -246,6 +260,9 @@ def _busbw(op: str, nbytes: int, world: int, s: float) -> float:
         "all_reduce": 2 * (world - 1) / world,
         "all_gather": (world - 1) / world,
         "all_to_all": (world - 1) / world,
+        "reduce_scatter": (world - 1) / world,
+        "gather": (world - 1) / world,
+        "scatter": (world - 1) / world,
     }.get(op, 1.0)
     return factor * nbytes / s / 1e9
 
@@ -316,7 +333,8 @@ def _label(op: str, nbytes: int) -> str:
         return "barrier"
     if op == "solo_all_reduce":
         return f"all_reduce {_size(nbytes)}, group of one rank"
-    return f"{op} {_size(nbytes)}" + (" out" if op == "all_gather" else "")
+    suffix = {"all_gather": " out", "gather": " out", "reduce_scatter": " in", "scatter": " in"}
+    return f"{op} {_size(nbytes)}" + suffix.get(op, "")
 
 
 def plot(path: str, results: list[dict[str, Any]], cases: tuple = CASES) -> None:
