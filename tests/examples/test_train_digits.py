@@ -14,6 +14,8 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "examples" / "train_digits.py"
 RUN_TIMEOUT_S = 180
+# What a rank prints when gloo's C++ aborts (std::terminate in one of its threads).
+GLOO_ABORT = "terminate called without an active exception"
 
 
 def _torchrun():
@@ -47,7 +49,7 @@ def _load_example(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(RUN_TIMEOUT_S + 60)
+@pytest.mark.timeout(2 * RUN_TIMEOUT_S + 60)
 @pytest.mark.parametrize("backend", ["gloo", "smddp"])
 def test_train_digits(backend, tmp_path, monkeypatch):
     model_dir = tmp_path / "model"
@@ -57,32 +59,42 @@ def test_train_digits(backend, tmp_path, monkeypatch):
     else:
         env["SMDDP_EXAMPLE_BACKEND"] = backend
 
-    cmd = _torchrun() + [
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "--tee",
-        "3",  # every rank's output also on torchrun's, "[default0]:" before each line
-        "--log-dir",  # and in a file per rank, which the checks read
-        str(tmp_path / "torchrun-logs"),
-        str(SCRIPT),
-        "--model-dir",
-        str(model_dir),
-    ]
-    proc = subprocess.run(
-        cmd,
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=RUN_TIMEOUT_S,
-        check=False,
-    )
+    def run(logs: Path) -> subprocess.CompletedProcess:
+        cmd = _torchrun() + [
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--tee",
+            "3",  # every rank's output also on torchrun's, "[default0]:" before each line
+            "--log-dir",  # and in a file per rank, which the checks read
+            str(logs),
+            str(SCRIPT),
+            "--model-dir",
+            str(model_dir),
+        ]
+        return subprocess.run(
+            cmd,
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=RUN_TIMEOUT_S,
+            check=False,
+        )
+
+    logs = tmp_path / "torchrun-logs"
+    proc = run(logs)
+    if backend == "gloo" and proc.returncode != 0 and GLOO_ABORT in proc.stdout:
+        # gloo itself (this run never imports smddp) sometimes aborts in C++ on a loaded
+        # 2-core machine; the gloo run is only the reference, so it gets one more try.
+        shutil.rmtree(model_dir, ignore_errors=True)
+        logs = tmp_path / "torchrun-logs-again"
+        proc = run(logs)
     out = proc.stdout
     assert proc.returncode == 0, f"torchrun exited {proc.returncode}:\n{out}"
 
-    printed = [_rank_stdout(tmp_path / "torchrun-logs", r) for r in range(2)]
+    printed = [_rank_stdout(logs, r) for r in range(2)]
 
     # Per-epoch all-reduced losses are printed by rank 0 only.
     epoch_lines = [
