@@ -355,7 +355,10 @@ class DirectOps:
     ) -> None:
         """Reads rank ``s``'s memory at ``address`` into ``out``."""
         try:
-            read(shm.pid_of(s), out, address)
+            pid = shm.pid_of(s)
+            if not pid:  # its verdict word said yes, but this rank never reached it
+                raise OSError(errno.EPERM, "this rank never reached it")
+            read(pid, out, address)
         except OSError as exc:
             if exc.errno != errno.ESRCH:
                 raise shm.fail(

@@ -132,6 +132,7 @@ class ShmPath:
         self.step = self.q[self.base + S_STEP]
         self.q[self.base + S_PID] = os.getpid()
         self._probe = Probe()
+        self._reached: dict[int, int] = {}  # slot -> pid, see judge_peers
         self.q[self.base + S_PROBE_ADDRESS] = self._probe.address
         self.q[self.base + S_PROBE_VALUE] = self._probe.value
         self.q[self.base + S_READS] = READS_UNKNOWN
@@ -305,19 +306,29 @@ class ShmPath:
 
     def judge_peers(self, allowed: bool) -> bool:
         """Writes and returns this rank's verdict on reading every other rank's memory in
-        place (``peer_memory``): yes when ``allowed`` and it reads each one's probe word back."""
+        place (``peer_memory``): yes when ``allowed`` and it reads each one's probe word back.
+
+        The pids it reached are the only ones it reads from later (``pid_of``): a pid word
+        that changes afterwards (any rank of the communicator can write the region) cannot
+        send its reads to another process.
+        """
         q = self.q
-        ok = allowed and all(
-            reaches(q[b + S_PID], q[b + S_PROBE_ADDRESS], q[b + S_PROBE_VALUE])
-            for b in (self.bases[j] for j, _, _ in self.others)
-        )
+        reached = {}
+        if allowed:
+            for j, _, _ in self.others:
+                b = self.bases[j]
+                pid = q[b + S_PID]
+                if reaches(pid, q[b + S_PROBE_ADDRESS], q[b + S_PROBE_VALUE]):
+                    reached[j] = pid
+        ok = allowed and len(reached) == len(self.others)
+        self._reached = reached if ok else {}
         q[self.base + S_READS] = READS_YES if ok else READS_NO
         return ok
 
     def peers_readable(self) -> bool:
         """After a synchronisation that followed every rank's ``judge_peers``: True when
         every rank can read every other one (the same answer on every rank)."""
-        return all(self.q[b + S_READS] == READS_YES for b in self.bases)
+        return bool(self._reached) and all(self.q[b + S_READS] == READS_YES for b in self.bases)
 
     def offer_source(self, address: int) -> None:
         """Publishes where this rank's source of its next single-copy op lies (before the op's
@@ -329,8 +340,9 @@ class ShmPath:
         return self.q[self.bases[slot] + S_SOURCE]
 
     def pid_of(self, slot: int) -> int:
-        """The process of the rank of ``slot``, as it knows its pid."""
-        return self.q[self.bases[slot] + S_PID]
+        """The process of the rank of ``slot`` as ``judge_peers`` reached it; 0 if it did
+        not."""
+        return self._reached.get(slot, 0)
 
     # -- one op ----------------------------------------------------------------------------------
 

@@ -24,6 +24,7 @@ from smddp.client import connect
 from smddp.client.config import ClientConfig
 from smddp.client.errors import OpError, RankFailedError
 from smddp.client.peer_memory import Probe, reaches, read
+from smddp.region import S_PID
 from smddp.v1 import smddp_pb2 as pb
 
 WORLD = 3
@@ -245,6 +246,18 @@ def test_one_rank_turning_it_off_keeps_every_rank_off(start_daemon, script: str)
     assert [p for _, problems in results.values() for p in problems] == []
 
 
+def _every_rank(d, target) -> tuple:
+    """Starts ``target(socket, job, token, rank, queue)`` as every rank of a new job, each in
+    a process of its own; returns the queue and the processes."""
+    job, token = f"single-copy-{secrets.token_hex(4)}", secrets.token_bytes(16)
+    ctx = multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(d.socket, job, token, r, q)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    return q, procs
+
+
 def _split_disagrees(socket_path: str, job: str, token: bytes, rank: int, q) -> None:
     comm = connect(job, token, rank, WORLD, socket_path=socket_path)
     ins = [np.ones(10, np.float32) for _ in range(WORLD)]
@@ -258,16 +271,7 @@ def _split_disagrees(socket_path: str, job: str, token: bytes, rank: int, q) -> 
 
 @pytest.mark.timeout(120)
 def test_split_sizes_that_disagree_fail_every_rank_alike(start_daemon) -> None:
-    d = start_daemon()
-    job, token = f"single-copy-{secrets.token_hex(4)}", secrets.token_bytes(16)
-    ctx = multiprocessing.get_context("spawn")
-    q = ctx.Queue()
-    procs = [
-        ctx.Process(target=_split_disagrees, args=(d.socket, job, token, r, q))
-        for r in range(WORLD)
-    ]
-    for p in procs:
-        p.start()
+    q, procs = _every_rank(start_daemon(), _split_disagrees)
     outcomes = sorted(q.get(timeout=60) for _ in range(WORLD))
     for p in procs:
         p.join(30)
@@ -299,16 +303,7 @@ def _drops_privileges(socket_path: str, job: str, token: bytes, rank: int, q) ->
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(os.geteuid() != 0, reason="changes a rank's user: needs root")
 def test_a_read_refused_later_fails_the_op_on_every_rank(start_daemon) -> None:
-    d = start_daemon()
-    job, token = f"single-copy-{secrets.token_hex(4)}", secrets.token_bytes(16)
-    ctx = multiprocessing.get_context("spawn")
-    q = ctx.Queue()
-    procs = [
-        ctx.Process(target=_drops_privileges, args=(d.socket, job, token, r, q))
-        for r in range(WORLD)
-    ]
-    for p in procs:
-        p.start()
+    q, procs = _every_rank(start_daemon(), _drops_privileges)
     got = [q.get(timeout=60) for _ in range(2 * WORLD)]
     assert got.count("ready") == WORLD
     outcomes = sorted(x for x in got if x != "ready")
@@ -405,3 +400,36 @@ def test_a_rank_killed_while_the_others_read_it_fails_them_fast(start_daemon, op
     assert len({str(e) for e in errors}) == 1, errors
     assert f"rank 2 (pid {victim.pid}," in str(errors[0])
     victim.join(10)
+
+
+@pytest.mark.timeout(60)
+def test_reads_go_only_to_the_process_each_rank_reached(start_daemon) -> None:
+    """Any rank can write the region, its pid word too: once the ranks have decided, a pid
+    word pointing at another process must not take the others' reads there."""
+    d = start_daemon()
+    job, token = f"single-copy-{secrets.token_hex(4)}", secrets.token_bytes(16)
+    comms = [connect(job, token, r, 2, socket_path=d.socket) for r in range(2)]
+    srcs = [np.full(400_000, r + 1, np.float32) for r in range(2)]
+    outs = [[np.zeros(400_000, np.float32) for _ in range(2)] for _ in range(2)]
+
+    def both() -> None:
+        handles = [comms[r].all_gather(outs[r], srcs[r]) for r in range(2)]
+        for h in handles:
+            h.wait()
+
+    both()
+    assert all(c._direct.in_place for c in comms)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        shm = comms[1]._region.shm
+        shm.q[shm.base + S_PID] = other.pid  # rank 1's pid word now names another process
+        for r in range(2):
+            for out in outs[r]:
+                out.fill(0)
+        both()
+    finally:
+        other.kill()
+        other.wait()
+    assert all(np.array_equal(outs[r][j], srcs[j]) for r in range(2) for j in range(2))
+    for c in comms:
+        c.close()
