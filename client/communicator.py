@@ -551,8 +551,12 @@ class Communicator:
             return self._in_region(kind, code, out.size, root, reduce_op, nbytes, steps)
         if kind == pb.SCATTER and self._use_shm and self._reads_in_place():
             return self._rooted_in_place(kind, out, ins, root)
-        in_place = kind == pb.REDUCE_SCATTER and self._use_shm and ins is not None
-        if in_place and ins is not None and self._reads_in_place():
+        if (
+            kind == pb.REDUCE_SCATTER
+            and ins is not None
+            and self._use_shm
+            and self._reads_in_place()
+        ):
             signature = (kind, code_of(out.dtype), out.size, 0, reduce_op)
             return self._submit_direct(
                 lambda handle, shm, seq: self._direct.reduce_scatter_runner(

@@ -59,9 +59,10 @@ class ClientConfig:
         direct_chunk_bytes: the direct path's chunk (``SMDDP_DIRECT_CHUNK_BYTES``); None
             takes ``DEFAULT_DIRECT_CHUNK_BYTES``; the same on every rank.
         region: False sends every op through the daemon (``SMDDP_REGION=0``).
-        single_copy: False keeps a large all_gather on one node in shared memory, where it
-            would otherwise read the other ranks' inputs in place (``SMDDP_SINGLE_COPY=0``;
-            one rank's False is enough: the ranks decide together).
+        single_copy: False stops the ops on one node that read the other ranks' inputs in
+            place (all_gather, all_to_all, reduce_scatter, gather, scatter; see
+            ``client/peer_memory.py``) from doing so (``SMDDP_SINGLE_COPY=0``; one rank's
+            False is enough: the ranks decide together).
         op_channel: ``socket`` (the data socket) or ``grpc`` (the Ops stream)
             (``SMDDP_OP_CHANNEL``); checked when the session opens.
         node_id: this node's name in registrations (``SMDDP_NODE_ID``, else the host name).
