@@ -4,7 +4,9 @@ A large all_gather on one node otherwise moves every rank's input twice: into it
 then out of it into every other rank's output. A rank that reads the others' inputs
 straight from their memory saves the first copy (``DirectOps.gather_runner``). Measured on
 the project's 2-core machine, 2 ranks each gathering 8 MiB into its output: 1.33 ms
-against 1.69 ms through shared buffers, with no synchronisation at all in either.
+against 1.69 ms through shared buffers, with no synchronisation at all in either. all_to_all,
+reduce_scatter, gather and scatter read the same way (``DirectOps.all_to_all_runner``,
+``reduce_scatter_runner``, ``rooted_runner``) where they went through the daemon.
 
 The kernel allows it where it would allow ptrace: the same user, a process not made
 undumpable, no Yama scope or seccomp profile that forbids it (Docker's and Kubernetes'
@@ -12,8 +14,9 @@ default profiles allow it). A pid also names a process only within a pid namespa
 ranks of one communicator on a node may live in different ones (a pod per GPU), where a
 peer's pid names another process or none. So every rank first reads a word from each other
 rank, at the address that rank published with the word's value, random per process: the
-value read back proves that the reader reached that rank and may read it. Anything else
-leaves the communicator's all_gathers to the arenas.
+value read back proves that the reader reached that rank and may read it, and the pids so
+reached are the only ones it reads from. Anything else keeps the communicator's ops on
+their other paths (the arenas for all_gather, the daemon for the rest).
 """
 
 from __future__ import annotations
