@@ -5,9 +5,12 @@ paths and return a Handle at once:
 
 - the **region** (``region_ops``): on one node, an op whose data fits a slot's buffer runs
   between the ranks in the communicator's control region, no message to the daemon;
-- **direct** (``direct``): on one node, a large all_reduce, broadcast or all_gather moves
-  between the ranks' arenas, pipelined, on the communicator's progress thread (or in the
-  caller's thread when it waits at once and nothing else is queued);
+- **direct** (``direct``): on one node, a large all_reduce moves between the ranks' arenas,
+  pipelined; a large all_gather, broadcast, reduce_scatter, gather or scatter, and every
+  all_to_all, read (a broadcast's root also writes) the other ranks' memory in place where
+  they all can, else a broadcast or all_gather takes the arenas too; on the communicator's
+  progress thread (or in the caller's thread when it waits at once and nothing else is
+  queued);
 - the **daemon** (``engine``): everything else (all_to_all, point-to-point, ops across
   nodes, GPU ops, every op with ``SMDDP_REGION=0``), cut into chunks through the arena.
 
@@ -448,6 +451,13 @@ class Communicator:
             return self._in_region(pb.BROADCAST, code, data.size, root, 0, data.nbytes, steps)
         if self._spans(data.nbytes):
             return self._across_nodes(pb.BROADCAST, data, root)
+        if self._use_shm and self._reads_in_place():
+            signature = (pb.BROADCAST, code_of(data.dtype), data.size, root, 0)
+            return self._submit_direct(
+                lambda handle, shm, seq: self._direct.broadcast_runner(
+                    handle, shm, seq, signature, data
+                )
+            )
         if self._goes_direct(data.nbytes):
             work = broadcast_work(data, root, self.rank)
             return self._run_direct(pb.BROADCAST, data, root, 0, work)

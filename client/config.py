@@ -60,7 +60,7 @@ class ClientConfig:
             takes ``DEFAULT_DIRECT_CHUNK_BYTES``; the same on every rank.
         region: False sends every op through the daemon (``SMDDP_REGION=0``).
         single_copy: False stops the ops on one node that read the other ranks' inputs in
-            place (all_gather, all_to_all, reduce_scatter, gather, scatter; see
+            place (all_gather, all_to_all, reduce_scatter, gather, scatter, broadcast; see
             ``client/peer_memory.py``) from doing so (``SMDDP_SINGLE_COPY=0``; one rank's
             False is enough: the ranks decide together).
         op_channel: ``socket`` (the data socket) or ``grpc`` (the Ops stream)

@@ -16,7 +16,7 @@ import numpy as np
 
 from smddp.client.errors import SmddpError, progress_bug
 from smddp.client.inflight import InFlight
-from smddp.client.peer_memory import read
+from smddp.client.peer_memory import read, write
 from smddp.client.region_ops import reduce_rank_order
 from smddp.client.shm import ShmPath
 from smddp.v1 import smddp_pb2 as pb
@@ -247,6 +247,42 @@ class DirectOps:
 
         return self._guarded(op, shm, seq, run)
 
+    def broadcast_runner(
+        self, op: InFlight, shm: ShmPath, seq: int, signature: Signature, data: np.ndarray
+    ) -> Callable[[], None]:
+        """A broadcast in place (only once ``in_place`` holds), the copying shared by every
+        rank: each offers where its ``data`` lies; after the op's first synchronisation each
+        other rank reads the first ``n - n // w`` elements from the root's memory while the
+        root writes the rest into each of them (``process_vm_writev``), so each of the ``w``
+        ranks copies ``(w - 1) / w`` of the data, where through the arenas the root copies
+        all of it in and every other rank all of it out. A last synchronisation keeps the
+        root's data unchanged until all have read it, and every rank waiting until the
+        root has written."""
+        root = signature[3]
+        me = self.rank
+        n = data.size
+        split = n - n // shm.world
+        offset = split * data.dtype.itemsize
+
+        def run() -> None:
+            parity = shm.next_parity()
+            shm.offer_source(data.ctypes.data)
+            target = shm.publish(seq, parity, *signature)
+            shm.wait(target, seq)
+            shm.agree(seq, parity)
+            if me == root:
+                tail = data[split:]
+                for j in range(shm.world):
+                    if j != me and tail.size:
+                        there = shm.source_of(j) + offset
+                        self._peer_copy(shm, seq, j, tail, there, "broadcast output", True)
+            elif split:
+                self._read(shm, seq, root, data[:split], shm.source_of(root), "broadcast input")
+            shm.wait(shm.bump(), seq)
+            shm.done(seq, parity, signature[0], signature[1], data.nbytes)
+
+        return self._guarded(op, shm, seq, run)
+
     def reduce_scatter_runner(
         self,
         op: InFlight,
@@ -354,19 +390,34 @@ class DirectOps:
         self, shm: ShmPath, seq: int, s: int, out: np.ndarray, address: int, what: str
     ) -> None:
         """Reads rank ``s``'s memory at ``address`` into ``out``."""
+        self._peer_copy(shm, seq, s, out, address, what, into_peer=False)
+
+    def _peer_copy(
+        self,
+        shm: ShmPath,
+        seq: int,
+        s: int,
+        mine: np.ndarray,
+        address: int,
+        what: str,
+        into_peer: bool,
+    ) -> None:
+        """Copies between ``mine`` and rank ``s``'s memory at ``address``: into it if
+        ``into_peer``, else out of it."""
         try:
             pid = shm.pid_of(s)
             if not pid:  # its verdict word said yes, but this rank never reached it
                 raise OSError(errno.EPERM, "this rank never reached it")
-            read(pid, out, address)
+            (write if into_peer else read)(pid, mine, address)
         except OSError as exc:
             if exc.errno != errno.ESRCH:
+                verb = "write" if into_peer else "read"
                 raise shm.fail(
                     pb.INVALID,
-                    f"{shm.name}: rank {self.rank} could not read rank {s}'s {what} in place "
-                    f"in op #{seq} ({exc.strerror}), although every rank could at the "
-                    "communicator's first all_gather or all_to_all; SMDDP_SINGLE_COPY=0 "
-                    "keeps them in shared memory",
+                    f"{shm.name}: rank {self.rank} could not {verb} rank {s}'s {what} in "
+                    f"place in op #{seq} ({exc.strerror}), although every rank could read "
+                    "every other at the communicator's first op in place; "
+                    "SMDDP_SINGLE_COPY=0 keeps the ops in shared memory",
                 ) from None
             # It died: the daemon fails the communicator, the op's next wait raises that.
 

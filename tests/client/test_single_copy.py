@@ -1,5 +1,5 @@
 """all_gathers, all_to_alls, reduce_scatters, gathers and scatters on one node read the other
-ranks' inputs in place (client/peer_memory.py).
+ranks' inputs in place, and broadcasts read and write them (client/peer_memory.py).
 
 Real daemon, ranks in processes of their own (the test process is rank 0): the reads cross
 processes as a job's do. Results are compared element for element with what every rank's
@@ -9,6 +9,7 @@ arenas together, and raise the same error on every rank when a read is refused l
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
 import secrets
@@ -164,8 +165,8 @@ def _reduce_scatters(comm, rank: int, token: bytes) -> list[str]:
 
 
 def _rooted(comm, rank: int) -> list[str]:
-    """Large gathers and scatters from every root, one scatter whose root's output is one of
-    its inputs."""
+    """Large gathers, scatters and broadcasts from every root, one scatter whose root's
+    output is one of its inputs."""
     problems = []
     n = 300_007
     for round_, (dtype, root) in enumerate([("float32", 0), ("int64", 1), ("float16", 2)]):
@@ -181,6 +182,15 @@ def _rooted(comm, rank: int) -> list[str]:
         comm.scatter(out, ins, root).wait()
         if not np.array_equal(out, _input(dtype, n, 10 + rank, round_)):
             problems.append(f"rank {rank}: scatter {dtype} from {root}")
+    # Broadcasts from every root, of sizes that split unevenly among the ranks (the root
+    # writes the last n // WORLD elements into every other rank, which reads the rest).
+    for round_, (dtype, root, size) in enumerate(
+        [("float32", 0, n), ("int64", 1, 150_001), ("float16", 2, 700_003), ("bool", 1, 1_200_007)]
+    ):
+        data = _input(dtype, size, 30 + root, round_) if rank == root else np.zeros(size, dtype)
+        comm.broadcast(data, root).wait()
+        if data.tobytes() != _input(dtype, size, 30 + root, round_).tobytes():
+            problems.append(f"rank {rank}: broadcast {dtype} x {size} from {root}")
     ins = [_input("float32", n, 20 + d, 9) for d in range(WORLD)]
     out = ins[1] if rank == 0 else np.zeros(n, np.float32)
     comm.scatter(out, ins if rank == 0 else None, 0).wait()
@@ -283,17 +293,23 @@ def test_split_sizes_that_disagree_fail_every_rank_alike(start_daemon) -> None:
     )
 
 
-def _drops_privileges(socket_path: str, job: str, token: bytes, rank: int, q) -> None:
+def _drops_privileges(op: str, socket_path: str, job: str, token: bytes, rank: int, q) -> None:
+    """all_gather: rank 2 drops to another user, and then may not read rank 0. broadcast:
+    the root, rank 0, drops, and then may not write into the others (whom root's processes
+    may still read)."""
     comm = connect(job, token, rank, WORLD, socket_path=socket_path)
     src = np.full(400_000, rank, np.float32)
     outs = [np.zeros(src.size, np.float32) for _ in range(WORLD)]
     comm.all_gather(outs, src).wait()
-    if rank == WORLD - 1:
-        os.setresuid(65534, 65534, 65534)  # from now on it may not read root's processes
+    if rank == (WORLD - 1 if op == "all_gather" else 0):
+        os.setresuid(65534, 65534, 65534)
     q.put("ready")
     started = time.monotonic()
     try:
-        comm.all_gather(outs, src).wait()
+        if op == "all_gather":
+            comm.all_gather(outs, src).wait()
+        else:
+            comm.broadcast(src, 0).wait()
         q.put((rank, None, None))
     except OpError as exc:
         # Every rank at once, not at the group's timeout.
@@ -302,8 +318,17 @@ def _drops_privileges(socket_path: str, job: str, token: bytes, rank: int, q) ->
 
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(os.geteuid() != 0, reason="changes a rank's user: needs root")
-def test_a_read_refused_later_fails_the_op_on_every_rank(start_daemon) -> None:
-    q, procs = _every_rank(start_daemon(), _drops_privileges)
+@pytest.mark.parametrize(
+    ("op", "refused"),
+    [
+        ("all_gather", "rank 2 could not read rank 0's all_gather input in place in op #2"),
+        ("broadcast", "rank 0 could not write rank 1's broadcast output in place in op #2"),
+    ],
+)
+def test_a_copy_refused_later_fails_the_op_on_every_rank(
+    start_daemon, op: str, refused: str
+) -> None:
+    q, procs = _every_rank(start_daemon(), functools.partial(_drops_privileges, op))
     got = [q.get(timeout=60) for _ in range(2 * WORLD)]
     assert got.count("ready") == WORLD
     outcomes = sorted(x for x in got if x != "ready")
@@ -315,7 +340,7 @@ def test_a_read_refused_later_fails_the_op_on_every_rank(start_daemon) -> None:
     assert all(outcome[3] for outcome in outcomes), outcomes
     assert len(messages) == 1, outcomes
     (message,) = messages
-    assert "rank 2 could not read rank 0's all_gather input in place in op #2" in message
+    assert refused in message
     assert "Operation not permitted" in message and "SMDDP_SINGLE_COPY=0" in message
 
 
@@ -353,14 +378,20 @@ def _loops(socket_path: str, job: str, token: bytes, rank: int, op: str, ready) 
     comm.all_gather(outs, src).wait()
     ready.set()
     while True:
-        if op == "all_gather":
-            comm.all_gather(outs, src).wait()
-        else:
-            comm.all_to_all(outs, [src] * WORLD).wait()
+        _loop_op(comm, op, outs, src)
+
+
+def _loop_op(comm, op: str, outs: list[np.ndarray], src: np.ndarray) -> None:
+    if op == "all_gather":
+        comm.all_gather(outs, src).wait()
+    elif op == "all_to_all":
+        comm.all_to_all(outs, [src] * WORLD).wait()
+    else:  # rank 1 writes into rank 2's memory, and rank 0 reads from rank 1
+        comm.broadcast(src, 1).wait()
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("op", ["all_gather", "all_to_all"])
+@pytest.mark.parametrize("op", ["all_gather", "all_to_all", "broadcast"])
 def test_a_rank_killed_while_the_others_read_it_fails_them_fast(start_daemon, op: str) -> None:
     d = start_daemon()
     job, token = f"single-copy-{secrets.token_hex(4)}", secrets.token_bytes(16)
@@ -379,10 +410,7 @@ def test_a_rank_killed_while_the_others_read_it_fails_them_fast(start_daemon, op
         try:
             comms[r].all_gather(outs[r], srcs[r]).wait()  # as the victim's first op
             while True:
-                if op == "all_gather":
-                    comms[r].all_gather(outs[r], srcs[r]).wait()
-                else:
-                    comms[r].all_to_all(outs[r], [srcs[r]] * WORLD).wait()
+                _loop_op(comms[r], op, outs[r], srcs[r])
                 if ready.is_set() and not killed and r == 0:
                     killed.append(time.monotonic())
                     victim.kill()
