@@ -12,6 +12,11 @@ rank (``new_group([rank])``), which smddp runs in place. Also: a DDP step (an ML
 parameters) against the same step under ``no_sync`` for both backends and for DDP with a comm
 hook that communicates nothing (DDP's own work on a synchronised step, which both backends
 pay), and single-core copy and add of the same sizes.
+It also counts CPU time (``time.process_time``, every thread of a rank's process) per call
+and per DDP step. A call's CPU over all ranks, spread over the machine's cores, is the least
+time the call can take at its present cost, whatever its synchronisation: on a machine with
+fewer cores than ranks, or with every core busy (DDP's backward), the figure that bounds
+smddp from below, and the one to cut.
 busbw follows nccl-tests: all_reduce 2(n-1)/n x bytes / time, all_gather (n-1)/n x output
 bytes / time, all_to_all and reduce_scatter (n-1)/n x input bytes / time, gather and scatter
 (n-1)/n x the root's bytes / time (what crosses between ranks), broadcast bytes / time.
@@ -29,6 +34,7 @@ import time
 from typing import Any
 
 from benchmarks.collectives.plot import require_matplotlib
+from smddp.region import usable_cores
 
 # (op, bytes): bytes are the tensor's, as in the issue's table (all_gather and gather: the
 # output's; all_to_all, reduce_scatter: each rank's input; scatter: the root's inputs).
@@ -65,7 +71,9 @@ def _rounds(nbytes: int) -> tuple[int, int]:
 
 def _time_case(
     op: str, nbytes: int, groups: dict[str, Any], world: int, rank: int
-) -> dict[str, float]:
+) -> tuple[dict[str, float], dict[str, float]]:
+    """This rank's median time per call of each backend, and its mean CPU time per call
+    (every thread of the process: smddp's progress thread, gloo's own threads)."""
     import torch
     import torch.distributed as dist
 
@@ -97,6 +105,7 @@ def _time_case(
 
     rounds, per = _rounds(nbytes)
     samples: dict[str, list[float]] = {name: [] for name in groups}
+    cpu = dict.fromkeys(groups, 0.0)
     for g in groups.values():  # warm up both
         for _ in range(3):
             call(g)
@@ -107,10 +116,16 @@ def _time_case(
             for _ in range(per):
                 if op in ("all_reduce", "solo_all_reduce"):
                     t.fill_(1.0)
+                busy = time.process_time()
                 start = time.perf_counter()
                 call(g)
                 samples[name].append(time.perf_counter() - start)
-    return {name: statistics.median(v) for name, v in samples.items()}
+                cpu[name] += time.process_time() - busy
+    calls = rounds * per
+    return (
+        {name: statistics.median(v) for name, v in samples.items()},
+        {name: c / calls for name, c in cpu.items()},
+    )
 
 
 NO_COMMUNICATION = "no communication"
@@ -153,8 +168,10 @@ def _ddp_step(groups: dict[str, Any], rank: int, steps: int) -> dict[str, dict[s
     ddps[NO_COMMUNICATION].register_comm_hook(None, _handed_back)
     opts = {name: torch.optim.SGD(m.parameters(), lr=1e-3) for name, m in ddps.items()}
 
-    def step(name: str, sync: bool) -> float:
+    def step(name: str, sync: bool) -> tuple[float, float]:
+        """The step's time and this process's CPU time in it (every thread)."""
         m, opt = ddps[name], opts[name]
+        busy = time.process_time()
         start = time.perf_counter()
         opt.zero_grad()
         if sync:
@@ -163,10 +180,13 @@ def _ddp_step(groups: dict[str, Any], rank: int, steps: int) -> dict[str, dict[s
             with m.no_sync():
                 torch.nn.functional.mse_loss(m(x), y).backward()
         opt.step()
-        return time.perf_counter() - start
+        took = time.perf_counter() - start
+        return took, time.process_time() - busy
 
     names = list(ddps)
-    times: dict[tuple[str, bool], list[float]] = {(n, s): [] for n in names for s in (True, False)}
+    keys = [(n, s) for n in names for s in (True, False)]
+    times: dict[tuple[str, bool], list[float]] = {k: [] for k in keys}
+    cpu: dict[tuple[str, bool], list[float]] = {k: [] for k in keys}
     for name in names:
         for _ in range(2):
             step(name, True)
@@ -174,10 +194,19 @@ def _ddp_step(groups: dict[str, Any], rank: int, steps: int) -> dict[str, dict[s
         for name in names if i % 2 == 0 else names[::-1]:
             for sync in (True, False):
                 dist.barrier(group=groups["gloo"])
-                times[(name, sync)].append(step(name, sync))
+                took, busy = step(name, sync)
+                times[(name, sync)].append(took)
+                cpu[(name, sync)].append(busy)
     for name in names:
         s, ns = statistics.median(times[(name, True)]), statistics.median(times[(name, False)])
-        result[name] = {"step_s": s, "no_sync_s": ns, "overhead_s": s - ns}
+        cs, cns = statistics.median(cpu[(name, True)]), statistics.median(cpu[(name, False)])
+        result[name] = {
+            "step_s": s,
+            "no_sync_s": ns,
+            "overhead_s": s - ns,
+            "step_cpu_s": cs,
+            "no_sync_cpu_s": cns,
+        }
     return result
 
 
@@ -197,10 +226,11 @@ def _rank_main(
         for b in ("smddp", "gloo"):
             # Every rank takes part in making every group, members or not.
             solo[b] = [dist.new_group([r], backend=b) for r in range(world)][rank]
-    mine: dict[str, Any] = {"cases": {}}
+    mine: dict[str, Any] = {"cases": {}, "cpu": {}}
     for op, nbytes in cases:
         on = solo if op == "solo_all_reduce" else groups
-        mine["cases"][f"{op}:{nbytes}"] = _time_case(op, nbytes, on, world, rank)
+        key = f"{op}:{nbytes}"
+        mine["cases"][key], mine["cpu"][key] = _time_case(op, nbytes, on, world, rank)
     if world == 2 and ddp_steps:
         mine["ddp"] = _ddp_step(groups, rank, ddp_steps)
     everyone: list[Any] = [None] * world
@@ -242,7 +272,12 @@ def run(world: int, ddp_steps: int, cases: tuple = CASES) -> dict[str, Any]:
     cases = {}
     for key in ranks[0]["cases"]:
         cases[key] = {b: max(r["cases"][key][b] for r in ranks) for b in ranks[0]["cases"][key]}
-    out: dict[str, Any] = {"world": world, "cases": cases}
+    # CPU time per call, all ranks together: what the machine's cores must supply per call.
+    cpu = {
+        key: {b: sum(r["cpu"][key][b] for r in ranks) for b in ranks[0]["cpu"][key]}
+        for key in ranks[0]["cpu"]
+    }
+    out: dict[str, Any] = {"world": world, "cores": usable_cores(), "cases": cases, "cpu": cpu}
     if "ddp" in ranks[0]:
         out["ddp"] = {
             b: {k: max(r["ddp"][b][k] for r in ranks) for k in ranks[0]["ddp"][b]}
@@ -284,6 +319,7 @@ def markdown(
             bw = f" ({_busbw(op, nbytes, r['world'], sm):.2f} GB/s)" if nbytes >= 1 << 20 else ""
             cells.append(f"{_fmt_t(sm)}{bw} | {_fmt_t(gl)} | {gl / sm:.2f}")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines += _cpu_table(results, cases)
     lines.append("")
     lines.append(
         "Single-core reference: "
@@ -312,6 +348,8 @@ def markdown(
                 f"smddp's overhead is {_ratio(d['smddp']['overhead_s'], d['gloo']['overhead_s'])}"
                 " of gloo's."
             )
+            if "step_cpu_s" in d["smddp"]:
+                lines.append(_ddp_cpu_line(d))
             if NO_COMMUNICATION in d:
                 own = max(0.0, d[NO_COMMUNICATION]["overhead_s"])
                 sm, gl = d["smddp"]["overhead_s"] - own, d["gloo"]["overhead_s"] - own
@@ -322,6 +360,55 @@ def markdown(
                     f"{_fmt_t(sm)} and gloo's {_fmt_t(gl)}: {_ratio(sm, gl)} of gloo's."
                 )
     return "\n".join(lines) + "\n"
+
+
+def _cpu_table(results: list[dict[str, Any]], cases: tuple) -> list[str]:
+    """The CPU time per call of all ranks together, and the least time that much CPU takes
+    on the machine's cores: smddp's floor as long as its ops cost that much CPU, whatever
+    their synchronisation (empty for a JSON written before the benchmark measured CPU)."""
+    if not all("cpu" in r for r in results):
+        return []
+    cores = {r["world"]: r["cores"] for r in results}
+    lines = [
+        "",
+        "CPU time per call, all ranks together, and the least time it takes on the "
+        "machine's cores (CPU / min(ranks, cores)), with gloo's time over that least time "
+        "(the ratio smddp would reach losing no time but its CPU work); cores: "
+        + ", ".join(f"{c} at w={w}" for w, c in cores.items())
+        + ":",
+        "",
+        "| op | "
+        + " | ".join(f"w={w} smddp CPU | least time | gloo / least | w={w} gloo CPU" for w in cores)
+        + " |",
+        "| --- |" + " --- | --- | --- | --- |" * len(cores),
+    ]
+    for op, nbytes in cases:
+        key = f"{op}:{nbytes}"
+        cells = []
+        for r in results:
+            cpu, w = r["cpu"][key], r["world"]
+            least = cpu["smddp"] / max(1, min(w, r["cores"]))
+            gloo = r["cases"][key]["gloo"]
+            cells.append(
+                f"{_fmt_t(cpu['smddp'])} | {_fmt_t(least)} | {_ratio(gloo, least)} | "
+                f"{_fmt_t(cpu['gloo'])}"
+            )
+        lines.append(f"| {_label(op, nbytes)} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _ddp_cpu_line(d: dict[str, dict[str, float]]) -> str:
+    """What a synchronised step costs each rank in CPU beyond its no_sync step, per backend:
+    with a core per rank and every core busy, nothing runs beside backward for free, so a
+    backend's communication overhead cannot fall below its extra CPU."""
+    extra = {b: d[b]["step_cpu_s"] - d[b]["no_sync_cpu_s"] for b in d}
+    gloo = d["gloo"]["overhead_s"]
+    return (
+        "CPU per rank that a synchronised step adds to its no_sync step: "
+        + ", ".join(f"{b} {_fmt_t(v)}" for b, v in extra.items())
+        + f"; smddp's overhead cannot fall below its {_fmt_t(extra['smddp'])} while each rank "
+        f"has one core ({_ratio(extra['smddp'], gloo)} of gloo's overhead)."
+    )
 
 
 def _ratio(a: float, b: float) -> str:

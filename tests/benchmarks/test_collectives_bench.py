@@ -246,15 +246,23 @@ def test_paired_times_both_backends_and_ddp_s_own_share(tmp_path: Path) -> None:
     (run,) = json.loads(out.read_text())["results"]
     case = run["cases"]["all_reduce:4"]
     assert case["smddp"] > 0 and case["gloo"] > 0, case
+    # CPU per call, both ranks together: at least some of each op's wall time on one rank.
+    cpu = run["cpu"]["all_reduce:4"]
+    assert cpu["smddp"] > 0 and cpu["gloo"] > 0, cpu
+    assert run["cores"] >= 1
     ddp = run["ddp"]
     assert set(ddp) == {"smddp", "gloo", "no communication"}, ddp
     for figures in ddp.values():
         assert figures["step_s"] > 0 and figures["no_sync_s"] > 0, figures
+        assert figures["step_cpu_s"] > 0 and figures["no_sync_cpu_s"] > 0, figures
     table = md.read_text()
     assert "| all_reduce 4 B | " in table, table
+    assert table.count("| all_reduce 4 B | ") == 2, table  # times, then CPU
+    assert "CPU time per call, all ranks together" in table, table
     for row in ("| smddp | ", "| gloo | ", "| no communication | "):
         assert row in table, table
     assert "beyond it smddp's communication takes" in table, table
+    assert "CPU per rank that a synchronised step adds to its no_sync step" in table, table
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     again, again_png = tmp_path / "again.md", tmp_path / "again.png"
