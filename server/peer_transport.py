@@ -80,6 +80,9 @@ log = logging.getLogger(__name__)
 CONNECTIONS_PER_PEER = 2
 HEARTBEAT_PERIOD_S = 1.0
 HEARTBEAT_TIMEOUT_S = 5.0
+# An accepted connection's whole HELLO must arrive within this long (a peer daemon sends it
+# at once, in one write).
+HELLO_TIMEOUT_S = 5.0
 CONNECT_RETRY_S = 0.1
 ABORT_WAIT_S = 2.0  # how long a failing node waits for its Abort calls to be answered
 STATUS_WAIT_S = 2.0  # how long a timed-out receive waits for the silent node's status
@@ -673,8 +676,7 @@ class PeerNetwork:
     def handshake(self, sock: Connection, who: str) -> None:
         """Reads an accepted data connection's HELLO; adopts the connection or refuses it."""
         try:
-            sock.settimeout(HEARTBEAT_TIMEOUT_S)
-            hello = read_hello(sock)
+            hello = read_hello(sock, time.monotonic() + HELLO_TIMEOUT_S)
             peers = self._find(hello.job_id, hello.comm_id, hello.proof)
             if peers is None:
                 answer(

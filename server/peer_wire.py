@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -35,6 +36,9 @@ HEADER = struct.Struct("!4sBBBBQIIIiiQiIQI")
 MAGIC = b"SMDP"
 HELLO = struct.Struct("!4sHHI")
 HELLO_MAGIC = b"SMDH"
+# Job and communicator ids are at most 256 characters (the registry checks), 1 KiB in
+# UTF-8; a HELLO announcing longer ones is no smddp peer's.
+MAX_HELLO_NAME_BYTES = 1024
 HELLO_OK, HELLO_RETRY, HELLO_REFUSED = 0, 1, 2
 PROOF_BYTES = 32
 MAX_PAYLOAD = 1 << 34
@@ -143,22 +147,33 @@ class Hello:
     proof: bytes
 
 
-def read_hello(sock: Connection) -> Hello:
-    """Reads the HELLO an accepted connection opens with.
+def read_hello(sock: Connection, deadline: float | None = None) -> Hello:
+    """Reads the HELLO an accepted connection opens with, all of it before ``deadline`` (a
+    ``time.monotonic()`` value; None: each read within the socket's timeout).
+
+    A whole HELLO has a deadline, not just each read: a client sending a byte every few
+    seconds would otherwise hold an accepting thread for as long as it likes.
 
     Raises:
-        ConnectionError: not an smddp peer (a TLS client on a plain listener says so).
+        ConnectionError: not an smddp peer (a TLS client on a plain listener says so), or a
+            name longer than any job's or communicator's.
+        TimeoutError: the HELLO did not arrive whole before ``deadline``.
         OSError, UnicodeDecodeError, struct.error: a broken or malformed HELLO.
     """
-    magic, job_len, comm_len, node = HELLO.unpack(recv_exact(sock, HELLO.size))
+    magic, job_len, comm_len, node = HELLO.unpack(recv_exact(sock, HELLO.size, deadline))
     if magic != HELLO_MAGIC:
         tls_hint = (
             " (it speaks TLS: this daemon has no --tls-cert)" if magic[:2] == b"\x16\x03" else ""
         )
         raise ConnectionError(f"not an smddp peer{tls_hint}")
-    job_id = recv_exact(sock, job_len).decode()
-    comm_id = recv_exact(sock, comm_len).decode()
-    return Hello(job_id, comm_id, node, recv_exact(sock, PROOF_BYTES))
+    if max(job_len, comm_len) > MAX_HELLO_NAME_BYTES:
+        raise ConnectionError(
+            f"a HELLO naming a job or communicator of {max(job_len, comm_len)} bytes (at most "
+            f"{MAX_HELLO_NAME_BYTES}): not an smddp peer"
+        )
+    job_id = recv_exact(sock, job_len, deadline).decode()
+    comm_id = recv_exact(sock, comm_len, deadline).decode()
+    return Hello(job_id, comm_id, node, recv_exact(sock, PROOF_BYTES, deadline))
 
 
 def pack_answer(status: int, message: str) -> bytes:
@@ -179,20 +194,30 @@ def read_answer(sock: Connection) -> tuple[int, str]:
     return status, recv_exact(sock, n).decode(errors="replace")
 
 
-def recv_into(sock: Connection, view: memoryview) -> None:
-    """Fills ``view`` from ``sock``; raises ConnectionError if the peer closes first."""
+def recv_into(sock: Connection, view: memoryview, deadline: float | None = None) -> None:
+    """Fills ``view`` from ``sock``; raises ConnectionError if the peer closes first.
+
+    ``deadline``: a ``time.monotonic()`` value by which all of it must have arrived (each
+    read then waits at most until it; TimeoutError past it). None: the socket's timeout
+    holds for each read.
+    """
     got, n = 0, len(view)
     while got < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{got} of {n} bytes arrived in time")
+            sock.settimeout(left)
         k = sock.recv_into(view[got:])
         if k == 0:
             raise ConnectionError("connection closed by the peer")
         got += k
 
 
-def recv_exact(sock: Connection, n: int) -> bytes:
-    """Exactly ``n`` bytes from ``sock``."""
+def recv_exact(sock: Connection, n: int, deadline: float | None = None) -> bytes:
+    """Exactly ``n`` bytes from ``sock`` (before ``deadline``, as ``recv_into``)."""
     buf = bytearray(n)
-    recv_into(sock, memoryview(buf))
+    recv_into(sock, memoryview(buf), deadline)
     return bytes(buf)
 
 

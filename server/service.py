@@ -73,12 +73,16 @@ class NodeService(pb_grpc.NodeServicer, EdgeService):
     def Ops(
         self, request_iterator: Iterator[pb.OpRequest], context: grpc.ServicerContext
     ) -> Iterator[pb.OpReply]:
-        try:
-            first = next(request_iterator)
-        except StopIteration:
-            return
-        session = self._registry.authenticate(first.session_id, first.session_secret)
-        with self._streams.held(f"{session.comm.name()} {session.label()}"):
+        # A stream holds its gRPC thread from its first moment, so it takes its slot before
+        # it has said who it is: streams that never speak cannot take the threads of
+        # Register, Status and health. (No deadline for the first message: a rank sends it
+        # with its first op through the daemon, which may come much later or never.)
+        with self._streams.held("an Ops stream"):
+            try:
+                first = next(request_iterator)
+            except StopIteration:
+                return
+            session = self._registry.authenticate(first.session_id, first.session_secret)
             yield from self._serve_stream(session, first, request_iterator)
 
     def _serve_stream(

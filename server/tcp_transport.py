@@ -21,7 +21,12 @@ from smddp.server.tls import TlsSocket
 
 log = logging.getLogger(__name__)
 
-ACCEPT_TIMEOUT_S = 5.0  # for the TLS handshake of an accepted connection
+ACCEPT_TIMEOUT_S = 5.0  # for the whole TLS handshake of an accepted connection
+# Accepted connections still in their TLS handshake or HELLO, at most: each holds a thread
+# and a descriptor until it is adopted or refused, and anyone who can reach the port can
+# open them. Past this a new connection is closed at once (a real peer retries); a real
+# node daemon dials a handful per job, and each handshake takes milliseconds.
+MAX_HANDSHAKING = 64
 
 
 class TcpNode:
@@ -50,6 +55,7 @@ class TcpNode:
         self._client_tls: ssl.SSLContext | None
         self._server_tls, self._client_tls = tls if tls is not None else (None, None)
         self._stopping = False
+        self._handshaking = threading.BoundedSemaphore(MAX_HANDSHAKING)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -113,13 +119,27 @@ class TcpNode:
                 backoff = min(backoff * 2, 1.0)
                 continue
             backoff = 0.01
+            who = f"{addr[0]}:{addr[1]}"
+            if not self._handshaking.acquire(blocking=False):
+                refusals.log(
+                    log, logging.WARNING, "peer handshakes at their limit",
+                    "closed a peer data connection from %s at once: %d others are still in "
+                    "their handshake", who, MAX_HANDSHAKING,
+                )  # fmt: skip
+                sock.close()
+                continue
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             threading.Thread(
-                target=self._accept, args=(sock, f"{addr[0]}:{addr[1]}"),
-                name="smddp-peer-hello", daemon=True,
-            ).start()  # fmt: skip
+                target=self._accept, args=(sock, who), name="smddp-peer-hello", daemon=True
+            ).start()
 
     def _accept(self, sock: socket.socket, who: str) -> None:
+        try:
+            self._handshake(sock, who)
+        finally:
+            self._handshaking.release()
+
+    def _handshake(self, sock: socket.socket, who: str) -> None:
         try:
             sock.settimeout(ACCEPT_TIMEOUT_S)
             if self._server_tls is not None:
@@ -133,7 +153,14 @@ class TcpNode:
                     sock.close()
                     return
                 tls = TlsSocket(sock, self._server_tls, server_side=True)
-                tls.handshake()
+                # The whole handshake within ACCEPT_TIMEOUT_S, not each of its reads: past
+                # it the socket is shut, which ends a read that a trickling client holds.
+                cutoff = threading.Timer(ACCEPT_TIMEOUT_S, _shut, args=(sock,))
+                cutoff.start()
+                try:
+                    tls.handshake()
+                finally:
+                    cutoff.cancel()
                 self._on_connection(tls, who)
                 return
         except (OSError, ConnectionError) as exc:
@@ -141,3 +168,11 @@ class TcpNode:
             sock.close()
             return
         self._on_connection(sock, who)
+
+
+def _shut(sock: socket.socket) -> None:
+    """Ends whatever read or write waits on ``sock`` (it then fails with an OSError)."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # closed already
