@@ -48,6 +48,14 @@ from smddp.wire import (
 
 log = logging.getLogger(__name__)
 
+# Op chunks a communicator holds that some ranks sent and others not yet (``Pending``, about
+# 1 KiB each with its requests): DaemonConfig.max_pending_ops, whose comment says why 4096.
+DEFAULT_MAX_PENDING_OPS = 4096
+# How often an ``arena_fds`` waiter looks again without being woken: every change it waits
+# for (an attach, a failure, a rank leaving, the close) wakes it, so this only guards against
+# a wake-up missed by some future path.
+ARENA_WAIT_POLL_S = 5.0
+
 if TYPE_CHECKING:
     from smddp.server.limits import BufferAccount
     from smddp.server.metrics import Metrics
@@ -181,6 +189,10 @@ class Communicator:
     # The job's share of the bytes the daemon may hold for sends that wait for their
     # receives (set by the registry; None: unbounded).
     buffers: BufferAccount | None = None
+    # Most entries of ``_pending`` (--max-pending-ops; set by the registry from the daemon's
+    # configuration): a rank that runs further ahead of the others fails the communicator
+    # rather than grow the daemon without bound.
+    max_pending_ops: int = DEFAULT_MAX_PENDING_OPS
 
     def __init__(
         self,
@@ -218,6 +230,7 @@ class Communicator:
         self._progress: dict[tuple[object, ...], tuple[float, int]] = {}
         self._pending: dict[tuple[object, ...], Pending] = {}
         self._failed: tuple[int, str] | None = None
+        self._closed = False  # the last local rank left: nothing waits on it any more
         self._failure_counted = False  # smddp_errors_total has this communicator's failure
         self._left: list[str] = []
         self._lock = threading.Lock()
@@ -258,6 +271,7 @@ class Communicator:
             empty = not self.members
             if not empty and fail:
                 self._left.append(why)
+            self._attached.notify_all()  # a peer-arenas request of the leaving rank ends
         gpu_ops = self._gpu.active()
         if gpu_ops is not None:
             gpu_ops.release_rank(session)  # its CUDA IPC mappings and events
@@ -270,20 +284,30 @@ class Communicator:
         with self._attached:
             self._attached.notify_all()
 
-    def arena_fds(self) -> list[int]:
+    def arena_fds(self, asker: Session | None = None) -> list[int]:
         """The arena memfds of the communicator's ranks on this node (all of them, unless it
         spans nodes) in rank order, then the control region's memfd, once all have attached.
         The region has one slot per rank on this node, in that order (``local_ranks``).
 
+        Args:
+            asker: the rank that asks; the wait ends when it leaves (its connection closed).
+
         Raises:
-            FailedPrecondition: the communicator failed, or ranks did not attach within the
-                timeout.
+            FailedPrecondition: the communicator failed or closed, the asker left, or ranks
+                did not attach within the timeout.
         """
         deadline = time.monotonic() + self.timeout_s
         with self._attached:
             while True:
                 if self._failed is not None:
                     raise FailedPrecondition(self._failed[1])
+                if self._closed:
+                    raise FailedPrecondition(f"{self.name()}: the communicator was closed")
+                if asker is not None and self.members.get(asker.rank) is not asker:
+                    raise FailedPrecondition(
+                        f"{self.name()}: {asker.label()} left while waiting for the other "
+                        "ranks' arenas"
+                    )
                 ready = [self.members.get(r) for r in self.local_ranks]
                 if all(s is not None and s.arena is not None for s in ready):
                     if self.region is None:
@@ -298,7 +322,7 @@ class Communicator:
                         f"{self.name()}: {rank_list(missing)} did not attach within "
                         f"{self.timeout_s:.0f} s"
                     )
-                self._attached.wait(min(remaining, 0.5))
+                self._attached.wait(min(remaining, ARENA_WAIT_POLL_S))
 
     def failed(self) -> tuple[int, str] | None:
         """The error kind and message that failed the communicator, or None."""
@@ -331,9 +355,13 @@ class Communicator:
             failure = self._failed
             ready = None
             early = False
+            too_far = ""
             if failure is None:
                 key, participants = self._key(session, req)
                 pending = self._pending.get(key)
+                if pending is None and len(self._pending) >= self.max_pending_ops:
+                    too_far = self._too_far_ahead(session, req)
+            if failure is None and not too_far:
                 if pending is None:
                     pending = Pending(key, req.seq, req.part, participants, now)
                     self._pending[key] = pending
@@ -369,12 +397,31 @@ class Communicator:
                             req.root,
                             pending.held_back,
                         )
+        if too_far:
+            # As for an invalid op: the others would wait for ever, and this rank could go on
+            # until the daemon runs out of memory. fail() drops every pending op and tells all.
+            self.fail(pb.INVALID, too_far, culprit=session)
+            self._count_op_failure()
+            failure = self._failed
         if failure is not None:
             self._reply_error(session, req, *failure)
         elif ready is not None:
             self._run(ready)
         elif early:
             session.reply(pb.OpReply(request_id=req.request_id, ok=True))
+
+    def _too_far_ahead(self, session: Session, req: pb.OpRequest) -> str:
+        """Why ``req`` may not wait for the other ranks: the communicator holds
+        ``max_pending_ops`` already. Called with the lock held."""
+        oldest = min(self._pending.values(), key=lambda p: (p.seq, p.part))
+        behind = oldest.missing()
+        return (
+            f"{self.name()}: {session.label()} sent {describe_request(req)} as op #{req.seq} "
+            f"chunk {req.part} while {len(self._pending)} op chunks already wait for other "
+            f"ranks (the oldest, op #{oldest.seq}, for {rank_list(behind)}): past the limit "
+            f"of {self.max_pending_ops} pending op chunks per communicator "
+            f"(--max-pending-ops, SMDDP_MAX_PENDING_OPS); a rank runs too far ahead of the others"
+        )
 
     def _key(
         self, session: Session, req: pb.OpRequest
@@ -703,6 +750,7 @@ class Communicator:
             pending = list(self._pending.values())
             self._pending.clear()
             region = self.region
+            self._attached.notify_all()  # peer-arenas requests get the error now
         gpu_ops = self._gpu.active()
         if gpu_ops is not None:
             # GPU ops already queued, gated on ranks' ready events (a dead rank's never
@@ -841,10 +889,21 @@ class Communicator:
                     )
 
     def close(self) -> None:
-        """Stops the worker and closes the peer connections (the last local rank left)."""
+        """Stops the worker and closes the peer connections (the last local rank left).
+
+        Ops still pending (sent by ranks that left before the others came) are dropped with
+        their copies of early sends: nobody is left to answer.
+        """
         self.drain_metrics()
         with self._lock:
             region, self.region = self.region, None
+            self._closed = True
+            dropped = list(self._pending.values())
+            self._pending.clear()
+            self._attached.notify_all()  # a peer-arenas request still waiting ends now
+        for p in dropped:
+            if p.sent is not None and self.buffers is not None:
+                self.buffers.give(p.sent.nbytes)
         if region is not None:
             region.close()
         gpu_ops = self._gpu.active()

@@ -37,8 +37,10 @@ _POSITIVE = (
     "max_handshakes_per_uid",
     "max_handshakes",
     "max_pending_rendezvous",
+    "max_peer_rendezvous",
     "max_rendezvous_wait_s",
     "max_op_streams",
+    "max_pending_ops",
 )
 # A node id: a host name, or what SMDDP_NODE_ID says; it goes into messages, logs and replies.
 NODE_ID = re.compile(r"^[A-Za-z0-9._:@+-]{1,253}$")
@@ -84,9 +86,17 @@ class DaemonConfig:
     max_handshakes: int = 128  # the same, in all
     max_buffered_bytes_per_uid: int = 512 << 20  # sends held for receives not yet posted
     max_buffered_bytes: int = 2 << 30  # the same, in all
-    max_pending_rendezvous: int = 200  # Rendezvous/Meet calls waiting, in all
+    max_pending_rendezvous: int = 200  # Rendezvous calls waiting, in all; Meet calls apart
+    # Rendezvous only other daemons' ranks are in: anyone reaching the Peer port can open
+    # them, so they have a cap of their own and cannot crowd out this node's (--max-jobs).
+    max_peer_rendezvous: int = 16
     max_rendezvous_wait_s: float = 900.0  # the longest one Rendezvous call waits
     max_op_streams: int = 256  # gRPC Ops streams (SMDDP_OP_CHANNEL=grpc), each holds a thread
+    # Op chunks one communicator holds that some ranks sent and others not yet (about 1 KiB
+    # each). DDP queues a handful of bucket all_reduces, batch_isend_irecv one op per message
+    # of its batch, and a large op runs only two chunks ahead: 4096 is far above what a job
+    # queues before its other ranks catch up, and holds a rank that races ahead to ~4 MiB.
+    max_pending_ops: int = 4096
     tls_cert: str = ""  # PEM certificate this daemon shows other daemons; "" = no TLS
     tls_key: str = ""  # PEM private key of tls_cert
     tls_ca: str = ""  # PEM CA bundle that other daemons' certificates must chain to
@@ -142,9 +152,15 @@ _HELP = {
     "max_buffered_bytes_per_uid": "most bytes of one uid's sends the daemon holds until their "
     "receives are posted (beyond it a send waits for its receive)",
     "max_buffered_bytes": "the same, for all uids together",
-    "max_pending_rendezvous": "most Rendezvous calls waiting at once (each holds a gRPC thread)",
+    "max_pending_rendezvous": "most Rendezvous calls waiting at once (each holds a gRPC "
+    "thread); the same again for Meet calls from other daemons",
+    "max_peer_rendezvous": "most rendezvous hosted here that only other daemons' ranks are "
+    "in (anyone who reaches --peer-bind can open them; this node's own ranks have --max-jobs "
+    "apart)",
     "max_rendezvous_wait_s": "the longest one Rendezvous call waits, whatever its timeout",
     "max_op_streams": "most gRPC Ops streams (SMDDP_OP_CHANNEL=grpc) at once",
+    "max_pending_ops": "most op chunks one communicator holds that some of its ranks have sent "
+    "and others not yet; a rank that runs further ahead fails the communicator",
     "tls_cert": "PEM certificate for mutual TLS with other nodes' daemons (with --tls-key and "
     "--tls-ca; every node must use TLS; the certificate must name this node's id as a DNS "
     "subject alternative name, which the daemons that connect to it check)",

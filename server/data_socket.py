@@ -5,6 +5,11 @@ gRPC cannot carry descriptors), and then uses the connection as its op channel: 
 per OpRequest and per OpReply, about ten times cheaper than a gRPC round trip. The kernel
 tells the rank's uid (SO_PEERCRED) and, when the rank dies, closes the connection, which
 fails its communicators at once.
+
+A connection has at most one peer-arenas request in flight (the client waits for its reply,
+the next message), so one thread per connection at most waits in it; a second request before
+the first is answered breaks the protocol and closes the connection, like any other message
+the protocol does not allow.
 """
 
 from __future__ import annotations
@@ -241,6 +246,7 @@ class DataSocketServer:
                 return
             buf = bytearray(MAX_MESSAGE_BYTES)  # reused: a fresh 1 MiB object per op is costly
             view = memoryview(buf)
+            asking = threading.Event()  # a peer-arenas request of this connection is in flight
             while True:
                 n, _anc, flags, _addr = conn.recvmsg_into([buf])
                 if not n:
@@ -250,11 +256,19 @@ class DataSocketServer:
                     detail = f"a message of more than {MAX_MESSAGE_BYTES} bytes on the data socket"
                     break
                 if buf[0] == MSG_PEER_ARENAS:
+                    if asking.is_set():
+                        detail = (
+                            "a second peer-arenas request on the data socket before the first "
+                            "was answered (one at a time)"
+                        )
+                        break
                     # In a thread of its own: it waits for the other ranks to attach, while
-                    # this one must keep reading (an EOF here is the rank's death).
+                    # this one must keep reading (an EOF here is the rank's death, which
+                    # ends that wait too).
+                    asking.set()
                     threading.Thread(
                         target=self._send_peer_arenas,
-                        args=(conn, session),
+                        args=(conn, session, asking),
                         name="smddp-peer-arenas",
                         daemon=True,
                     ).start()
@@ -359,14 +373,18 @@ class DataSocketServer:
         return _FreeChannel(session.label())
 
     @staticmethod
-    def _send_peer_arenas(conn: socket.socket, session: Session) -> None:
+    def _send_peer_arenas(conn: socket.socket, session: Session, asking: threading.Event) -> None:
+        """Answers a peer-arenas request once every local rank attached, or with why not
+        (the communicator failed or closed, this rank left, the timeout passed)."""
         try:
-            fds = session.comm.arena_fds()
+            fds = session.comm.arena_fds(session)
             reply, sent = pb.AttachReply(ok=True), fds
         except SmddpError as exc:
             reply, sent = pb.AttachReply(ok=False, error=str(exc)), []
         channel = session.channel
         lock = channel.lock if isinstance(channel, SocketChannel) else threading.Lock()
+        # Before the reply: a client that has it may ask again at once.
+        asking.clear()
         with lock:
             try:
                 socket.send_fds(

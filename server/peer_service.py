@@ -24,6 +24,7 @@ from smddp.server.errors import (
     PermissionDenied,
 )
 from smddp.server.grpc_edge import EdgeService, edge
+from smddp.server.limits import Slots
 from smddp.server.peer_wire import token_proof
 from smddp.server.registry import MAX_TIMEOUT_MS
 from smddp.v1 import smddp_pb2 as pb
@@ -54,6 +55,15 @@ class PeerService(pb_grpc.PeerServicer, EdgeService):
     def __init__(self, registry: Registry, network: PeerNetwork) -> None:
         self._registry = registry
         self._network = network  # this daemon's transport and data port
+        # Each waiting Meet holds a thread of this service, so they are bounded, leaving
+        # threads for Join, Abort and PeerStatus. Not with the Node service's Rendezvous calls
+        # (registry.rendezvous_slots), as they once were: anyone who reaches the Peer port
+        # could then hold every slot and stop this node's own jobs from meeting.
+        self._meet_slots = Slots(
+            "waiting Meet calls from other daemons",
+            registry.config.max_pending_rendezvous,
+            "--max-pending-rendezvous",
+        )
 
     def _finished(self, method: str, code: grpc.StatusCode) -> None:
         if self._registry.metrics is not None:
@@ -140,12 +150,14 @@ class PeerService(pb_grpc.PeerServicer, EdgeService):
             if request.timeout_ms
             else cfg.default_timeout_s
         )
+        # No early expiry for meetings only other daemons' ranks are in: the forwarding daemon
+        # and the client do not retry a Meet, so a real job whose root node starts minutes
+        # after its other nodes would fail. --max-peer-rendezvous bounds them instead.
         timeout_s = min(timeout_s, cfg.max_rendezvous_wait_s)
-        # Each waiting Meet holds a thread of this service: bounded with the Node service's
-        # Rendezvous calls, so that neither can take every thread.
-        with self._registry.rendezvous_slots.held(f"rendezvous of job {request.job_id[:64]}"):
+        with self._meet_slots.held(f"rendezvous of job {request.job_id[:64]}"):
             nodes = self._registry.rendezvous.meet(
                 request.job_id, request.proof, request.rank, request.world_size, request.node_id,
                 request.peer_address, timeout_s, context.is_active,
+                peer_cap=cfg.max_peer_rendezvous,
             )  # fmt: skip
         return pb.RendezvousReply(nodes=nodes)

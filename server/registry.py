@@ -193,6 +193,7 @@ class Registry:
                     gpu=self._gpu,
                 )
                 comm.buffers = job.buffers
+                comm.max_pending_ops = self.config.max_pending_ops
                 if len(comm.nodes) > 1:
                     assert self.network is not None  # _layout refuses nodes without peers
                     comm.attach_peers(

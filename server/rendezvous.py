@@ -53,6 +53,9 @@ def rendezvous_proof(token: bytes, job_id: str) -> bytes:
 class _Meeting:
     world_size: int
     proof: bytes
+    # A rank of this daemon's own node is in it (or was): it counts against --max-jobs, else
+    # against --max-peer-rendezvous.
+    local: bool
     arrivals: dict[int, tuple[str, str]] = field(
         default_factory=dict
     )  # rank -> (node id, peer address)
@@ -62,12 +65,16 @@ class _Meeting:
     # rank waiting, and every rank arriving until ``failed_until``, gets it at once.
     failed: str = ""
     failed_until: float = 0.0
+    # Set when a rank of this node's own came with another proof: every rank waiting in it
+    # gets this (PERMISSION_DENIED), and the meeting has left the table.
+    displaced: str = ""
 
 
 class RendezvousTable:
     """The meetings this daemon hosts, one per job until every rank got its answer."""
 
     def __init__(self, max_meetings: int) -> None:
+        """``max_meetings``: most meetings a rank of this node's own is in (``--max-jobs``)."""
         self._max = max_meetings
         self._meetings: dict[str, _Meeting] = {}
         self._cond = threading.Condition()
@@ -89,12 +96,17 @@ class RendezvousTable:
         peer_address: str,
         timeout_s: float,
         active: Callable[[], bool] = lambda: True,
+        *,
+        peer_cap: int | None = None,
     ) -> list[pb.NodeSpec]:
         """Waits until all ``world_size`` ranks of ``job_id`` arrived; returns the layout.
 
         Args:
             active: turns False when the caller has gone (its call was cancelled, say): its
                 arrival is then withdrawn within half a second.
+            peer_cap: None for a rank of this node's own (``Node.Rendezvous``); for an arrival
+                forwarded by another daemon (``Peer.Meet``), the most meetings that no rank of
+                this node's own is in (``--max-peer-rendezvous``).
 
         Raises:
             InvalidRequest, PermissionDenied, FailedPrecondition, LimitExceeded: a bad arrival,
@@ -128,16 +140,21 @@ class RendezvousTable:
                 if stale == job_id:
                     meeting = None
                 del self._meetings[stale]
+            local = peer_cap is None
+            if meeting is not None and not hmac.compare_digest(meeting.proof, proof):
+                if meeting.local or not local:
+                    raise PermissionDenied(f"{where}: rank {rank} has the wrong job token")
+                # Only other daemons' ranks are in it, and whoever reaches the Peer port can
+                # make those up: this node's own rank (it came through the unix socket) wins.
+                self._displace(job_id, meeting, where, rank, node_id)
+                meeting = None
             if meeting is not None and meeting.failed:
                 raise FailedPrecondition(meeting.failed)
+            if meeting is None or (local and not meeting.local):
+                self._check_room(where, rank, node_id, peer_cap)
             if meeting is None:
-                if len(self._meetings) >= self._max:
-                    raise LimitExceeded(
-                        f"{where}: this daemon already hosts {self._max} rendezvous (--max-jobs)"
-                    )
-                meeting = self._meetings[job_id] = _Meeting(world_size, proof)
-            if not hmac.compare_digest(meeting.proof, proof):
-                raise PermissionDenied(f"{where}: rank {rank} has the wrong job token")
+                meeting = self._meetings[job_id] = _Meeting(world_size, proof, local)
+            meeting.local = meeting.local or local
             if meeting.world_size != world_size:
                 meeting.failed = (
                     f"{where}: rank {rank} says the world size is {world_size}, earlier ranks said "
@@ -163,6 +180,9 @@ class RendezvousTable:
                 meeting.layout = node_layout(nodes, {n: a for n, a in meeting.arrivals.values()})
                 self._cond.notify_all()
             while meeting.layout is None:
+                if meeting.displaced:
+                    del meeting.arrivals[rank]
+                    raise PermissionDenied(meeting.displaced)
                 if meeting.failed:
                     del meeting.arrivals[rank]
                     raise FailedPrecondition(meeting.failed)
@@ -175,7 +195,7 @@ class RendezvousTable:
                 if remaining <= 0 or gone:
                     del meeting.arrivals[rank]
                     if not meeting.arrivals:
-                        self._meetings.pop(job_id, None)
+                        self._forget(job_id, meeting)
                     if gone:
                         raise FailedPrecondition(f"{where}: {gone}")
                     missing = [
@@ -188,5 +208,45 @@ class RendezvousTable:
                 self._cond.wait(min(remaining, 0.5))
             meeting.answered += 1
             if meeting.answered == world_size:
-                self._meetings.pop(job_id, None)
+                self._forget(job_id, meeting)
             return list(meeting.layout)
+
+    def _check_room(self, where: str, rank: int, node_id: str, peer_cap: int | None) -> None:
+        """Refuses an arrival that would open (or, a rank of this node's own, adopt) a
+        meeting beyond its kind's cap (lock held).
+
+        Raises:
+            LimitExceeded: the cap is reached.
+        """
+        if peer_cap is None:
+            held = sum(1 for m in self._meetings.values() if m.local)
+            if held >= self._max:
+                raise LimitExceeded(
+                    f"{where}: this daemon already hosts {held} rendezvous of its own ranks "
+                    f"(--max-jobs {self._max})"
+                )
+            return
+        held = sum(1 for m in self._meetings.values() if not m.local)
+        if held >= peer_cap:
+            raise LimitExceeded(
+                f"{where}: rank {rank} from node {node_id}: this daemon already hosts {held} "
+                "rendezvous that only other daemons' ranks are in (--max-peer-rendezvous "
+                f"{peer_cap}); its own ranks' rendezvous are not affected"
+            )
+
+    def _displace(self, job_id: str, meeting: _Meeting, where: str, rank: int, node: str) -> None:
+        """Ends a meeting only other daemons' ranks are in, for a rank of this node's own that
+        came with another proof (lock held): the ranks waiting in it are told why."""
+        meeting.displaced = (
+            f"{where}: rank {rank} on the root's own node {node} came with another job token "
+            f"than {rank_list(sorted(meeting.arrivals))} from other nodes; the root's own ranks "
+            "win, so those have the wrong job token"
+        )
+        self._forget(job_id, meeting)
+        self._cond.notify_all()
+
+    def _forget(self, job_id: str, meeting: _Meeting) -> None:
+        """Drops ``meeting`` from the table, unless another meeting of the job replaced it
+        (lock held)."""
+        if self._meetings.get(job_id) is meeting:
+            del self._meetings[job_id]
