@@ -298,7 +298,7 @@ class DataSocketServer:
         # A connection that sends nothing must not hold its thread and descriptor for ever.
         conn.settimeout(self._attach_timeout_s)
         try:
-            msg, fds, _flags, _addr = socket.recv_fds(conn, MAX_MESSAGE_BYTES, 4)
+            msg, fds, flags, _addr = socket.recv_fds(conn, MAX_MESSAGE_BYTES, 4)
         except TimeoutError:
             refusals.log(
                 log,
@@ -320,6 +320,14 @@ class DataSocketServer:
                 return self._attach_free(conn, pid, payload, fds)
             if msg_type != MSG_ATTACH:
                 raise ValueError(f"expected an AttachRequest, got message type {msg_type}")
+            if flags & socket.MSG_CTRUNC:
+                # The kernel could not pass the descriptors it was sent: out of them here, or
+                # more than the 4 a message may carry. Not the rank's fault in the first case.
+                raise ValueError(
+                    "the AttachRequest's memfd did not arrive (MSG_CTRUNC): the daemon may be "
+                    "out of file descriptors (RLIMIT_NOFILE), or the message carried more "
+                    "than 4"
+                )
             if len(fds) != 1:
                 raise ValueError(f"an AttachRequest carries exactly one memfd, not {len(fds)}")
             try:

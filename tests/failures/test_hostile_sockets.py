@@ -6,7 +6,9 @@ Against a real daemon, each attack is one a red-team pass found to work before:
   ``--max-op-streams`` bound, until Register and health timed out;
 - connections to the peer data port that trickle their HELLO a byte at a time: each held a
   thread and a descriptor with no count and no overall deadline, until the daemon ran out
-  of descriptors and said NOT_SERVING.
+  of descriptors and said NOT_SERVING;
+- an attach whose memfd the kernel could not pass (out of descriptors): it was refused as
+  if the rank had sent none.
 
 Each test shows the attack bounded, health and a real job beside it unaffected, and the
 daemon's threads back near where they were once the attacker leaves.
@@ -30,6 +32,7 @@ from smddp.server.peer_wire import HELLO
 from smddp.server.tcp_transport import MAX_HANDSHAKING
 from smddp.v1 import smddp_pb2 as pb
 from smddp.v1 import smddp_pb2_grpc as pb_grpc
+from smddp.wire import DATA_SOCKET_SUFFIX, MAX_MESSAGE_BYTES, MSG_ATTACH, pack, unpack
 
 
 def threads(pid: int) -> int:
@@ -164,3 +167,32 @@ def test_trickled_hellos_on_the_data_port_are_bounded_and_cut(start_daemon):
     assert count <= baseline + 2, f"{count} threads after the connections left ({baseline})"
     with grpc.insecure_channel("unix:" + d.socket) as channel:
         assert node_health(channel) == health_pb2.HealthCheckResponse.SERVING
+
+
+@pytest.mark.timeout(60)
+def test_an_attach_whose_descriptors_were_cut_says_so(start_daemon):
+    """An AttachRequest with more descriptors than a message may carry arrives with them cut
+    (MSG_CTRUNC, as when the daemon is out of descriptors): the refusal says that, not that
+    the rank sent the wrong number; none of them stays open in the daemon."""
+    d = start_daemon(name="ctrunc")
+    reg = stub(d.socket).Register(register(d.socket, job_id="ctrunc"), timeout=10)
+    before = len(os.listdir(f"/proc/{d.proc.pid}/fd"))
+    fds = [os.memfd_create(f"smddp-ctrunc-{i}") for i in range(5)]
+    try:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s.settimeout(10)
+        s.connect(d.socket + DATA_SOCKET_SUFFIX)
+        req = pb.AttachRequest(session_id=reg.session_id, session_secret=reg.session_secret)
+        socket.send_fds(s, [pack(MSG_ATTACH, req.SerializeToString())], fds)
+        reply = pb.AttachReply.FromString(unpack(s.recv(MAX_MESSAGE_BYTES))[1])
+        s.close()
+    finally:
+        for fd in fds:
+            os.close(fd)
+    assert not reply.ok
+    assert "did not arrive (MSG_CTRUNC)" in reply.error, reply.error
+    print(reply.error)
+    deadline = time.monotonic() + 10
+    while len(os.listdir(f"/proc/{d.proc.pid}/fd")) > before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(os.listdir(f"/proc/{d.proc.pid}/fd")) <= before
