@@ -279,14 +279,20 @@ class ShmPath:
                     self.error = self._gone()
                     raise self.error
                 if time.perf_counter() > deadline:
-                    self._local_timeout(seq, time.perf_counter() - start)
+                    self._local_timeout(seq, target, time.perf_counter() - start)
         finally:
             q[sleeping] = 0
 
-    def _local_timeout(self, seq: int, waited: float) -> None:
-        """The daemon did not time the op out (it is stuck): name the lagging ranks here."""
+    def _local_timeout(self, seq: int, target: int, waited: float) -> None:
+        """The daemon did not time the op out (it is stuck): name the lagging ranks here,
+        those behind op ``seq`` or, inside it, behind synchronisation ``target``."""
         q = self.q
-        lagging = [j for j in range(self.world) if q[self.bases[j] + S_SEQ] < seq]
+        lagging = [
+            j
+            for j in range(self.world)
+            if q[self.bases[j] + S_SEQ] < seq
+            or (j != self.rank and q[self.bases[j] + S_STEP] < target)
+        ]
         arrived = [j for j in range(self.world) if j not in lagging]
         sig = self.view.signature(self.rank, seq) or (0,) * SIG_WORDS
         self.error = op_error(

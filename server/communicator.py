@@ -839,7 +839,7 @@ class Communicator:
         if found is not None:
             self.fail(found[0], found[1])
             return
-        p = region.pending(int(now * 1e9))
+        p = region.pending(int(now * 1e9), inside=len(self.nodes) <= 1)
         if p is None:
             return
         missing = [self.local_ranks[i] for i in p.missing]
@@ -867,9 +867,10 @@ class Communicator:
             return
         if p.waited_s <= self.timeout_s:
             return
+        where = " at a synchronisation inside it" if p.inside else ""
         message = (
             f"{self.name()}: op #{p.seq} {p.description} timed out: "
-            f"{rank_list(missing)} never arrived ({', '.join(labels)}) while "
+            f"{rank_list(missing)} never arrived{where} ({', '.join(labels)}) while "
             f"{rank_list(arrived)} waited {p.waited_s:.1f} s, "
             f"past the group's timeout of {self.timeout_s:.1f} s"
         )

@@ -30,6 +30,7 @@ from smddp.region import (
     S_LAST,
     S_OPS,
     S_SEQ,
+    S_STEP,
     RegionView,
     data_bytes_for,
     init_header,
@@ -47,6 +48,9 @@ class RegionPending:
     arrived: list[int]
     missing: list[int]
     waited_s: float
+    # True when every rank is in the op and ``missing`` stopped at a synchronisation inside
+    # it (a large op has several); ``waited_s`` then counts from the others' last step.
+    inside: bool = False
 
 
 class ControlRegion:
@@ -74,6 +78,10 @@ class ControlRegion:
         self._seen_bytes = np.zeros((world_size,) + self._seen_ops.shape[:1], dtype=np.int64)
         self._seen_skew = np.zeros_like(self.view.skew_table(0))
         self._seen_last = np.zeros(world_size, dtype=np.int64)
+        # The ranks' step words as last seen, and when they last changed (monotonic ns): how
+        # long the ranks inside an op have waited at a synchronisation for one that stopped.
+        self._steps: tuple[int, ...] = ()
+        self._steps_since = 0
 
     def fail(self, kind: int, message: str) -> None:
         """Marks the communicator failed and wakes every rank."""
@@ -87,16 +95,25 @@ class ControlRegion:
         """Ops rank ``rank`` completed through the region."""
         return int(self.view.slots[rank, S_OPS])
 
-    def pending(self, now_ns: int | None = None) -> RegionPending | None:
-        """The op the furthest ranks wait at while others have not arrived, or None."""
+    def pending(self, now_ns: int | None = None, inside: bool = True) -> RegionPending | None:
+        """The op the furthest ranks wait at while others have not arrived, or None.
+
+        ``inside``: also a rank that stopped at a synchronisation inside an op every rank
+        is in (``_stalled_inside``). Not for a communicator spanning nodes, where the
+        node's lowest rank is behind the others while it waits at the daemon for the other
+        nodes, which the daemon times by itself.
+        """
         v = self.view
         if v.failure() is not None:
             return None
         seqs = [int(v.slots[r, S_SEQ]) for r in range(v.world)]
         seq = max(seqs)
         missing = [r for r, s in enumerate(seqs) if s < seq]
-        if seq == 0 or not missing:
+        now_ns = time.monotonic_ns() if now_ns is None else now_ns
+        if seq == 0:
             return None
+        if not missing:
+            return self._stalled_inside(seq, now_ns) if inside else None
         arrived = [r for r, s in enumerate(seqs) if s >= seq]
         sigs = [
             s for s in (v.signature(r, seq) for r in arrived) if s is not None and s[G_SEQ] == seq
@@ -105,13 +122,44 @@ class ControlRegion:
             return None  # a rank is between publishing its sequence number and its signature
         sig = sigs[0]
         first = min(s[G_ARRIVAL] for s in sigs)
-        now_ns = time.monotonic_ns() if now_ns is None else now_ns
         return RegionPending(
             seq,
             describe(sig[G_KIND], sig[G_DTYPE], sig[G_COUNT], sig[G_ROOT], sig[G_OP]),
             arrived,
             missing,
             max(0.0, (now_ns - first) / 1e9),
+        )
+
+    def _stalled_inside(self, seq: int, now_ns: int) -> RegionPending | None:
+        """Every rank is in op ``seq``: the ranks behind the others at a synchronisation
+        inside it, if some are and the steps have not moved since (else None).
+
+        The ranks of one op pass the same synchronisations (``ShmPath.bump`` then ``wait``),
+        so their step words agree whenever none is between two; one whose word stays behind
+        the others' has stopped there (SIGSTOP, a debugger, a livelock). It is timed from
+        the moment the words last moved, not from the op's start: a large op may rightly run
+        longer than the group's timeout as long as it moves.
+        """
+        v = self.view
+        steps = tuple(int(v.slots[r, S_STEP]) for r in range(v.world))
+        if steps != self._steps:
+            self._steps, self._steps_since = steps, now_ns
+        if int(v.slots[:, S_DONE].min()) >= seq:
+            return None  # every rank finished it
+        top = max(steps)
+        missing = [r for r, step in enumerate(steps) if step < top]
+        if not missing:
+            return None
+        sig = v.signature(missing[0], seq)
+        if sig is None or sig[G_SEQ] != seq:
+            return None
+        return RegionPending(
+            seq,
+            describe(sig[G_KIND], sig[G_DTYPE], sig[G_COUNT], sig[G_ROOT], sig[G_OP]),
+            [r for r in range(v.world) if r not in missing],
+            missing,
+            max(0.0, (now_ns - self._steps_since) / 1e9),
+            inside=True,
         )
 
     def all_done(self) -> bool:

@@ -161,3 +161,78 @@ def test_timeout_across_nodes_names_the_rank_on_the_silent_node(
     for rank, got in enumerate(results):
         assert got["type"] == "SmddpTimeoutError", f"rank {rank}: {got}"
         assert got["message"] == message, f"rank {rank}: {got['message']!r}"
+
+
+STALL_S = 8.0
+
+
+def stalled_inside_rank(rank: int, world: int, init_file: str) -> dict[str, Any]:
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    import smddp  # noqa: F401  (registers the backend)
+    from smddp.backend.errors import SmddpTimeoutError
+    from smddp.client import direct
+
+    dist.init_process_group(
+        "smddp",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=TIMEOUT_S),
+    )
+    t = torch.full((4 << 20,), float(rank))  # 16 MiB: read in place, between two synchronisations
+    dist.broadcast(t, 0)  # the ranks find that they can read each other
+    assert torch.equal(t, torch.zeros_like(t))
+    if rank == 1:
+        # Rank 1 stops after the op's first synchronisation, before it has read the root's
+        # data: every rank is in the op, and rank 1 is behind at the next one.
+        read = direct.read
+
+        def stalled(*args: Any) -> None:
+            time.sleep(STALL_S)
+            read(*args)
+
+        direct.read = stalled  # type: ignore[assignment]
+    dist.barrier()
+    start = time.monotonic()
+    out: dict[str, Any] = {"error": None}
+    try:
+        dist.broadcast(t, 0)
+        # Rank 1, back, may complete the broadcast: the root's data was there to read, and
+        # the root had passed the last synchronisation before it gave up. Its next op fails.
+        out["completed"] = True
+        dist.barrier()
+    except SmddpTimeoutError as exc:
+        out.update(message=str(exc), seconds=time.monotonic() - start)
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_stopped_inside_an_op_is_timed_out_and_named(
+    system_daemon, rank_env, spawn_ranks, tmp_path
+):
+    """Both ranks are in a large broadcast when rank 1 stops before its second
+    synchronisation: rank 0 fails after the group's timeout (not 30 s later, as when only
+    ranks behind the op's number counted), naming rank 1; rank 1, back, gets the same error
+    (from the broadcast, or from its next op if it could complete the broadcast)."""
+    ranks = spawn_ranks(
+        stalled_inside_rank, 2, 2, str(tmp_path / "init"), env=rank_env(system_daemon.socket)
+    )
+    pid1 = ranks.ranks[1].proc.pid
+    results = ranks.join()
+    message = results[0].get("message")
+    print(message)
+    assert message is not None, results
+    pattern = (
+        r"job j[0-9a-f]{16} comm 0: op #\d+ broadcast\(src=0, 4194304 x float32\) timed out: "
+        rf"rank 1 never arrived at a synchronisation inside it \(rank 1 \(pid {pid1}, node "
+        r"node-a\)\) while rank 0 waited ([0-9.]+) s, past the group's timeout of 2\.0 s"
+    )
+    assert re.fullmatch(pattern, message), message
+    assert results[0]["seconds"] < TIMEOUT_S + 3.0, results[0]
+    assert "completed" not in results[0], results[0]
+    assert results[1].get("message") == message, results[1]
