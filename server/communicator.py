@@ -20,6 +20,7 @@ import numpy as np
 
 from smddp.server import hierarchical, host_collectives
 from smddp.server.arena import Arena
+from smddp.server.config import DaemonConfig
 from smddp.server.control_region import ControlRegion
 from smddp.server.domain import Layout, NodeSpec, request_signature
 from smddp.server.errors import (
@@ -48,9 +49,6 @@ from smddp.wire import (
 
 log = logging.getLogger(__name__)
 
-# Op chunks a communicator holds that some ranks sent and others not yet (``Pending``, about
-# 1 KiB each with its requests): DaemonConfig.max_pending_ops, whose comment says why 4096.
-DEFAULT_MAX_PENDING_OPS = 4096
 # How often an ``arena_fds`` waiter looks again without being woken: every change it waits
 # for (an attach, a failure, a rank leaving, the close) wakes it, so this only guards against
 # a wake-up missed by some future path.
@@ -192,7 +190,7 @@ class Communicator:
     # Most entries of ``_pending`` (--max-pending-ops; set by the registry from the daemon's
     # configuration): a rank that runs further ahead of the others fails the communicator
     # rather than grow the daemon without bound.
-    max_pending_ops: int = DEFAULT_MAX_PENDING_OPS
+    max_pending_ops: int = DaemonConfig.max_pending_ops
 
     def __init__(
         self,

@@ -24,15 +24,13 @@ LATE = 2
 TIMEOUT_S = 2.0
 
 
-def timeout_rank(rank: int, world: int, init_file: str) -> dict[str, Any]:
-    import sys
+def _join(rank: int, world: int, init_file: str) -> None:
+    """Joins the default group on smddp with the group's timeout of TIMEOUT_S."""
     from datetime import timedelta
 
-    import torch
     import torch.distributed as dist
 
     import smddp  # noqa: F401  (registers the backend)
-    from smddp.backend.errors import SmddpTimeoutError
 
     dist.init_process_group(
         "smddp",
@@ -41,6 +39,18 @@ def timeout_rank(rank: int, world: int, init_file: str) -> dict[str, Any]:
         world_size=world,
         timeout=timedelta(seconds=TIMEOUT_S),
     )
+
+
+def timeout_rank(rank: int, world: int, init_file: str) -> dict[str, Any]:
+    import sys
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from smddp.backend.errors import SmddpTimeoutError
+
+    _join(rank, world, init_file)
     out: dict[str, Any] = {}
 
     # 1. Watched: rank 2 arrives when the parent says so.
@@ -167,22 +177,13 @@ STALL_S = 8.0
 
 
 def stalled_inside_rank(rank: int, world: int, init_file: str) -> dict[str, Any]:
-    from datetime import timedelta
-
     import torch
     import torch.distributed as dist
 
-    import smddp  # noqa: F401  (registers the backend)
     from smddp.backend.errors import SmddpTimeoutError
     from smddp.client import direct
 
-    dist.init_process_group(
-        "smddp",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=TIMEOUT_S),
-    )
+    _join(rank, world, init_file)
     t = torch.full((4 << 20,), float(rank))  # 16 MiB: read in place, between two synchronisations
     dist.broadcast(t, 0)  # the ranks find that they can read each other
     assert torch.equal(t, torch.zeros_like(t))
