@@ -17,6 +17,16 @@ PY=${SMDDP_PYTHON:-$(command -v /usr/bin/python3 || command -v python3)}
 D=${DESTDIR:-}
 VENV=/opt/smddp
 
+# Without DESTDIR the service is started at the end: check first that systemd runs this
+# machine, so that nothing is installed (venv, links, unit, user) where it cannot start.
+if [ -z "$D" ] && [ ! -d /run/systemd/system ]; then
+    echo "install.sh: systemd is not running on this machine (no /run/systemd/system), so" \
+        "smddpd.service could not start; nothing was installed. Run smddpd another way" \
+        "(README: 'How it runs'), or set DESTDIR to install the files into a root without" \
+        "starting them." >&2
+    exit 1
+fi
+
 "$PY" -m venv "$D$VENV"
 "$D$VENV/bin/python" -m pip install --quiet --upgrade pip
 "$D$VENV/bin/python" -m pip install --quiet "$WHAT"

@@ -284,3 +284,25 @@ def test_the_mps_drop_in_verifies_and_keeps_the_hardening(tmp_path: Path) -> Non
         cwd=tmp_path,
     )
     assert "Frobnicate" in result.stdout + result.stderr
+
+
+def test_install_changes_nothing_where_systemd_does_not_run(tmp_path: Path) -> None:
+    """install.sh without DESTDIR on a machine systemd does not run (as here, a container):
+    it says so first and installs nothing, where it used to create the venv, links, unit and
+    user before systemctl failed."""
+    if Path("/run/systemd/system").is_dir():
+        pytest.skip("systemd runs this machine: install.sh would install for real")
+    watched = [Path("/opt/smddp"), Path("/etc/systemd/system/smddpd.service")]
+    before = [p.exists() for p in watched]
+    result = subprocess.run(
+        ["bash", str(SYSTEMD_DIR / "install.sh")],
+        env={**os.environ, "DESTDIR": ""},
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "systemd is not running on this machine" in result.stderr
+    assert "nothing was installed" in result.stderr
+    assert [p.exists() for p in watched] == before
