@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import queue
+import shutil
 import tempfile
 import time
 import traceback
@@ -87,7 +88,8 @@ def run_world(
     results = ctx.Queue()
     port = free_port()
     # No daemon answers at this socket, so every world runs on its own embedded daemon.
-    nowhere = os.path.join(tempfile.mkdtemp(prefix="smddp-test-"), "absent.sock")
+    nowhere_dir = tempfile.mkdtemp(prefix="smddp-test-")
+    nowhere = os.path.join(nowhere_dir, "absent.sock")
     full_env = {"SMDDP_SOCKET": nowhere, **(env or {})}
     procs = [
         ctx.Process(
@@ -136,4 +138,5 @@ def run_world(
             if p.is_alive():
                 p.kill()
                 p.join(timeout=10)
+        shutil.rmtree(nowhere_dir, ignore_errors=True)
     return [values[r] for r in range(world_size)]

@@ -11,11 +11,13 @@ SageMaker import path.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import collective_checks as checks
@@ -57,13 +59,15 @@ def _report(results: list[dict[str, Any]], section: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def world_results() -> Callable[[int], list[dict[str, Any]]]:
+def world_results() -> Iterator[Callable[[int], list[dict[str, Any]]]]:
     """Runs the matrix once per world size (on first use) and hands out its results."""
     cache: dict[int, list[dict[str, Any]] | WorldFailure] = {}
+    barriers = tempfile.mkdtemp(prefix="smddp-barrier-")
 
     def get(world_size: int) -> list[dict[str, Any]]:
         if world_size not in cache:
-            env = {checks.BARRIER_DIR_ENV: tempfile.mkdtemp(prefix="smddp-barrier-")}
+            env = {checks.BARRIER_DIR_ENV: os.path.join(barriers, str(world_size))}
+            os.makedirs(env[checks.BARRIER_DIR_ENV])
             try:
                 cache[world_size] = run_world(world_size, checks.matrix_main, env, WORLD_TIMEOUT_S)
             except WorldFailure as exc:
@@ -73,7 +77,8 @@ def world_results() -> Callable[[int], list[dict[str, Any]]]:
             pytest.fail(str(value), pytrace=False)
         return value
 
-    return get
+    yield get
+    shutil.rmtree(barriers, ignore_errors=True)
 
 
 @pytest.mark.timeout(WORLD_TIMEOUT_S + 30)
@@ -89,19 +94,19 @@ def test_collective(
 
 
 @pytest.mark.timeout(WORLD_TIMEOUT_S + 30)
-def test_grpc_op_channel() -> None:
+def test_grpc_op_channel(tmp_path: Path) -> None:
     """A reduced matrix, small and chunked, with SMDDP_OP_CHANNEL=grpc."""
     env = {
         "SMDDP_OP_CHANNEL": "grpc",
         "SMDDP_ARENA_BYTES": str(checks.CHUNKED_ARENA_BYTES),
-        checks.BARRIER_DIR_ENV: tempfile.mkdtemp(prefix="smddp-barrier-"),
+        checks.BARRIER_DIR_ENV: str(tmp_path),
     }
     results = run_world(3, checks.grpc_main, env, WORLD_TIMEOUT_S)
     _report(results, "grpc")
 
 
 @pytest.mark.timeout(120)
-def test_sagemaker_import_path_registers_backend() -> None:
+def test_sagemaker_import_path_registers_backend(tmp_path: Path) -> None:
     """``import smdistributed.dataparallel.torch.torch_smddp`` alone makes backend "smddp" work."""
     code = textwrap.dedent(
         """
@@ -127,7 +132,7 @@ def test_sagemaker_import_path_registers_backend() -> None:
         os.environ,
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(free_port()),
-        SMDDP_SOCKET=os.path.join(tempfile.mkdtemp(prefix="smddp-test-"), "absent.sock"),
+        SMDDP_SOCKET=str(tmp_path / "absent.sock"),
         # Without torch's entry-point autoload, which would register smddp when torch is
         # imported (tests/frameworks/test_launchers.py tests that path): this test is about
         # the SageMaker import alone.

@@ -6,6 +6,8 @@ uses a default process group that already exists, so the script makes it first. 
 checks that the trained weights agree across ranks; rank 0 prints the result.
 """
 
+import atexit
+import shutil
 import sys
 import tempfile
 
@@ -29,8 +31,10 @@ dist.init_process_group(backend="smddp")
 g = torch.Generator().manual_seed(1)
 xs, ys = torch.randn(48, 8, generator=g), torch.randn(48, 1, generator=g)
 data = [{"x": xs[i], "labels": ys[i]} for i in range(48)]
+output_dir = tempfile.mkdtemp(prefix="smddp-hf-")
+atexit.register(shutil.rmtree, output_dir, True)
 args = TrainingArguments(
-    output_dir=tempfile.mkdtemp(),
+    output_dir=output_dir,
     per_device_train_batch_size=4,
     max_steps=4,
     learning_rate=0.1,

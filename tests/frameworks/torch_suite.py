@@ -27,6 +27,7 @@ from __future__ import annotations
 import atexit
 import importlib.util
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -86,7 +87,9 @@ def _environment() -> None:
     os.environ.setdefault("WORLD_SIZE", str(WORLD_SIZE))
     if "TEMP_DIR" not in os.environ:
         # Inherited by the spawned ranks, so parent and ranks share it.
+        # Made here, in the parent, and removed when it exits (the ranks only use it).
         os.environ["TEMP_DIR"] = tempfile.mkdtemp(prefix="smddp-torch-suite-")
+        atexit.register(shutil.rmtree, os.environ["TEMP_DIR"], True)
     os.makedirs(os.path.join(os.environ["TEMP_DIR"], "barrier"), exist_ok=True)
 
 
@@ -103,7 +106,8 @@ def _start_daemon() -> None:
     """One smddpd for the whole run (the parent's; the ranks inherit SMDDP_SOCKET)."""
     if os.environ.get("SMDDP_TORCH_SUITE_DAEMON") == os.environ.get("SMDDP_SOCKET", "-"):
         return  # a rank: the parent already started it
-    path = os.path.join(tempfile.mkdtemp(prefix="smddp-suite-daemon-"), "smddpd.sock")
+    folder = tempfile.mkdtemp(prefix="smddp-suite-daemon-")
+    path = os.path.join(folder, "smddpd.sock")
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -135,6 +139,8 @@ def _start_daemon() -> None:
             proc.wait(10)
         except subprocess.TimeoutExpired:
             proc.kill()
+            proc.wait()
+        shutil.rmtree(folder, ignore_errors=True)
 
     atexit.register(stop)
     os.environ["SMDDP_SOCKET"] = path
