@@ -78,7 +78,11 @@ class RegionOps:
         self._open_region = open_region
         self._alive = daemon_alive
         self._gone = daemon_gone
+        self.world = world
         self._shm: ShmPath | None = None
+        # The error of a region this rank could not use (its header was overwritten): every
+        # later op raises it too, rather than map the region again.
+        self._unusable: SmddpError | None = None
         self.peer_maps: list[np.ndarray] = []
         self.open: InFlight | None = None  # its op whose completion is still due
         # The largest op the region carries (a slot's data buffer): the daemon's choice, read
@@ -89,10 +93,23 @@ class RegionOps:
     def shm(self) -> ShmPath:
         """The control region, mapped at the first op that needs it."""
         if self._shm is None:
+            if self._unusable is not None:
+                raise self._unusable
             self.peer_maps, region = self._open_region()
-            self._shm = ShmPath(
-                self.name, self.rank, region, self.timeout_s, self._alive, self._gone, self.ranks
-            )
+            try:
+                self._shm = ShmPath(
+                    self.name,
+                    self.rank,
+                    region,
+                    self.timeout_s,
+                    self._alive,
+                    self._gone,
+                    self.ranks,
+                    self.world,
+                )
+            except SmddpError as exc:
+                self._unusable = exc
+                raise
             self.max_bytes = self._shm.data_bytes
         return self._shm
 

@@ -66,6 +66,7 @@ from smddp.region import (
     SIG_WORDS,
     SKEW_COLS,
     SKEW_TABLE_OFFSET,
+    RegionGeometryError,
     RegionView,
     futex_wait,
     futex_wake,
@@ -93,6 +94,9 @@ ALIVE_CHECK_S = 0.1
 GRACE_POLL_S = 0.001
 # The daemon enforces the op timeout; this is a rank's last resort when it cannot.
 GRACE_S = 30.0
+# The error kinds an error read from the region may have; any other word there (a rank of
+# the job can write any) is raised as INVALID.
+KNOWN_KINDS = frozenset(pb.ErrorKind.values()) - {pb.ERROR_KIND_UNSPECIFIED}
 
 
 class ShmPath:
@@ -107,13 +111,29 @@ class ShmPath:
         daemon_alive: Callable[[], bool],
         daemon_gone: Callable[[], DaemonLostError],
         ranks: Sequence[int] = (),
+        world: int | None = None,
     ) -> None:
         """``rank``: this rank's slot; ``ranks``: the communicator's rank of each slot, as
         messages name them (default: the slot's own number; a communicator spanning nodes
-        has a slot for each of its ranks on this node)."""
+        has a slot for each of its ranks on this node); ``world``: the number of slots, as
+        the daemon registered the communicator's ranks on this node (None: the header's,
+        for a region made here).
+
+        Raises:
+            OpError: the region's header disagrees with ``world`` or the region's size (a
+                rank of the job wrote over it); the error is recorded in this rank's slot
+                where the size and ``world`` say it is, so that the others raise it too.
+        """
         self.name = name
         self.rank = rank
-        self.view = v = RegionView(region)
+        try:
+            self.view = v = RegionView.mapped(region, world)
+        except RegionGeometryError as exc:
+            raise self._unusable(exc, ranks) from None
+        if not 0 <= rank < v.world:
+            raise op_error(
+                pb.INVALID, f"{name}: slot {rank} is outside a control region of {v.world} slots"
+            )
         self.world = v.world
         self.ranks = list(ranks) or list(range(v.world))
         self.data_bytes = v.data_bytes
@@ -160,6 +180,17 @@ class ShmPath:
             self._agree = self.native.agree
             self._spin = self.native.spin
 
+    def _unusable(self, exc: RegionGeometryError, ranks: Sequence[int]) -> OpError:
+        """The error of a region whose header is not the one the daemon wrote, recorded
+        in this rank's slot when the region's size and world say where it is."""
+        who = f"rank {ranks[self.rank]}" if self.rank < len(ranks) else f"slot {self.rank}"
+        message = f"{self.name}: {who} cannot use the control region: {exc}"
+        trusted = exc.trusted
+        if trusted is not None and 0 <= self.rank < trusted.world:
+            trusted.set_slot_error(self.rank, pb.INVALID, message)
+            futex_wake(trusted.step_address(self.rank))
+        return op_error(pb.INVALID, message)
+
     # -- synchronisation ----------------------------------------------------------------------
 
     def check(self) -> None:
@@ -182,6 +213,15 @@ class ShmPath:
         if found is None:
             return  # the alarm is being raised right now; its message follows
         kind, message = found
+        # The words are the daemon's or a rank's, and any rank can write any: the kind is
+        # one the client knows, and the error says something.
+        if kind not in KNOWN_KINDS:
+            kind = pb.INVALID
+        if not message:
+            message = (
+                f"{self.name}: the control region says the communicator failed, without a "
+                "message (a rank of the job wrote over the region's failure words)"
+            )
         if entry and kind == pb.SHUTDOWN and not self._alive():
             # A new op after the daemon went away: say so, as an op sent to it would. (An
             # op that was in flight when it stopped says that it was shutting down.)

@@ -21,7 +21,7 @@ import numpy as np
 from smddp.server import hierarchical, host_collectives
 from smddp.server.arena import Arena
 from smddp.server.config import DaemonConfig
-from smddp.server.control_region import ControlRegion
+from smddp.server.control_region import ControlRegion, known_kind
 from smddp.server.domain import Layout, NodeSpec, request_signature
 from smddp.server.errors import (
     FailedPrecondition,
@@ -53,6 +53,9 @@ log = logging.getLogger(__name__)
 # for (an attach, a failure, a rank leaving, the close) wakes it, so this only guards against
 # a wake-up missed by some future path.
 ARENA_WAIT_POLL_S = 5.0
+# The longest error text a reply carries (characters; UTF-8 takes at most 4 bytes each), well
+# inside the data socket's message limit (MAX_MESSAGE_BYTES, 1 MiB).
+MAX_ERROR_CHARS = 64 << 10
 
 if TYPE_CHECKING:
     from smddp.server.limits import BufferAccount
@@ -76,6 +79,8 @@ class Session:
     comm: Communicator
     rank: int
     global_rank: int
+    # The rank's process as the kernel names it (SO_PEERCRED of its data-socket connection,
+    # set at attach); 0 until then. Messages and status name this one.
     pid: int
     node_id: str
     arena_bytes: int
@@ -83,6 +88,9 @@ class Session:
     channel: ReplyChannel | None = None
     uid: int | None = None  # the kernel's word, at attach; counted against it from then on
     peer_pid: int = 0  # the attached process as the kernel names it (SO_PEERCRED)
+    # The pid the rank claimed at Register (any number it liked): named, as unverified, only
+    # until it attaches.
+    claimed_pid: int = 0
     registered_at: float = field(default_factory=time.monotonic)
     ops_completed: int = 0
     closed: bool = False
@@ -92,8 +100,11 @@ class Session:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def label(self) -> str:
-        """``rank 2 (pid 4711, node n1)``, the way errors name a rank."""
-        return f"rank {self.rank} (pid {self.pid}, node {self.node_id})"
+        """``rank 2 (pid 4711, node n1)``, the way errors name a rank; before it attached,
+        ``rank 2 (pid 4711 unverified, node n1)`` with the pid it claimed at Register."""
+        if self.pid or not self.claimed_pid:
+            return f"rank {self.rank} (pid {self.pid}, node {self.node_id})"
+        return f"rank {self.rank} (pid {self.claimed_pid} unverified, node {self.node_id})"
 
     def log_fields(self) -> dict[str, object]:
         """``extra=`` for a log record about this rank: the JSON log's job, comm, rank, node."""
@@ -713,9 +724,18 @@ class Communicator:
         raise OpMismatch(f"{self.name()}: {text}")
 
     def _reply_error(self, session: Session, req: pb.OpRequest, kind: int, msg: str) -> None:
+        # Whatever the kind and message came from (a rank's slot in the control region, say),
+        # the reply must be built and must reach the rank: a kind outside the enum would make
+        # the constructor raise in whichever thread answers (the watchdog), and a reply over
+        # the data socket's message limit would be dropped, leaving the rank to wait.
+        if len(msg) > MAX_ERROR_CHARS:
+            msg = msg[:MAX_ERROR_CHARS] + " [cut]"
         # cast: protoc's stubs type an enum field as its enum class alone; an int is what it holds.
         reply = pb.OpReply(
-            request_id=req.request_id, ok=False, error_kind=cast("pb.ErrorKind", kind), error=msg
+            request_id=req.request_id,
+            ok=False,
+            error_kind=cast("pb.ErrorKind", known_kind(kind)),
+            error=msg,
         )
         session.reply(reply)
 
@@ -835,7 +855,11 @@ class Communicator:
         assert region is not None
         found = region.rank_error()
         if found is not None:
-            self.fail(found[0], found[1])
+            kind, message = found
+            if not message.startswith(f"{self.name()}: "):
+                # The slot's text is the rank's: it names no other job in the daemon's log.
+                message = f"{self.name()}: a rank recorded in the control region: {message}"
+            self.fail(kind, message)
             return
         p = region.pending(int(now * 1e9), inside=len(self.nodes) <= 1)
         if p is None:

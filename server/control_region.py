@@ -6,6 +6,14 @@ that a communicator spanning nodes asks of it (``OpRequest.node_combined``). Slo
 communicator's ``local_ranks[i]``. It marks the communicator failed there (every waiting rank
 wakes and raises the same error), finds ops that waited past the timeout, shows in-flight
 ops to ``smddpctl status`` and reads the ranks' counters into its metrics.
+
+Every rank of the communicator maps the region read-write and may write anything into it,
+as a buggy or hostile process can: the daemon reads it as untrusted input. The memfd is
+sealed against resizing (a shrunk region would make the daemon's next read a SIGBUS); the
+geometry is the daemon's own, never the header's; whether the communicator failed is the
+daemon's own state, not the header's flag; every length is capped, every error kind mapped
+onto the known ones, and sequence numbers, steps, signatures and times, whatever they
+are, only ever end the region's own job, with a named error.
 """
 
 from __future__ import annotations
@@ -36,7 +44,26 @@ from smddp.region import (
     init_header,
     region_bytes,
 )
+from smddp.server.arena import sealed_memfd
+from smddp.v1 import smddp_pb2 as pb
 from smddp.wire import describe
+
+# The error kinds a rank may record in its slot; any other word there (it is the rank's to
+# write) becomes INVALID, so that no reply, metric or log built from it can fail.
+KNOWN_KINDS = frozenset(pb.ErrorKind.values()) - {pb.ERROR_KIND_UNSPECIFIED}
+
+
+def known_kind(kind: int) -> int:
+    """``kind`` if it is one of the wire's error kinds, else INVALID."""
+    return kind if kind in KNOWN_KINDS else pb.INVALID
+
+
+def printable(text: str) -> str:
+    """``text`` with its unprintable characters escaped (``\\n``): a message a rank wrote
+    goes into the daemon's log one line long."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 @dataclass
@@ -61,9 +88,8 @@ class ControlRegion:
         if data_bytes is None:
             data_bytes = data_bytes_for(world_size)
         self.nbytes = region_bytes(world_size, data_bytes)
-        self.fd = os.memfd_create("smddp-region", os.MFD_CLOEXEC)
+        self.fd = sealed_memfd("smddp-region", self.nbytes)
         try:
-            os.ftruncate(self.fd, self.nbytes)
             self._mm = mmap.mmap(
                 self.fd, self.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE
             )
@@ -72,7 +98,10 @@ class ControlRegion:
             raise
         buf = np.frombuffer(self._mm, dtype=np.uint8)
         init_header(buf, world_size, data_bytes)
-        self.view = RegionView(buf)
+        # The geometry it was made with: the header's words are the ranks' to overwrite.
+        self.view = RegionView(buf, world_size, data_bytes)
+        # The daemon's failure, once it wrote one: the header's flag is the ranks' to write.
+        self._failure: tuple[int, str] | None = None
         # The counters as last read into the metrics, to add only what is new.
         self._seen_ops = np.zeros_like(self.view.op_table(0))
         self._seen_bytes = np.zeros((world_size,) + self._seen_ops.shape[:1], dtype=np.int64)
@@ -82,14 +111,33 @@ class ControlRegion:
         # long the ranks inside an op have waited at a synchronisation for one that stopped.
         self._steps: tuple[int, ...] = ()
         self._steps_since = 0
+        # The op the furthest ranks waited at when the daemon first saw others missing, and
+        # when (monotonic ns): an op is timed from there at the latest, whatever arrival
+        # times the ranks wrote (one in the future must not stop it being timed out).
+        self._seen_seq = 0
+        self._seen_since = 0
 
     def fail(self, kind: int, message: str) -> None:
-        """Marks the communicator failed and wakes every rank."""
-        self.view.set_failure(kind, message)
+        """Marks the communicator failed and wakes every rank (once: later calls keep the
+        first failure), whatever a rank wrote into the header's failure words."""
+        if self._failure is not None:
+            return
+        self._failure = (kind, message)
+        self.view.write_failure(kind, message)
+
+    def failed(self) -> bool:
+        """True once the daemon failed the communicator here (``fail``)."""
+        return self._failure is not None
 
     def rank_error(self) -> tuple[int, str] | None:
-        """An error a rank found and recorded (a mismatch), or None."""
-        return self.view.first_slot_error() if self.view.header[H_ALARM] else None
+        """An error a rank found and recorded (a mismatch), or None: its kind one of the
+        wire's (``known_kind``), its message at most ``ERR_MSG_MAX`` bytes, printable."""
+        found = self.view.first_slot_error() if self.view.header[H_ALARM] else None
+        if found is None:
+            return None
+        kind, message = found
+        message = printable(message) or "a rank recorded an error without a message"
+        return known_kind(kind), message
 
     def ops_completed(self, rank: int) -> int:
         """Ops rank ``rank`` completed through the region."""
@@ -98,22 +146,28 @@ class ControlRegion:
     def pending(self, now_ns: int | None = None, inside: bool = True) -> RegionPending | None:
         """The op the furthest ranks wait at while others have not arrived, or None.
 
+        Whatever the ranks wrote: the op's number is positive, its description built
+        from any words, and ``waited_s`` at least how long the daemon has seen it waiting
+        (arrival times are the ranks' words).
+
         ``inside``: also a rank that stopped at a synchronisation inside an op every rank
         is in (``_stalled_inside``). Not for a communicator spanning nodes, where the
         node's lowest rank is behind the others while it waits at the daemon for the other
         nodes, which the daemon times by itself.
         """
         v = self.view
-        if v.failure() is not None:
+        if self._failure is not None:
             return None
         seqs = [int(v.slots[r, S_SEQ]) for r in range(v.world)]
         seq = max(seqs)
         missing = [r for r, s in enumerate(seqs) if s < seq]
         now_ns = time.monotonic_ns() if now_ns is None else now_ns
-        if seq == 0:
+        if seq <= 0:
             return None
         if not missing:
             return self._stalled_inside(seq, now_ns) if inside else None
+        if seq != self._seen_seq:
+            self._seen_seq, self._seen_since = seq, now_ns
         arrived = [r for r, s in enumerate(seqs) if s >= seq]
         sigs = [
             s for s in (v.signature(r, seq) for r in arrived) if s is not None and s[G_SEQ] == seq
@@ -121,7 +175,7 @@ class ControlRegion:
         if not sigs:
             return None  # a rank is between publishing its sequence number and its signature
         sig = sigs[0]
-        first = min(s[G_ARRIVAL] for s in sigs)
+        first = min(min(s[G_ARRIVAL] for s in sigs), self._seen_since)
         return RegionPending(
             seq,
             describe(sig[G_KIND], sig[G_DTYPE], sig[G_COUNT], sig[G_ROOT], sig[G_OP]),

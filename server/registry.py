@@ -239,7 +239,8 @@ class Registry:
                 comm=comm,
                 rank=req.rank,
                 global_rank=req.global_rank,
-                pid=req.pid,
+                pid=0,  # the kernel's, at attach
+                claimed_pid=req.pid,
                 node_id=req.node_id or "?",
                 arena_bytes=req.arena_bytes,
             )
@@ -477,7 +478,10 @@ class Registry:
         except BaseException:
             arena.close()
             raise
-        session.peer_pid = pid
+        # From here on messages and status name the process the kernel saw (SO_PEERCRED),
+        # not the pid the rank claimed at Register; 0 (the client's pid namespace is not
+        # ours) leaves the claim, which its label calls unverified.
+        session.peer_pid = session.pid = pid
         session.arena = arena
         comm.attached()
 

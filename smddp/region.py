@@ -16,7 +16,10 @@ k's signature and data stay readable until every rank has arrived at op k+1), wh
 others need to read its memory in place (its pid, the address of a single-copy op's source,
 a probe word, and whether it can read theirs), an error area, the rank's metric counters
 and its two data buffers. Only the slot's rank writes its slot; only the daemon writes the
-header, except the alarm word, which any side sets once.
+header, except the alarm word, which any side sets once. That is the protocol, not a
+protection: every rank maps the whole region read-write, so each side reads what others
+wrote as untrusted input (the geometry comes from what the daemon registered and the
+region's real size, never from the header; lengths are capped; kinds are checked).
 
 x86-64 keeps stores in order (TSO), so data written before a step is bumped is visible to a
 rank that sees the bump; numpy writes each aligned int64 word with one store.
@@ -145,6 +148,23 @@ def region_bytes(world_size: int, data_bytes: int) -> int:
     return HEADER_BYTES + world_size * slot_bytes(data_bytes)
 
 
+def data_bytes_of(nbytes: int, world: int) -> int | None:
+    """The data buffers' size of a region of ``nbytes`` with ``world`` slots, or None when
+    no such region has that size."""
+    if world < 1:
+        return None
+    data, rest = divmod(nbytes - HEADER_BYTES - world * DATA_OFFSET, 2 * world)
+    return data if rest == 0 and data > 0 and data % 8 == 0 else None
+
+
+class RegionGeometryError(ValueError):
+    """A mapped region whose header disagrees with its size or its registered world."""
+
+    def __init__(self, message: str, trusted: RegionView | None = None) -> None:
+        super().__init__(message)
+        self.trusted = trusted
+
+
 def init_header(buf: np.ndarray, world_size: int, data_bytes: int) -> None:
     """Writes a fresh region's header (the daemon, once, before any rank maps it)."""
     words = buf[:HEADER_BYTES].view(np.int64)
@@ -166,19 +186,28 @@ def packed_signature(kind: int, dtype: int, count: int, root: int, reduce_op: in
 
 
 class RegionView:
-    """Typed views of a mapped region (both sides use them)."""
+    """Typed views of a mapped region (both sides use them), over the geometry it was made
+    with: ``world`` slots whose data buffers hold ``data_bytes`` each.
 
-    def __init__(self, buf: np.ndarray) -> None:
+    Any rank of the communicator can write any word of the region, the header's included,
+    so nothing here takes its geometry from the header: the daemon passes what it created
+    the region with, a rank what ``mapped`` checked.
+    """
+
+    def __init__(self, buf: np.ndarray, world: int, data_bytes: int) -> None:
+        """Raises ValueError when ``buf`` is not exactly the region of that geometry."""
+        if world < 1 or data_bytes < 0 or data_bytes % 8:
+            raise ValueError(f"no region has {world} slots of data buffers of {data_bytes} bytes")
+        if buf.nbytes != region_bytes(world, data_bytes):
+            raise ValueError(
+                f"a region of {world} slots of data buffers of {data_bytes} bytes has "
+                f"{region_bytes(world, data_bytes)} bytes, not {buf.nbytes}"
+            )
         self.buf = buf
         self.header = buf[:HEADER_BYTES].view(np.int64)
-        if int(self.header[H_MAGIC]) != MAGIC:
-            raise ValueError(
-                "not an smddp control region of this version (the daemon and the job's smddp "
-                "must be the same release)"
-            )
-        self.world = int(self.header[H_WORLD])
-        self.slot_bytes = int(self.header[H_SLOT_BYTES])
-        self.data_bytes = int(self.header[H_DATA_BYTES])
+        self.world = world
+        self.slot_bytes = slot_bytes(data_bytes)
+        self.data_bytes = data_bytes
         self.words = buf.view(np.int64)
         self.slot_words = self.slot_bytes // 8
         base = HEADER_BYTES // 8
@@ -189,6 +218,41 @@ class RegionView:
             .reshape(self.world, -1)
         )
         self.address = buf.ctypes.data
+
+    @classmethod
+    def mapped(cls, buf: np.ndarray, world: int | None = None) -> RegionView:
+        """A rank's view of the region the daemon handed it, once its header agrees with
+        what the rank knows: the region's real size (the memfd is sealed against resizing)
+        and ``world``, its communicator's ranks on this node as the daemon registered them
+        (None: the header's, checked against the size only).
+
+        Raises:
+            RegionGeometryError: the header disagrees (another rank of the job rewrote it,
+                or the daemon and the job's smddp are different releases); ``trusted`` is
+                the view the size and ``world`` give, when they give one, so that the
+                rank can still record the error in its own slot.
+        """
+        header = buf[:HEADER_BYTES].view(np.int64) if buf.nbytes >= HEADER_BYTES else None
+        if header is None or int(header[H_MAGIC]) != MAGIC:
+            raise RegionGeometryError(
+                "not an smddp control region of this version (the daemon and the job's smddp "
+                "must be the same release)"
+            )
+        said = (int(header[H_WORLD]), int(header[H_SLOT_BYTES]), int(header[H_DATA_BYTES]))
+        if world is None:
+            world = said[0]
+        trusted = None
+        data_bytes = data_bytes_of(buf.nbytes, world)
+        if data_bytes is not None:
+            trusted = cls(buf, world, data_bytes)
+            if said == (world, slot_bytes(data_bytes), data_bytes):
+                return trusted
+        raise RegionGeometryError(
+            f"the control region's header says {said[0]} ranks, slots of {said[1]} bytes and "
+            f"data buffers of {said[2]} bytes, but smddpd made it for {world} ranks on this "
+            f"node in {buf.nbytes} bytes (a rank of the job wrote over its header)",
+            trusted,
+        )
 
     def op_table(self, rank: int) -> np.ndarray:
         """Rank ``rank``'s op counters, shape (KINDS * DTYPES, OP_COLS)."""
@@ -231,9 +295,11 @@ class RegionView:
         return None
 
     def slot_error(self, rank: int) -> tuple[int, str]:
-        """The error kind and message a rank recorded in its slot."""
+        """The error kind and message a rank recorded in its slot, as written there: the
+        kind may be any int64 (the reader maps it onto the kinds it knows); the message is
+        at most ``ERR_MSG_MAX`` bytes whatever its length word says."""
         b = self.slot_base[rank]
-        n = int(self.words[b + S_ERR_LEN])
+        n = min(max(int(self.words[b + S_ERR_LEN]), 0), ERR_MSG_MAX)
         off = HEADER_BYTES + rank * self.slot_bytes + ERR_MSG_OFFSET
         return int(self.words[b + S_ERR_KIND]), bytes(self.buf[off : off + n]).decode(
             "utf-8", "replace"
@@ -251,18 +317,23 @@ class RegionView:
         self.header[H_ALARM] = 1
 
     def failure(self) -> tuple[int, str] | None:
-        """The daemon's failure (kind, message), or None."""
+        """The failure (kind, message) the header holds, or None: the daemon's, unless a
+        rank wrote over it (the kind may then be any int64; the message is at most
+        ``FAIL_MSG_MAX`` bytes whatever its length word says)."""
         if not self.header[H_FAILED]:
             return None
-        n = int(self.header[H_FAIL_LEN])
+        n = min(max(int(self.header[H_FAIL_LEN]), 0), FAIL_MSG_MAX)
         return int(self.header[H_FAIL_KIND]), bytes(
             self.buf[FAIL_MSG_OFFSET : FAIL_MSG_OFFSET + n]
         ).decode("utf-8", "replace")
 
-    def set_failure(self, kind: int, message: str) -> None:
-        """The daemon fails the communicator: message first, then the flags, then wakes all."""
-        if self.header[H_FAILED]:
-            return
+    def write_failure(self, kind: int, message: str) -> None:
+        """The daemon fails the communicator: message first, then the flags, then wakes all.
+
+        Written whatever the header holds: a rank may have set the flag itself (with no
+        message, or just before it died), and the daemon's failure must still reach the
+        others. The daemon writes it once (``ControlRegion`` keeps its own failed state).
+        """
         data = message.encode()[:FAIL_MSG_MAX]
         self.buf[FAIL_MSG_OFFSET : FAIL_MSG_OFFSET + len(data)] = np.frombuffer(data, np.uint8)
         self.header[H_FAIL_KIND] = kind
