@@ -8,6 +8,7 @@ pending and later op of it fails on every rank with a message naming who did wha
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING, Protocol, cast
 
 import numpy as np
 
-from smddp.server import hierarchical, host_collectives
+from smddp.server import hierarchical, host_collectives, supervise
 from smddp.server.arena import Arena
 from smddp.server.config import DaemonConfig
 from smddp.server.control_region import ControlRegion, known_kind
@@ -523,12 +524,23 @@ class Communicator:
             pending = self._work.get()
             if pending is None:
                 return
+            self._supervised(pending)
+
+    def _supervised(self, pending: Pending) -> None:
+        """Runs a matched chunk; whatever it raises fails this communicator, not the thread
+        that runs it (the worker, or a rank's connection)."""
+        with supervise.unit(
+            "running an op",
+            self.name(),
+            self._log_fields(),
+            on_error=lambda exc: self.internal_error(f"running op #{pending.seq}", exc),
+        ):
             self._execute(pending)
 
     def _run(self, pending: Pending) -> None:
         req = next(iter(pending.arrivals.values()))[1]
         if self.peers is None or (req.kind in P2P_KINDS and len(pending.participants) == 2):
-            self._execute(pending)
+            self._supervised(pending)
         elif req.kind in P2P_KINDS:
             self._run_remote_p2p(pending)
         else:
@@ -915,27 +927,65 @@ class Communicator:
         """Stops the worker and closes the peer connections (the last local rank left).
 
         Ops still pending (sent by ranks that left before the others came) are dropped with
-        their copies of early sends: nobody is left to answer.
+        their copies of early sends: nobody is left to answer. Every step runs whatever the
+        ones before raised (metrics a rank's writes made unreadable must not keep the region,
+        the worker or the peer connections).
+
+        Raises:
+            supervise.Reported: a step raised (logged; every other step ran).
         """
-        self.drain_metrics()
+        steps = supervise.Steps("closing the communicator", self.name(), self._log_fields())
+        steps.run("reading its last metrics", self.drain_metrics)
         with self._lock:
             region, self.region = self.region, None
             self._closed = True
             dropped = list(self._pending.values())
             self._pending.clear()
             self._attached.notify_all()  # a peer-arenas request still waiting ends now
-        for p in dropped:
-            if p.sent is not None and self.buffers is not None:
-                self.buffers.give(p.sent.nbytes)
+        buffers = self.buffers
+        if buffers is not None:
+            held = sum(p.sent.nbytes for p in dropped if p.sent is not None)
+            steps.run("giving back its early sends' bytes", lambda: buffers.give(held))
         if region is not None:
-            region.close()
+            steps.run("closing its control region", region.close)
+        steps.run("releasing its GPU streams", self._release_gpu)
+        work = self._work
+        if work is not None:
+            steps.run("stopping its worker", lambda: work.put(None))
+        peers = self.peers
+        if peers is not None:
+            steps.run("closing its connections to other nodes", peers.close)
+        steps.raise_first()
+
+    def _release_gpu(self) -> None:
         gpu_ops = self._gpu.active()
         if gpu_ops is not None:
             gpu_ops.release_comm(self)  # its CUDA streams, once their work is done
-        if self._work is not None:
-            self._work.put(None)
-        if self.peers is not None:
-            self.peers.close()
+
+    def internal_error(self, what: str, exc: BaseException) -> None:
+        """Fails the communicator on every rank for an exception the daemon met while
+        ``what`` (supervision calls it): a bug, or a rank's input nobody foresaw.
+
+        Every rank hears it, even where an earlier failure was cut short by the same bug:
+        the ranks in the control region through the region, the others by a notice on
+        their channel (request id 0), which their next wait raises.
+        """
+        message = (
+            f"{self.name()}: internal error in smddpd while {what} "
+            f"({type(exc).__name__}: {exc}); the communicator cannot go on"
+        )
+        steps = supervise.Steps("failing the communicator", self.name(), self._log_fields())
+        steps.run("failing its ops", lambda: self.fail(pb.INVALID, message))
+        region = self.region
+        if region is not None:  # a no-op where the failure is written already
+            steps.run(
+                "writing the failure into its region", lambda: region.fail(pb.INVALID, message)
+            )
+        notice = pb.OpReply(request_id=0, ok=False, error_kind=pb.INVALID, error=message)
+        with self._lock:
+            members = list(self.members.values())
+        for session in members:
+            steps.run("telling a rank", functools.partial(session.reply, notice))
 
     def status(self) -> pb.CommStatus:
         """A snapshot for smddpctl status."""

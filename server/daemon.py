@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import grp
 import logging
 import os
@@ -15,7 +16,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from smddp.server import notify, tls
+from smddp.server import notify, supervise, tls
 from smddp.server.config import DaemonConfig
 from smddp.server.data_socket import DataSocketServer
 from smddp.server.errors import SmddpError
@@ -364,19 +365,42 @@ class Daemon:
 
     def _watchdog(self) -> None:
         while not self.stopped.wait(WATCHDOG_PERIOD_S):
-            now = time.monotonic()
-            self.last_tick = now
-            for comm in self.registry.comms():
+            with supervise.unit("the watchdog ticked"):
+                if self._tick():
+                    return
+
+    def _tick(self) -> bool:
+        """One round of the watchdog; True when the daemon is to stop (its owner is gone).
+
+        Each piece of work is a unit of its own (``supervise.unit``): a communicator whose
+        check raises fails alone, on all its ranks; the others are still timed, and the tick
+        goes on to health, which stays SERVING (the watchdog still ticks).
+        """
+        now = time.monotonic()
+        self.last_tick = now
+        for comm in self.registry.comms():
+            if comm.failed() is not None:
+                continue  # nothing left to time; a check that raised is not run again
+            with supervise.unit(
+                "the watchdog checked a communicator's timeouts",
+                comm.name(),
+                {"job": comm.job_id, "comm": comm.comm_id},
+                on_error=functools.partial(comm.internal_error, "checking its timeouts"),
+            ):
                 comm.check_timeouts(now)
+        with supervise.unit("the watchdog expired registrations"):
             self.registry.expire(now)
-            if now - self._fds_checked >= FD_CHECK_PERIOD_S:
-                self._fds_checked = now
+        if now - self._fds_checked >= FD_CHECK_PERIOD_S:
+            self._fds_checked = now
+            with supervise.unit("the watchdog counted free descriptors"):
                 self._free_fds = _free_fds()
+        with supervise.unit("the watchdog updated health"):
             self._update_health()
-            if self.config.owner_pid and self._owner_gone(now):
-                log.info("the job that started this embedded smddpd has ended; exiting")
-                threading.Thread(target=self.stop, daemon=True).start()
-                return
+        if self.config.owner_pid and self._owner_gone(now):
+            log.info("the job that started this embedded smddpd has ended; exiting")
+            threading.Thread(target=self.stop, daemon=True).start()
+            return True
+        return False
 
     def _owner_gone(self, now: float) -> bool:
         try:

@@ -24,7 +24,7 @@ import time
 
 from google.protobuf.message import DecodeError
 
-from smddp.server import gpu_free
+from smddp.server import gpu_free, supervise
 from smddp.server.communicator import Session
 from smddp.server.errors import LimitExceeded, SmddpError
 from smddp.server.limits import Counts
@@ -178,17 +178,11 @@ class DataSocketServer:
                     continue
                 backoff = ACCEPT_BACKOFF_S
                 self.accept_error = None
-                try:
+                # A thread that cannot start, say: this connection closes, the loop goes on.
+                with supervise.unit(
+                    "admitting a data-socket connection", on_error=supervise.closing(conn)
+                ):
                     self._admit(conn)
-                except Exception as exc:  # a thread that cannot start, say: keep accepting
-                    refusals.log(
-                        log,
-                        logging.WARNING,
-                        "data-socket connection not served",
-                        "cannot serve a data-socket connection: %r",
-                        exc,
-                    )
-                    conn.close()
         finally:
             self._accept_running = False
 
@@ -286,13 +280,27 @@ class DataSocketServer:
             detail = f"connection error: {exc}"
         except ValueError as exc:
             detail = str(exc)
+        except Exception as exc:  # a bug met serving it: this connection closes, nothing else
+            about = session.comm.name() if session is not None else f"uid {uid} pid {pid}"
+            fields = session.log_fields() if session is not None else None
+            supervise.report("serving a data-socket connection", exc, about, fields)
+            detail = (
+                f"internal error in smddpd serving its connection ({type(exc).__name__}: {exc})"
+            )
         finally:
+            # Each step whatever the ones before raised: a connection left open here is a
+            # descriptor and a count of its uid held for good.
+            steps = supervise.Steps("closing a data-socket connection", f"uid {uid} pid {pid}")
             if session is not None:
-                self._registry.connection_lost(session, detail)
-            with self._lock:
-                self._conns.discard(conn)
-            self._connections.give(uid)
-            conn.close()
+                lost = session
+                steps.run("removing its rank", lambda: self._registry.connection_lost(lost, detail))
+            steps.run("forgetting it", lambda: self._forget(conn))
+            steps.run("giving back its uid's count", lambda: self._connections.give(uid))
+            steps.run("closing it", conn.close)
+
+    def _forget(self, conn: socket.socket) -> None:
+        with self._lock:
+            self._conns.discard(conn)
 
     def _attach(self, conn: socket.socket, pid: int, uid: int) -> Session | _FreeChannel | None:
         # A connection that sends nothing must not hold its thread and descriptor for ever.
@@ -389,6 +397,15 @@ class DataSocketServer:
             reply, sent = pb.AttachReply(ok=True), fds
         except SmddpError as exc:
             reply, sent = pb.AttachReply(ok=False, error=str(exc)), []
+        except Exception as exc:  # a bug (or no memory for the region): answered, not a hang
+            supervise.report(
+                "answering a peer-arenas request", exc, session.comm.name(), session.log_fields()
+            )
+            error = (
+                f"{session.comm.name()}: internal error in smddpd while answering "
+                f"{session.label()}'s peer-arenas request ({type(exc).__name__}: {exc})"
+            )
+            reply, sent = pb.AttachReply(ok=False, error=error), []
         channel = session.channel
         lock = channel.lock if isinstance(channel, SocketChannel) else threading.Lock()
         # Before the reply: a client that has it may ask again at once.

@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from smddp.server import gpu_kernels
+from smddp.server import gpu_kernels, supervise
 from smddp.server.errors import CudaCallError, FailedPrecondition, InvalidRequest, SmddpError
 from smddp.v1 import smddp_pb2 as pb
 from smddp.wire import (
@@ -619,6 +619,10 @@ class GpuOps:
         self._abort(cs)  # the work streams finish (``abort_comm``)
 
         def drain() -> None:
+            with supervise.unit("releasing a communicator's GPU streams", comm.name()):
+                release()
+
+        def release() -> None:
             while cs.pending:
                 time.sleep(0.001)  # the gate thread opens them at once
             for device, stream in cs.streams.items():
@@ -678,9 +682,16 @@ class GpuOps:
                 comms = list(self._gated.values())
             progressed = False
             for cs in comms:
-                progressed |= self._open_gates(cs)
+                # One communicator's gates that raise fail that communicator; the thread
+                # goes on opening the others'.
+                with supervise.unit(
+                    "opening a communicator's GPU gates",
+                    on_error=functools.partial(self._gates_failed, cs),
+                ):
+                    progressed |= self._open_gates(cs)
             buried = len(self._graveyard)
-            self._collect_if_free()
+            with supervise.unit("releasing finished GPU work"):
+                self._collect_if_free()
             progressed |= len(self._graveyard) < buried
             if progressed:
                 idle = 0
@@ -688,6 +699,14 @@ class GpuOps:
             with self._gate_wake:
                 self._gate_wake.wait(_GATE_POLL_S[min(idle, len(_GATE_POLL_S) - 1)])
             idle += 1
+
+    def _gates_failed(self, cs: _CommStreams, exc: Exception) -> None:
+        """Fails the communicator whose gates raised, and opens them (as for an abort)."""
+        with self._lock:
+            comm = next((c for c, s in self._streams.items() if s is cs), None)
+        if comm is not None:
+            comm.internal_error("opening its GPU gates", exc)
+        self._abort(cs)
 
     def _open_gates(self, cs: _CommStreams) -> bool:
         """Opens ``cs``'s gates whose marks have fired, in ticket order (all of them once it

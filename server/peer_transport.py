@@ -19,6 +19,7 @@ communicator calls ``abort``, ``failed`` and ``close`` on it.
 
 from __future__ import annotations
 
+import functools
 import hmac
 import itertools
 import logging
@@ -33,6 +34,7 @@ from typing import TYPE_CHECKING, Protocol
 import grpc
 import numpy as np
 
+from smddp.server import supervise
 from smddp.server.domain import Layout
 from smddp.server.errors import PeerError
 from smddp.server.peer_control import PeerControl
@@ -430,17 +432,21 @@ class CommPeers:
         header = pack_header(FRAME_HEARTBEAT, self.my_node)
         while not self._closed:
             time.sleep(HEARTBEAT_PERIOD_S)
-            with self._cond:
-                socks = [s for group in self._socks.values() for s in group]
-            for sock in socks:
-                lock = self._send_locks[sock]
-                if lock.acquire(blocking=False):  # a socket busy sending is evidently alive
-                    try:
-                        sock.sendall(header)
-                    except OSError:
-                        pass
-                    finally:
-                        lock.release()
+            with supervise.unit("sending heartbeats to other nodes", self.layout.name()):
+                self._beat(header)
+
+    def _beat(self, header: bytes) -> None:
+        with self._cond:
+            socks = [s for group in self._socks.values() for s in group]
+        for sock in socks:
+            lock = self._send_locks[sock]
+            if lock.acquire(blocking=False):  # a socket busy sending is evidently alive
+                try:
+                    sock.sendall(header)
+                except OSError:
+                    pass
+                finally:
+                    lock.release()
 
     # -- receiving ----------------------------------------------------------------------------
 
@@ -471,7 +477,13 @@ class CommPeers:
                     raise ConnectionError(f"unknown frame type {ftype}")
                 if self._metrics is not None and nbytes:
                     self._metrics.peer_bytes_received.labels(self.node_ids[node]).inc(nbytes)
-                self._deliver(frame)
+                # A frame whose delivery raises fails its communicator; the connection reads on.
+                with supervise.unit(
+                    "delivering a frame from another node",
+                    self.layout.name(),
+                    on_error=functools.partial(self._internal_error, node),
+                ):
+                    self._deliver(frame)
         except TimeoutError:
             if not said_bye:
                 self._lost(
@@ -483,6 +495,14 @@ class CommPeers:
                 self._lost(node, f"connection broke ({exc})")
         finally:
             sock.close()
+
+    def _internal_error(self, node: int, exc: Exception) -> None:
+        """Fails the communicator for an exception met delivering ``node``'s frame."""
+        self._on_failure(
+            pb.INVALID,
+            f"{self.layout.name()}: internal error in smddpd while delivering a frame from node "
+            f"{self.node_ids[node]} ({type(exc).__name__}: {exc}); the communicator cannot go on",
+        )
 
     def _deliver(self, frame: Frame) -> None:
         if frame.kind in (pb.SEND, pb.RECV):

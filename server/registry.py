@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import secrets
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from smddp.server import supervise
 from smddp.server.arena import Arena
 from smddp.server.communicator import Communicator, GpuSupply, Session
 from smddp.server.config import DaemonConfig
@@ -478,11 +480,22 @@ class Registry:
         except BaseException:
             arena.close()
             raise
-        # From here on messages and status name the process the kernel saw (SO_PEERCRED),
-        # not the pid the rank claimed at Register; 0 (the client's pid namespace is not
-        # ours) leaves the claim, which its label calls unverified.
-        session.peer_pid = session.pid = pid
-        session.arena = arena
+        with self._lock:
+            # Its registration may have ended since _bind (Deregister, say): then _drop
+            # has run and no one else would close this arena.
+            gone = session.closed
+            if not gone:
+                # From here on messages and status name the process the kernel saw
+                # (SO_PEERCRED), not the pid the rank claimed at Register; 0 (the client's pid
+                # namespace is not ours) leaves the claim, which its label calls unverified.
+                session.peer_pid = session.pid = pid
+                session.arena = arena
+        if gone:
+            arena.close()
+            raise FailedPrecondition(
+                f"{comm.name()}: {session.label()} left the communicator while it attached its "
+                "arena"
+            )
         comm.attached()
 
     def _bind(self, session: Session, uid: int) -> None:
@@ -582,28 +595,45 @@ class Registry:
             if session.uid is not None:
                 self._ranks_per_uid.give(session.uid)
         comm = session.comm
-        empty = comm.remove(session, why, kind, log_level, fail)
+        # Every step runs whatever the ones before raised: an arena, a region or a count
+        # left behind is held until the daemon restarts.
+        steps = supervise.Steps("removing a rank", comm.name(), session.log_fields())
+        empty = steps.run(
+            "taking it out of its communicator",
+            lambda: comm.remove(session, why, kind, log_level, fail),
+            on_error=functools.partial(comm.internal_error, f"removing {session.label()}"),
+        )
+        if empty is None:  # remove raised: whether others are left, from its members
+            empty = not any(s is not session for s in list(comm.members.values()))
         if empty:
             # The communicator logs a departure only when it fails others; the last one, here.
             log.log(log_level, "%s", why, extra=session.log_fields())
-            job_over = False
-            with self._lock:
-                job = self._job_of(comm)
-                if job is not None:
-                    del job.comms[comm.comm_id]
-                    if not job.comms:
-                        job_over = True
-                        jobs = self._jobs[comm.job_id]
-                        jobs.remove(job)
-                        if not jobs:
-                            del self._jobs[comm.job_id]
-                        if job.owner is not None:
-                            self._jobs_per_uid.give(job.owner)
-            if job_over and self.metrics is not None:
-                self.metrics.job_ended(comm.job_id)
-            comm.close()
-        if session.arena is not None:
-            session.arena.close()
+            if steps.run("forgetting its communicator", lambda: self._forget(comm)):
+                metrics = self.metrics
+                if metrics is not None:
+                    steps.run("dropping its job's metrics", lambda: metrics.job_ended(comm.job_id))
+            steps.run("closing its communicator", comm.close)
+        arena = session.arena
+        if arena is not None:
+            steps.run("closing its arena", arena.close)
+
+    def _forget(self, comm: Communicator) -> bool:
+        """Removes a communicator whose last rank left, and its job if that was its last
+        communicator (giving back the job's count); True when the job is over."""
+        with self._lock:
+            job = self._job_of(comm)
+            if job is None:
+                return False
+            del job.comms[comm.comm_id]
+            if job.comms:
+                return False
+            jobs = self._jobs[comm.job_id]
+            jobs.remove(job)
+            if not jobs:
+                del self._jobs[comm.job_id]
+            if job.owner is not None:
+                self._jobs_per_uid.give(job.owner)
+            return True
 
     # -- looking ------------------------------------------------------------------------------
 
@@ -662,14 +692,18 @@ class Registry:
         for call in forwarded:
             call.cancel()
         self.rendezvous.shutdown(reason)
+        # Each communicator and each rank apart: one that raises must not keep the others
+        # from hearing it.
         for comm in self.comms():
-            comm.fail(pb.SHUTDOWN, f"{comm.name()}: {reason}")
+            with supervise.unit("failing a communicator at shutdown", comm.name()):
+                comm.fail(pb.SHUTDOWN, f"{comm.name()}: {reason}")
         for session in self.sessions():
-            session.reply(
-                pb.OpReply(
-                    request_id=0,
-                    ok=False,
-                    error_kind=pb.SHUTDOWN,
-                    error=f"{session.comm.name()}: {reason}",
+            with supervise.unit("telling a rank of the shutdown", session.comm.name()):
+                session.reply(
+                    pb.OpReply(
+                        request_id=0,
+                        ok=False,
+                        error_kind=pb.SHUTDOWN,
+                        error=f"{session.comm.name()}: {reason}",
+                    )
                 )
-            )

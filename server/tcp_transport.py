@@ -15,6 +15,7 @@ import ssl
 import threading
 import time
 
+from smddp.server import supervise
 from smddp.server.logthrottle import refusals
 from smddp.server.peer_wire import HELLO_MAGIC, HELLO_REFUSED, Connection, OnConnection, answer
 from smddp.server.tls import TlsSocket
@@ -120,22 +121,36 @@ class TcpNode:
                 continue
             backoff = 0.01
             who = f"{addr[0]}:{addr[1]}"
-            if not self._handshaking.acquire(blocking=False):
-                refusals.log(
-                    log, logging.WARNING, "peer handshakes at their limit",
-                    "closed a peer data connection from %s at once: %d others are still in "
-                    "their handshake", who, MAX_HANDSHAKING,
-                )  # fmt: skip
-                sock.close()
-                continue
+            # One connection that raises (a thread that cannot start) closes; the loop goes on.
+            with supervise.unit(
+                "admitting a peer data connection", who, on_error=supervise.closing(sock)
+            ):
+                self._admit(sock, who)
+
+    def _admit(self, sock: socket.socket, who: str) -> None:
+        if not self._handshaking.acquire(blocking=False):
+            refusals.log(
+                log, logging.WARNING, "peer handshakes at their limit",
+                "closed a peer data connection from %s at once: %d others are still in "
+                "their handshake", who, MAX_HANDSHAKING,
+            )  # fmt: skip
+            sock.close()
+            return
+        try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             threading.Thread(
                 target=self._accept, args=(sock, who), name="smddp-peer-hello", daemon=True
             ).start()
+        except BaseException:
+            self._handshaking.release()
+            raise
 
     def _accept(self, sock: socket.socket, who: str) -> None:
         try:
-            self._handshake(sock, who)
+            with supervise.unit(
+                "taking a peer data connection", who, on_error=supervise.closing(sock)
+            ):
+                self._handshake(sock, who)
         finally:
             self._handshaking.release()
 
