@@ -124,6 +124,9 @@ class ControlRegion:
         self._seen_bytes = np.zeros((world_size,) + self._seen_ops.shape[:1], dtype=np.int64)
         self._seen_skew = np.zeros_like(self.view.skew_table(0))
         self._seen_last = np.zeros(world_size, dtype=np.int64)
+        # Ops each rank completed in the region (S_OPS), which status shows: never added to
+        # the metrics, only checked with the rest.
+        self._seen_done = np.zeros(world_size, dtype=np.int64)
         # When the region was made (monotonic ns): what the counters can have reached since
         # is bounded by it (``new_counts``). Once they were found impossible they are not
         # read again.
@@ -244,11 +247,13 @@ class ControlRegion:
         byts = np.stack([v.op_table(r)[:, C_BYTES] for r in range(v.world)])
         skew = v.skew_table(0).copy()
         last = v.slots[:, S_LAST].copy()
+        done = v.slots[:, S_OPS].copy()
         try:
-            self._check(ops, byts, skew, last, age_s, max_ops, max_bytes, max_ns)
+            self._check(ops, byts, skew, last, done, age_s, max_ops, max_bytes, max_ns)
         except ImpossibleCounters:
             self._counts_refused = True
             raise
+        self._seen_done = done
         d_ops = ops - self._seen_ops
         d_bytes = (byts - self._seen_bytes).sum(axis=0)
         d_skew = skew - self._seen_skew
@@ -258,7 +263,7 @@ class ControlRegion:
 
     def _check(
         self, ops: np.ndarray, byts: np.ndarray, skew: np.ndarray, last: np.ndarray,
-        age_s: float, max_ops: float, max_bytes: float, max_ns: float,
+        done: np.ndarray, age_s: float, max_ops: float, max_bytes: float, max_ns: float,
     ) -> None:  # fmt: skip
         """Raises ImpossibleCounters for the first impossible value of a read (``new_counts``)."""
         for now, seen, name in (
@@ -282,12 +287,15 @@ class ControlRegion:
                     f"went backwards ({_row_name(row)} bytes: {int(self._seen_bytes[slot, row])} "
                     f"-> {int(byts[slot, row])})",
                 )
-            if last[slot] < self._seen_last[slot]:
-                raise ImpossibleCounters(
-                    slot,
-                    f"went backwards (ops at which it arrived last: {int(self._seen_last[slot])} "
-                    f"-> {int(last[slot])})",
-                )
+            for what, now, seen in (
+                ("ops at which it arrived last", last, self._seen_last),
+                ("ops it completed", done, self._seen_done),
+            ):
+                if now[slot] < seen[slot]:
+                    raise ImpossibleCounters(
+                        slot,
+                        f"went backwards ({what}: {int(seen[slot])} -> {int(now[slot])})",
+                    )
         # From here every value is at least its last read, so at least 0. Sums in float64:
         # int64 sums of values near 2**63 would wrap; the bounds need no exactness.
         since = f"in the {age_s:.1f} s since the region was made"
@@ -322,12 +330,13 @@ class ControlRegion:
                     f"advanced impossibly ({total:.0f} bytes {since}, more than "
                     f"{MAX_BYTES_PER_S} a second)",
                 )
-            if last[slot] > max_ops:
-                raise ImpossibleCounters(
-                    slot,
-                    f"advanced impossibly ({int(last[slot])} ops at which it arrived last "
-                    f"{since}, more than {MAX_OPS_PER_S} a second)",
-                )
+            for what, now in (("ops at which it arrived last", last), ("ops it completed", done)):
+                if now[slot] > max_ops:
+                    raise ImpossibleCounters(
+                        slot,
+                        f"advanced impossibly ({int(now[slot])} {what} {since}, more than "
+                        f"{MAX_OPS_PER_S} a second)",
+                    )
 
     def close(self) -> None:
         """Unmaps and closes the memfd (the ranks keep their own mappings)."""
