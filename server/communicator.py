@@ -22,7 +22,7 @@ import numpy as np
 from smddp.server import hierarchical, host_collectives, supervise
 from smddp.server.arena import Arena
 from smddp.server.config import DaemonConfig
-from smddp.server.control_region import ControlRegion, known_kind
+from smddp.server.control_region import ControlRegion, ImpossibleCounters, known_kind
 from smddp.server.domain import Layout, NodeSpec, request_signature
 from smddp.server.errors import (
     FailedPrecondition,
@@ -911,17 +911,41 @@ class Communicator:
         self.fail(pb.TIMEOUT, message, culprit=culprit)
 
     def drain_metrics(self) -> None:
-        """Adds what the ranks counted in the control region to the daemon's metrics."""
+        """Adds what the ranks counted in the control region to the daemon's metrics.
+
+        Counters that went backwards or beyond what is possible (``ControlRegion.new_counts``)
+        are not added; a real rank never writes such, so the communicator fails, naming the
+        rank whose slot held them.
+        """
         region = self.region
-        if region is not None and self._metrics is not None:
-            with self._lock:  # a scrape and the last rank's departure may both drain
-                if self.region is not None:
-                    ops, nbytes, skew, last = region.new_counts()
+        if region is None or self._metrics is None:
+            return
+        with self._lock:  # a scrape and the last rank's departure may both drain
+            if self.region is None:
+                return
+            try:
+                counts = region.new_counts()
+            except ImpossibleCounters as exc:
+                bad: ImpossibleCounters | None = exc
+            else:
+                bad = None
+                if counts is not None:
+                    ops, nbytes, skew, last = counts
                     by_rank = np.zeros(self.world_size, dtype=last.dtype)
                     by_rank[list(self.local_ranks)] = last  # its slots are the node's ranks
                     self._metrics.add_region_counts(
                         self.job_id, self.world_size, ops, nbytes, skew, by_rank
                     )
+        if bad is not None:
+            rank = self.local_ranks[bad.slot]
+            culprit = self.members.get(rank)
+            who = culprit.label() if culprit is not None else f"rank {rank} (not registered)"
+            self.fail(
+                pb.INVALID,
+                f"{self.name()}: rank {rank}'s metric counters in the control region "
+                f"{bad.problem}: the region was written by something other than smddp ({who})",
+                culprit=culprit,
+            )
 
     def close(self) -> None:
         """Stops the worker and closes the peer connections (the last local rank left).
@@ -988,34 +1012,39 @@ class Communicator:
             steps.run("telling a rank", functools.partial(session.reply, notice))
 
     def status(self) -> pb.CommStatus:
-        """A snapshot for smddpctl status."""
+        """A snapshot for smddpctl status.
+
+        What comes from the control region is the ranks' word, which any process of the job
+        can write: every such number is clamped into its proto field's range, so that a slot
+        written by something other than smddp cannot make the reply unencodable.
+        """
         now = time.monotonic()
         with self._lock:
+            region = self.region
             st = pb.CommStatus(
                 job_id=self.job_id,
                 comm_id=self.comm_id,
                 world_size=self.world_size,
                 failed=self._failed[1] if self._failed else "",
-                ops_completed=self.ops_completed
-                + (self.region.ops_completed(0) if self.region else 0),
+                ops_completed=_clamp(
+                    self.ops_completed + (_clamp(region.ops_completed(0)) if region else 0)
+                ),
             )
             slot = {r: i for i, r in enumerate(self.local_ranks)}
             for r, s in sorted(self.members.items()):
+                in_region = _clamp(region.ops_completed(slot[r])) if region and r in slot else 0
                 st.ranks.add(
                     rank=r,
                     global_rank=s.global_rank,
                     pid=s.pid,
                     node_id=s.node_id,
                     attached=s.arena is not None,
-                    ops_completed=s.ops_completed
-                    + (self.region.ops_completed(slot[r]) if self.region and r in slot else 0),
+                    ops_completed=_clamp(s.ops_completed + in_region),
                 )
-            region_op = (
-                self.region.pending() if self.region is not None and self._failed is None else None
-            )
+            region_op = region.pending() if region is not None and self._failed is None else None
             if region_op is not None:
                 st.pending.add(
-                    seq=region_op.seq,
+                    seq=_clamp(region_op.seq),
                     part=0,
                     description=region_op.description,
                     arrived_ranks=[self.local_ranks[i] for i in region_op.arrived],
@@ -1033,3 +1062,11 @@ class Communicator:
                     waited_seconds=now - p.first_arrival,
                 )
         return st
+
+
+U64_MAX = (1 << 64) - 1
+
+
+def _clamp(value: int, top: int = U64_MAX) -> int:
+    """``value`` within 0..``top`` (a uint64 proto field's range by default)."""
+    return min(max(int(value), 0), top)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import grp
 import logging
 import os
 import re
@@ -25,7 +26,28 @@ from smddp.wire import default_socket_path
 ENV_PREFIX = "SMDDP_"
 # Settings whose empty default means "worked out at start", not "off".
 _DERIVED = frozenset({"socket", "node_id", "advertise"})
-_KINDS: dict[str, type] = {"int": int, "float": float}
+_KINDS: dict[str, Callable[[Any], Any]] = {"int": int, "float": float}
+# An on/off setting: a flag that takes no value; true/false in the file; in the environment
+# one of these words.
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off", ""})
+
+
+def _switch(value: object) -> bool:
+    """An on/off setting's value from the file (a TOML bool) or the environment (a word).
+
+    Raises:
+        ValueError: anything else.
+    """
+    if isinstance(value, bool):
+        return value
+    word = str(value).strip().lower()
+    if word in _TRUE or word in _FALSE:
+        return word in _TRUE
+    raise ValueError(f"{value!r} is not one of 1, true, yes, on, 0, false, no, off")
+
+
+_KINDS["bool"] = _switch
 IMPLIED_PEER_BIND = "0.0.0.0:7470"
 _IMPLY_PEERS = ("data_port", "advertise", "peer_transport", "ucx_port")
 _POSITIVE = (
@@ -100,6 +122,11 @@ class DaemonConfig:
     tls_cert: str = ""  # PEM certificate this daemon shows other daemons; "" = no TLS
     tls_key: str = ""  # PEM private key of tls_cert
     tls_ca: str = ""  # PEM CA bundle that other daemons' certificates must chain to
+    # Who sees every job in smddpctl status and metrics besides root and the daemon's own
+    # uid (the others see their own jobs only); "" = nobody else.
+    admin_group: str = ""
+    # Per-job metric series (labelled job, removed when it ends); off, no series names a job.
+    metrics_job_labels: bool = False
 
     def __post_init__(self) -> None:
         if not self.socket:
@@ -166,6 +193,10 @@ _HELP = {
     "subject alternative name, which the daemons that connect to it check)",
     "tls_key": "PEM private key of --tls-cert",
     "tls_ca": "PEM CA certificates that other daemons' certificates must be signed by",
+    "admin_group": "group whose members see every job in smddpctl status and metrics, as root "
+    "and the daemon's own user do; the others see their own jobs only",
+    "metrics_job_labels": "per-job metric series (ops, bytes and stragglers, labelled job, "
+    "removed when the job ends), on /metrics too; without it no series names a job",
 }
 
 
@@ -191,6 +222,15 @@ def build_parser() -> argparse.ArgumentParser:
         kind: Callable[[str], Any] = {"int": int, "float": float}.get(str(f.type), str)
         if units.is_size(f.name):  # 4MiB, 1GiB, or a plain byte count
             kind, shown = units.size_arg, units.format_size(cast(int, default))
+        if str(f.type) == "bool":  # a switch: the flag alone turns it on
+            parser.add_argument(
+                flag,
+                action="store_const",
+                const=True,
+                default=None,
+                help=f"{_HELP[f.name]} (env {env} set to 1 or 0; default off)",
+            )
+            continue
         parser.add_argument(
             flag, type=kind, default=None, help=f"{_HELP[f.name]} (env {env}; default {shown})"
         )
@@ -220,13 +260,20 @@ def load(argv: list[str] | None = None, environ: dict[str, str] | None = None) -
                 parser.error(f"config file {config_file}: unknown setting {key!r}")
             # TOML values arrive typed: refuse true for an int or 1.5 for an int rather than
             # let Python's int() quietly turn them into 1.
-            kind = _KINDS.get(str(names[name].type), str)
-            accepted = (
-                (int, float) if kind is float else (int, str) if units.is_size(name) else (kind,)
+            type_name = str(names[name].type)
+            kind = _KINDS.get(type_name, str)
+            accepted: tuple[type, ...] = (
+                (bool,)
+                if type_name == "bool"
+                else (int, float)
+                if kind is float
+                else (int, str)
+                if units.is_size(name)
+                else (cast(type, kind),)
             )
-            if isinstance(value, bool) or not isinstance(value, accepted):
+            if (isinstance(value, bool) and type_name != "bool") or not isinstance(value, accepted):
                 parser.error(
-                    f"config file {config_file}: {key} = {value!r} is not a valid {kind.__name__}"
+                    f"config file {config_file}: {key} = {value!r} is not a valid {type_name}"
                 )
             values[name] = value
     for name in names:
@@ -243,8 +290,8 @@ def load(argv: list[str] | None = None, environ: dict[str, str] | None = None) -
         except (TypeError, ValueError) as exc:
             parser.error(
                 f"{name}: {exc}"
-                if units.is_size(name)
-                else f"{name}: {value!r} is not a valid {kind.__name__}"
+                if units.is_size(name) or kind is _switch
+                else f"{name}: {value!r} is not a valid {names[name].type}"
             )
     if values.get("log_format", "text") not in ("text", "json"):
         parser.error("log_format must be 'text' or 'json'")
@@ -275,6 +322,12 @@ def load(argv: list[str] | None = None, environ: dict[str, str] | None = None) -
         parser.error(
             f"node_id: {node_id[:80]!r} must be 1-253 characters of A-Z a-z 0-9 . _ : @ + -"
         )
+    admin_group = values.get("admin_group", "")
+    if admin_group:
+        try:
+            grp.getgrnam(admin_group)
+        except KeyError:
+            parser.error(f"admin_group: no group named {admin_group!r} on this host")
     level = values.get("log_level", "INFO")
     if not isinstance(logging.getLevelName(level.upper()), int):
         parser.error(f"log_level: {level!r} is not one of DEBUG, INFO, WARNING, ERROR")

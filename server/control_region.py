@@ -26,6 +26,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from smddp.region import (
+    C_BYTES,
+    C_DUR_BUCKET,
+    C_DUR_SUM,
+    C_OPS,
+    DTYPES,
     G_ARRIVAL,
     G_COUNT,
     G_DTYPE,
@@ -34,6 +39,9 @@ from smddp.region import (
     G_ROOT,
     G_SEQ,
     H_ALARM,
+    K_BUCKET,
+    K_COUNT,
+    K_SUM,
     S_DONE,
     S_LAST,
     S_OPS,
@@ -46,7 +54,45 @@ from smddp.region import (
 )
 from smddp.server.arena import sealed_memfd
 from smddp.v1 import smddp_pb2 as pb
-from smddp.wire import describe
+from smddp.wire import KIND_NAMES, describe, dtype_name
+
+# What a communicator's counters can have reached since its region was made: its ranks count
+# only what they did, so a value beyond these was written by something else (a process of
+# the job writing into its slot). The bounds count from the region's creation, not from the
+# last read: an op counted now may have started, and moved its bytes, long before that read.
+# Each is far above what any host does, so a real rank never comes near one.
+MAX_OPS_PER_S = 100_000_000  # the fastest region op takes ~1 us (4-byte all_reduce): 100x that
+# A rank's counted bytes of a second (its inputs): 4 TiB/s is 4x the whole memory bandwidth
+# of the largest hosts (HBM-attached CPUs give ~1 TiB/s in all).
+MAX_BYTES_PER_S = 4 << 40
+# Op durations and arrival skews add up to more than the wall time when ops overlap: a rank
+# runs at most one region op ahead of the slowest, so at most two of a communicator's ops are
+# in flight at once; the bound allows (this + the world size) times the region's age.
+MAX_OPS_IN_FLIGHT = 4
+# Added to every bound: an op of the first microseconds, and clock granularity.
+COUNT_SLACK = 1024
+BYTES_SLACK = 1 << 30
+NS_SLACK = 1_000_000_000
+
+
+class ImpossibleCounters(ValueError):
+    """A slot's metric counters went backwards or beyond what the region's age allows."""
+
+    def __init__(self, slot: int, problem: str) -> None:
+        """``slot``: the region slot whose counters; ``problem``: ``went backwards (...)`` or
+        ``advanced impossibly (...)``, what the message says after "counters ... ".
+        """
+        super().__init__(problem)
+        self.slot = slot
+        self.problem = problem
+
+
+RegionCounts = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
+def _row_name(row: int) -> str:
+    kind, dtype = divmod(row, DTYPES)
+    return f"{KIND_NAMES.get(kind, f'op#{kind}')}/{dtype_name(dtype)}"
 
 # The error kinds a rank may record in its slot; any other word there (it is the rank's to
 # write) becomes INVALID, so that no reply, metric or log built from it can fail.
@@ -107,6 +153,14 @@ class ControlRegion:
         self._seen_bytes = np.zeros((world_size,) + self._seen_ops.shape[:1], dtype=np.int64)
         self._seen_skew = np.zeros_like(self.view.skew_table(0))
         self._seen_last = np.zeros(world_size, dtype=np.int64)
+        # Ops each rank completed in the region (S_OPS), which status shows: never added to
+        # the metrics, only checked with the rest.
+        self._seen_done = np.zeros(world_size, dtype=np.int64)
+        # When the region was made (monotonic ns): what the counters can have reached since
+        # is bounded by it (``new_counts``). Once they were found impossible they are not
+        # read again.
+        self._created_ns = time.monotonic_ns()
+        self._counts_refused = False
         # The ranks' step words as last seen, and when they last changed (monotonic ns): how
         # long the ranks inside an op have waited at a synchronisation for one that stopped.
         self._steps: tuple[int, ...] = ()
@@ -221,24 +275,122 @@ class ControlRegion:
         s = self.view.slots
         return bool((s[:, S_SEQ] == s[:, S_DONE]).all())
 
-    def new_counts(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    def new_counts(self, now_ns: int | None = None) -> RegionCounts | None:
         """What the ranks counted since the last call: op table (from the lowest rank, which
         counts each op once), bytes per table row (summed over ranks), skew table, and the
-        per-rank straggler counts."""
+        per-rank straggler counts. None once the counters were refused (below): nothing of
+        this region is counted again.
+
+        Every value is checked before any is taken: a counter below its last read, or beyond
+        what the region's age allows (``MAX_OPS_PER_S``, ``MAX_BYTES_PER_S``,
+        ``MAX_OPS_IN_FLIGHT``), refuses the whole read, so the metrics never move by more
+        than what passed.
+
+        Raises:
+            ImpossibleCounters: the first time a slot's counters are impossible.
+        """
+        if self._counts_refused:
+            return None
         v = self.view
+        now_ns = time.monotonic_ns() if now_ns is None else now_ns
+        age_s = max(0, now_ns - self._created_ns) / 1e9
+        max_ops = age_s * MAX_OPS_PER_S + COUNT_SLACK
+        max_bytes = age_s * MAX_BYTES_PER_S + BYTES_SLACK
+        max_ns = age_s * 1e9 * (MAX_OPS_IN_FLIGHT + v.world) + NS_SLACK
         ops = v.op_table(0).copy()
-        d_ops = ops - self._seen_ops
-        self._seen_ops = ops
-        byts = np.stack([v.op_table(r)[:, 1] for r in range(v.world)])
-        d_bytes = (byts - self._seen_bytes).sum(axis=0)
-        self._seen_bytes = byts
+        byts = np.stack([v.op_table(r)[:, C_BYTES] for r in range(v.world)])
         skew = v.skew_table(0).copy()
-        d_skew = skew - self._seen_skew
-        self._seen_skew = skew
         last = v.slots[:, S_LAST].copy()
+        done = v.slots[:, S_OPS].copy()
+        try:
+            self._check(ops, byts, skew, last, done, age_s, max_ops, max_bytes, max_ns)
+        except ImpossibleCounters:
+            self._counts_refused = True
+            raise
+        self._seen_done = done
+        d_ops = ops - self._seen_ops
+        d_bytes = (byts - self._seen_bytes).sum(axis=0)
+        d_skew = skew - self._seen_skew
         d_last = last - self._seen_last
-        self._seen_last = last
+        self._seen_ops, self._seen_bytes, self._seen_skew, self._seen_last = ops, byts, skew, last
         return d_ops, d_bytes, d_skew, d_last
+
+    def _check(
+        self, ops: np.ndarray, byts: np.ndarray, skew: np.ndarray, last: np.ndarray,
+        done: np.ndarray, age_s: float, max_ops: float, max_bytes: float, max_ns: float,
+    ) -> None:  # fmt: skip
+        """Raises ImpossibleCounters for the first impossible value of a read (``new_counts``)."""
+        for now, seen, name in (
+            (ops, self._seen_ops, _row_name),
+            (skew, self._seen_skew, lambda kind: f"{KIND_NAMES.get(kind, f'op#{kind}')} skew"),
+        ):
+            back = np.argwhere(now < seen)
+            if len(back):
+                row, col = (int(x) for x in back[0])
+                raise ImpossibleCounters(
+                    0,
+                    f"went backwards ({name(row)} column {col}: {int(seen[row, col])} -> "
+                    f"{int(now[row, col])})",
+                )
+        for slot in range(len(byts)):
+            fell = np.flatnonzero(byts[slot] < self._seen_bytes[slot])
+            if len(fell):
+                row = int(fell[0])
+                raise ImpossibleCounters(
+                    slot,
+                    f"went backwards ({_row_name(row)} bytes: {int(self._seen_bytes[slot, row])} "
+                    f"-> {int(byts[slot, row])})",
+                )
+            for what, now, seen in (
+                ("ops at which it arrived last", last, self._seen_last),
+                ("ops it completed", done, self._seen_done),
+            ):
+                if now[slot] < seen[slot]:
+                    raise ImpossibleCounters(
+                        slot,
+                        f"went backwards ({what}: {int(seen[slot])} -> {int(now[slot])})",
+                    )
+        # From here every value is at least its last read, so at least 0. Sums in float64:
+        # int64 sums of values near 2**63 would wrap; the bounds need no exactness.
+        since = f"in the {age_s:.1f} s since the region was made"
+        counts = (
+            ("ops", ops[:, C_OPS]),
+            ("op duration observations", ops[:, C_DUR_BUCKET:]),
+            ("ops with an arrival skew", skew[:, K_COUNT]),
+            ("arrival skew observations", skew[:, K_BUCKET:]),
+        )
+        for what, table in counts:
+            total = float(table.sum(dtype=np.float64))
+            if total > max_ops:
+                raise ImpossibleCounters(
+                    0,
+                    f"advanced impossibly ({total:.0f} {what} {since}, more than "
+                    f"{MAX_OPS_PER_S} a second)",
+                )
+        times = (("op durations", ops[:, C_DUR_SUM]), ("arrival skews", skew[:, K_SUM]))
+        for what, column in times:
+            total = float(column.sum(dtype=np.float64))
+            if total > max_ns:
+                raise ImpossibleCounters(
+                    0,
+                    f"advanced impossibly ({what} adding up to {total / 1e9:.0f} s {since}, more "
+                    f"than {MAX_OPS_IN_FLIGHT + len(byts)} ops in flight at every moment)",
+                )
+        for slot in range(len(byts)):
+            total = float(byts[slot].sum(dtype=np.float64))
+            if total > max_bytes:
+                raise ImpossibleCounters(
+                    slot,
+                    f"advanced impossibly ({total:.0f} bytes {since}, more than "
+                    f"{MAX_BYTES_PER_S} a second)",
+                )
+            for what, now in (("ops at which it arrived last", last), ("ops it completed", done)):
+                if now[slot] > max_ops:
+                    raise ImpossibleCounters(
+                        slot,
+                        f"advanced impossibly ({int(now[slot])} {what} {since}, more than "
+                        f"{MAX_OPS_PER_S} a second)",
+                    )
 
     def close(self) -> None:
         """Unmaps and closes the memfd (the ranks keep their own mappings)."""

@@ -1,8 +1,10 @@
 """``smddpctl``: health, status, topology and metrics of a node's smddpd, for people and scripts.
 
 Every command talks to one daemon: the one on ``--socket`` (or ``SMDDP_SOCKET``, or the
-standard paths), over its unix socket; metrics too (the Node service's ``Metrics`` call), so
-that what is printed always belongs to the daemon named, whatever its ``--http-bind``.
+standard paths), over its unix sockets; metrics too, so that what is printed always belongs
+to the daemon named, whatever its ``--http-bind``. Status and metrics go over the data
+socket, where the kernel tells the daemon who asks (gRPC does not): a user sees their own
+jobs, root and the daemon's ``--admin-group`` every job.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import argparse
 import json
 import math
 import os
+import socket
 import sys
 import time
 from collections import defaultdict
@@ -23,10 +26,22 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from smddp.v1 import smddp_pb2 as pb
 from smddp.v1 import smddp_pb2_grpc as pb_grpc
-from smddp.wire import socket_candidates
+from smddp.wire import (
+    DATA_SOCKET_SUFFIX,
+    MAX_MESSAGE_BYTES,
+    MSG_METRICS,
+    MSG_QUERY_REPLY,
+    MSG_STATUS,
+    pack,
+    socket_candidates,
+    unpack,
+)
 
 TIMEOUT_S = 5.0
 SOCKET_ENV = "SMDDP_SOCKET"
+# The largest status or metrics reply read (a daemon at --max-jobs 64 and 4096 ranks a job
+# answers with a few MiB).
+MAX_REPLY_BYTES = 256 << 20
 
 
 def _target(args: argparse.Namespace) -> str:
@@ -97,6 +112,50 @@ def _ask(
         raise _fail(target, exc) from None
 
 
+def _query(target: str, msg_type: int, request: bytes) -> bytes:
+    """Asks the daemon at gRPC ``target`` (``unix:PATH``) over its data socket: the serialized
+    reply (see ``smddp.wire.MSG_QUERY_REPLY``).
+
+    Raises:
+        SystemExit: the daemon cannot be reached or refused, saying why.
+    """
+    path = target.removeprefix("unix:") + DATA_SOCKET_SUFFIX
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    conn.settimeout(TIMEOUT_S)
+    try:
+        conn.connect(path)
+        conn.sendall(pack(msg_type, request))
+        msg, fds, _flags, _addr = socket.recv_fds(conn, MAX_MESSAGE_BYTES, 1)
+    except OSError as exc:
+        raise SystemExit(f"smddpctl: {path}: {exc.strerror or exc}") from None
+    finally:
+        conn.close()
+    try:
+        if not msg:
+            raise SystemExit(f"smddpctl: {path}: the daemon closed the connection unanswered")
+        kind, payload = unpack(msg)
+        header = pb.AttachReply.FromString(payload)
+        if kind != MSG_QUERY_REPLY or not header.ok:
+            raise SystemExit(f"smddpctl: {path}: {header.error or f'message type {kind}'}")
+        if len(fds) != 1:
+            raise SystemExit(f"smddpctl: {path}: the answer carried {len(fds)} descriptors, not 1")
+        size = os.fstat(fds[0]).st_size
+        if size > MAX_REPLY_BYTES:
+            raise SystemExit(f"smddpctl: {path}: an answer of {size} bytes is too large")
+        return os.pread(fds[0], size, 0) if size else b""
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def ask_status(socket_path: str) -> pb.StatusReply:
+    """The status of the daemon on ``socket_path``, as ``smddpctl status`` gets it: the jobs
+    this process's user may see."""
+    return pb.StatusReply.FromString(
+        _query("unix:" + socket_path, MSG_STATUS, pb.StatusRequest().SerializeToString())
+    )
+
+
 def _print_json(message: Any) -> None:
     print(
         json.dumps(
@@ -142,7 +201,11 @@ def cmd_health(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    _, st = _ask(args, lambda stub: stub.Status(pb.StatusRequest(), timeout=TIMEOUT_S))
+    if args.address:
+        _node(args)  # says that --address serves health only
+    st = pb.StatusReply.FromString(
+        _query(_target(args), MSG_STATUS, pb.StatusRequest().SerializeToString())
+    )
     if args.json:
         _print_json(st)
         return 0
@@ -317,6 +380,8 @@ def print_summary(target: str, summary: dict[str, Any]) -> None:
     else:
         print("\nno op completed yet")
     if summary["stragglers"]:
+        # True since smddpd removes a job's series when the job ends (only with
+        # --metrics-job-labels are there any).
         print("\nstragglers (ops at which a rank arrived last, jobs still running):")
         by_job: dict[str, list[str]] = defaultdict(list)
         for s in summary["stragglers"]:
@@ -332,7 +397,12 @@ def print_summary(target: str, summary: dict[str, Any]) -> None:
 
 
 def cmd_metrics(args: argparse.Namespace) -> int:
-    target, reply = _ask(args, lambda stub: stub.Metrics(pb.MetricsRequest(), timeout=TIMEOUT_S))
+    if args.address:
+        _node(args)  # says that --address serves health only
+    target = _target(args)
+    reply = pb.MetricsReply.FromString(
+        _query(target, MSG_METRICS, pb.MetricsRequest().SerializeToString())
+    )
     text = reply.exposition
     if args.raw and args.json:
         from prometheus_client.parser import text_string_to_metric_families

@@ -15,8 +15,10 @@ the protocol does not allow.
 from __future__ import annotations
 
 import errno
+import grp
 import logging
 import os
+import pwd
 import socket
 import struct
 import threading
@@ -24,7 +26,7 @@ import time
 
 from google.protobuf.message import DecodeError
 
-from smddp.server import gpu_free, supervise
+from smddp.server import __version__, gpu_free, supervise
 from smddp.server.communicator import Session
 from smddp.server.errors import LimitExceeded, SmddpError
 from smddp.server.limits import Counts
@@ -36,10 +38,13 @@ from smddp.wire import (
     MSG_ATTACH,
     MSG_ATTACH_REPLY,
     MSG_FREE_ATTACH,
+    MSG_METRICS,
     MSG_OP,
     MSG_OP_REPLY,
     MSG_PEER_ARENAS,
     MSG_PEER_ARENAS_REPLY,
+    MSG_QUERY_REPLY,
+    MSG_STATUS,
     pack,
     unpack,
 )
@@ -52,6 +57,10 @@ ACCEPT_BACKOFF_S = 0.01
 ACCEPT_BACKOFF_MAX_S = 1.0
 # How long after its last failed accept() the socket counts as unable to take jobs.
 ACCEPT_STALL_S = 2.0
+# getsockopt(SO_PEERGROUPS) (Linux 4.13): the asker's supplementary groups, as the kernel saw
+# them at connect. Python's getsockopt reads at most 1024 bytes: 256 groups.
+SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
+PEERGROUPS_BYTES = 1024
 
 
 class SocketChannel:
@@ -324,6 +333,9 @@ class DataSocketServer:
             if not msg:
                 return None
             msg_type, payload = unpack(msg)
+            if msg_type in (MSG_STATUS, MSG_METRICS):
+                self._answer_query(conn, uid, msg_type)
+                return None
             if msg_type == MSG_FREE_ATTACH:
                 return self._attach_free(conn, pid, payload, fds)
             if msg_type != MSG_ATTACH:
@@ -388,6 +400,41 @@ class DataSocketServer:
         self._send_attach_reply(conn, pb.AttachReply(ok=True))
         return _FreeChannel(session.label())
 
+    def _answer_query(self, conn: socket.socket, uid: int, msg_type: int) -> None:
+        """smddpctl's status or metrics, of the jobs the asker may see (``viewer``), as a memfd."""
+        registry = self._registry
+        viewer = None if may_see_all(conn, uid, registry.config.admin_group) else uid
+        try:
+            if msg_type == MSG_STATUS:
+                data = registry.status(__version__, viewer).SerializeToString()
+            else:
+                metrics = registry.metrics
+                text = metrics.exposition(registry.job_visible(viewer)) if metrics else b""
+                data = pb.MetricsReply(exposition=text.decode()).SerializeToString()
+        except Exception as exc:  # whatever went wrong, the asker hears it and the daemon goes on
+            log.warning("could not answer smddpctl (uid %d): %r", uid, exc)
+            reply = pb.AttachReply(ok=False, error=f"smddpd could not answer: {exc!r}"[:4096])
+            self._send_query_reply(conn, reply, None)
+            return
+        fd = os.memfd_create("smddp-reply", os.MFD_CLOEXEC)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.lseek(fd, 0, os.SEEK_SET)
+            self._send_query_reply(conn, pb.AttachReply(ok=True), fd)
+        finally:
+            os.close(fd)
+
+    def _send_query_reply(self, conn: socket.socket, reply: pb.AttachReply, fd: int | None) -> None:
+        conn.settimeout(self._attach_timeout_s)  # an asker that never reads holds nothing long
+        try:
+            socket.send_fds(
+                conn, [pack(MSG_QUERY_REPLY, reply.SerializeToString())], [] if fd is None else [fd]
+            )
+        except OSError:
+            pass
+
     @staticmethod
     def _send_peer_arenas(conn: socket.socket, session: Session, asking: threading.Event) -> None:
         """Answers a peer-arenas request once every local rank attached, or with why not
@@ -424,3 +471,31 @@ class DataSocketServer:
             conn.sendall(pack(MSG_ATTACH_REPLY, reply.SerializeToString()))
         except OSError:
             pass
+
+
+def may_see_all(conn: socket.socket, uid: int, admin_group: str) -> bool:
+    """Whether the process at the other end of ``conn`` (uid ``uid``, the kernel's word) may
+    see every job: root, the daemon's own uid, or a member of ``admin_group`` (its primary
+    or a supplementary group, as the kernel names them; else as the group database does)."""
+    if uid == 0 or uid == os.geteuid():
+        return True
+    if not admin_group:
+        return False
+    try:
+        group = grp.getgrnam(admin_group)
+    except KeyError:
+        return False  # load() checked it; a group deleted since admits nobody
+    _pid, _uid, gid = struct.unpack(
+        "3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    )
+    if gid == group.gr_gid:
+        return True
+    try:
+        raw = conn.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, PEERGROUPS_BYTES)
+        return group.gr_gid in struct.unpack(f"{len(raw) // 4}I", raw)
+    except OSError:  # an old kernel, or more than 256 groups: the group database says
+        try:
+            user = pwd.getpwuid(uid)
+        except KeyError:
+            return False
+        return user.pw_gid == group.gr_gid or user.pw_name in group.gr_mem

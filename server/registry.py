@@ -30,6 +30,7 @@ from smddp.server.errors import (
 )
 from smddp.server.fields import COMM_ID, JOB_ID, check_node_id, check_peer_address, quote
 from smddp.server.limits import BufferAccount, ByteBudget, Counts, Slots
+from smddp.server.logthrottle import refusals
 from smddp.server.metrics import Metrics
 from smddp.server.peer_transport import CommPeers, PeerNetwork
 from smddp.server.peer_wire import parse_address, token_proof
@@ -100,6 +101,8 @@ class Registry:
         self.config = config
         self.started = time.time()
         self.metrics = metrics
+        if metrics is not None:
+            metrics.job_labels = config.metrics_job_labels
         self._jobs: dict[str, list[Job]] = {}  # by job id: jobs of different tokens
         self._sessions: dict[str, Session] = {}
         # Registered ranks that have not attached yet, oldest first: they expire, and the
@@ -176,6 +179,8 @@ class Registry:
                     raise Unauthenticated(f"{where} rank {req.rank}: wrong job token")
                 job = Job(req.job_id, req.job_token, BufferAccount(self.buffers))
                 self._jobs.setdefault(req.job_id, []).append(job)
+                if self.metrics is not None:
+                    self.metrics.job_started(req.job_id)
             comm = job.comms.get(req.comm_id)
             if comm is None:
                 # The client keeps half its arena for direct ops; the other half, its ring,
@@ -608,11 +613,13 @@ class Registry:
         if empty:
             # The communicator logs a departure only when it fails others; the last one, here.
             log.log(log_level, "%s", why, extra=session.log_fields())
-            if steps.run("forgetting its communicator", lambda: self._forget(comm)):
-                metrics = self.metrics
-                if metrics is not None:
-                    steps.run("dropping its job's metrics", lambda: metrics.job_ended(comm.job_id))
+            job_over = steps.run("forgetting its communicator", lambda: self._forget(comm))
             steps.run("closing its communicator", comm.close)
+            # After close, whose last read of the region's counters would otherwise bring
+            # back the series that job_ended removes.
+            metrics = self.metrics
+            if job_over is True and metrics is not None:
+                steps.run("dropping its job's metrics", lambda: metrics.job_ended(comm.job_id))
         arena = session.arena
         if arena is not None:
             steps.run("closing its arena", arena.close)
@@ -652,9 +659,48 @@ class Registry:
         return sum(s.arena.nbytes for s in self.sessions() if s.arena)
 
     def drain_metrics(self) -> None:
-        """Has every communicator read its ranks' control-region counters into the metrics."""
+        """Has every communicator read its ranks' control-region counters into the metrics.
+
+        One communicator that cannot be read is logged and left out; the scrape goes on.
+        """
         for comm in self.comms():
-            comm.drain_metrics()
+            try:
+                comm.drain_metrics()
+            except Exception as exc:
+                refusals.log(
+                    log,
+                    logging.WARNING,
+                    "metrics of a communicator unreadable",
+                    "%s: its ranks' counters could not be read for the metrics: %r",
+                    comm.name(),
+                    exc,
+                )
+
+    def visible_comms(self, uid: int | None = None) -> list[Communicator]:
+        """The live communicators of the jobs ``uid`` owns (every one for None: root and
+        the admin group). A job no rank has attached to yet has no owner: admins only."""
+        with self._lock:
+            return [
+                c
+                for jobs in self._jobs.values()
+                for j in jobs
+                if uid is None or j.owner == uid
+                for c in j.comms.values()
+            ]
+
+    def job_visible(self, uid: int | None = None) -> Callable[[str], bool]:
+        """Whether ``uid`` may see a metric series labelled with a job id: the ids of its own
+        jobs that no other uid's job has too (jobs of different tokens may share an id, and
+        then share the series). Everything for None."""
+        if uid is None:
+            return lambda job_id: True
+        with self._lock:
+            mine = {
+                job_id
+                for job_id, jobs in self._jobs.items()
+                if jobs and all(j.owner == uid for j in jobs)
+            }
+        return mine.__contains__
 
     def unattached_count(self) -> int:
         """Number of registered ranks that have not attached yet."""
@@ -671,13 +717,36 @@ class Registry:
         with self._lock:
             return list(self._sessions.values())
 
-    def status(self, version: str) -> pb.StatusReply:
-        """Everything smddpctl status shows."""
+    def status(self, version: str, uid: int | None = None) -> pb.StatusReply:
+        """Everything smddpctl status shows: of the jobs ``uid`` owns, or of all (None).
+
+        Each communicator's part is built apart: one that cannot be read (its region written
+        by something other than smddp, say) says so in its ``failed`` field, and the others
+        still show.
+        """
         reply = pb.StatusReply(
             node_id=self.config.node_id, version=version, uptime_seconds=time.time() - self.started
         )
-        for comm in sorted(self.comms(), key=lambda c: (c.job_id, c.comm_id)):
-            reply.comms.append(comm.status())
+        for comm in sorted(self.visible_comms(uid), key=lambda c: (c.job_id, c.comm_id)):
+            try:
+                part = comm.status()
+                part.SerializeToString()  # a value out of a field's range raises here, not later
+            except Exception as exc:
+                refusals.log(
+                    log,
+                    logging.WARNING,
+                    "status of a communicator unreadable",
+                    "%s: its status could not be read: %r",
+                    comm.name(),
+                    exc,
+                )
+                part = pb.CommStatus(
+                    job_id=comm.job_id,
+                    comm_id=comm.comm_id,
+                    world_size=comm.world_size,
+                    failed=f"{comm.name()}: smddpd could not read its status: {str(exc)[:300]}",
+                )
+            reply.comms.append(part)
         return reply
 
     def shutdown(self, reason: str) -> None:

@@ -9,12 +9,11 @@ import threading
 from collections.abc import Iterator
 
 import grpc
-from prometheus_client import generate_latest
 
 from smddp.server import __version__
 from smddp.server.communicator import Session
 from smddp.server.domain import Registration
-from smddp.server.errors import SmddpError
+from smddp.server.errors import PermissionDenied, SmddpError
 from smddp.server.grpc_edge import EdgeService, edge
 from smddp.server.limits import Slots
 from smddp.server.logthrottle import refusals
@@ -121,15 +120,32 @@ class NodeService(pb_grpc.NodeServicer, EdgeService):
         self._registry.deregister(session)
         return pb.DeregisterReply()
 
+    # gRPC on a unix socket does not tell who calls. Without --socket-group only the daemon's
+    # own uid and root can reach the socket, so a caller may see every job; with it, users of
+    # the group can too, so Status is refused and Metrics leaves out every job's series:
+    # smddpctl asks over the data socket instead, where the kernel names the caller's uid and
+    # the daemon shows them their own jobs (data_socket.DataSocketServer._answer_query).
+
     @edge()
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
+        config = self._registry.config
+        if config.socket_group:
+            raise PermissionDenied(
+                f"smddpd on node {config.node_id} answers Status over gRPC only when its socket "
+                f"is its own user's (no --socket-group; it is {config.socket_group}'s): gRPC does "
+                "not tell who calls, so it cannot show a user their own jobs only; smddpctl "
+                "status asks over the data socket, where the kernel names the caller"
+            )
         return self._registry.status(__version__)
 
     @edge()
     def Metrics(self, request: pb.MetricsRequest, context: grpc.ServicerContext) -> pb.MetricsReply:
         metrics = self._registry.metrics
-        text = generate_latest(metrics.registry).decode() if metrics is not None else ""
-        return pb.MetricsReply(exposition=text)
+        if metrics is None:
+            return pb.MetricsReply()
+        anyone = self._registry.config.socket_group != ""
+        text = metrics.exposition((lambda job_id: False) if anyone else None)
+        return pb.MetricsReply(exposition=text.decode())
 
     @edge()
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoReply:

@@ -32,6 +32,14 @@ MSG_PEER_ARENAS_REPLY = 6
 MSG_FREE_ATTACH = 7
 MSG_FREE = 8
 MSG_FREE_REPLY = 9
+# smddpctl's status and metrics (server/ctl.py): a connection that opens with MSG_STATUS (a
+# StatusRequest) or MSG_METRICS (a MetricsRequest) gets one MSG_QUERY_REPLY, an AttachReply
+# (ok, error) carrying, when ok, a memfd that holds the serialized StatusReply or MetricsReply
+# (no size limit), and is closed. Here, unlike on gRPC, the kernel names the asker's uid
+# (SO_PEERCRED): a user is shown only their own jobs, root and the admin group every job.
+MSG_STATUS = 10
+MSG_METRICS = 11
+MSG_QUERY_REPLY = 12
 MAX_MESSAGE_BYTES = 1 << 20
 
 DATA_SOCKET_SUFFIX = ".data"

@@ -63,6 +63,8 @@ def test_defaults_without_flags_env_or_file() -> None:
         "tls_cert": "",
         "tls_key": "",
         "tls_ca": "",
+        "admin_group": "",
+        "metrics_job_labels": False,
     }
 
 

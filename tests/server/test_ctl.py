@@ -44,7 +44,9 @@ def _json(*args: str, socket: str | None = None) -> Any:
 
 @pytest.mark.timeout(120)
 def test_every_command_reads_the_daemon_it_names(start_daemon) -> None:
-    busy = start_daemon(name="busy")  # --http-bind off (the fixture's default)
+    # --http-bind off (the fixture's default); the stragglers are per job, so shown only with
+    # --metrics-job-labels.
+    busy = start_daemon(args=("--metrics-job-labels",), name="busy")
     idle = start_daemon(args=("--http-bind", "127.0.0.1:0"), name="idle")
     job, token = f"ctl-{secrets.token_hex(4)}", secrets.token_bytes(16)
     c0 = connect(job, token, 0, 2, socket_path=busy.socket)
