@@ -94,6 +94,7 @@ def _row_name(row: int) -> str:
     kind, dtype = divmod(row, DTYPES)
     return f"{KIND_NAMES.get(kind, f'op#{kind}')}/{dtype_name(dtype)}"
 
+
 # The error kinds a rank may record in its slot; any other word there (it is the rank's to
 # write) becomes INVALID, so that no reply, metric or log built from it can fail.
 KNOWN_KINDS = frozenset(pb.ErrorKind.values()) - {pb.ERROR_KIND_UNSPECIFIED}
