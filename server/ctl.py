@@ -32,6 +32,7 @@ from smddp.wire import (
     MSG_METRICS,
     MSG_QUERY_REPLY,
     MSG_STATUS,
+    QUERY_MAGIC,
     pack,
     socket_candidates,
     unpack,
@@ -124,7 +125,7 @@ def _query(target: str, msg_type: int, request: bytes) -> bytes:
     conn.settimeout(TIMEOUT_S)
     try:
         conn.connect(path)
-        conn.sendall(pack(msg_type, request))
+        conn.sendall(pack(msg_type, QUERY_MAGIC + request))
         msg, fds, _flags, _addr = socket.recv_fds(conn, MAX_MESSAGE_BYTES, 1)
     except OSError as exc:
         raise SystemExit(f"smddpctl: {path}: {exc.strerror or exc}") from None

@@ -45,6 +45,7 @@ from smddp.wire import (
     MSG_PEER_ARENAS_REPLY,
     MSG_QUERY_REPLY,
     MSG_STATUS,
+    QUERY_MAGIC,
     pack,
     unpack,
 )
@@ -333,7 +334,7 @@ class DataSocketServer:
             if not msg:
                 return None
             msg_type, payload = unpack(msg)
-            if msg_type in (MSG_STATUS, MSG_METRICS):
+            if msg_type in (MSG_STATUS, MSG_METRICS) and payload.startswith(QUERY_MAGIC):
                 self._answer_query(conn, uid, msg_type)
                 return None
             if msg_type == MSG_FREE_ATTACH:

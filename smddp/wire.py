@@ -37,9 +37,12 @@ MSG_FREE_REPLY = 9
 # (ok, error) carrying, when ok, a memfd that holds the serialized StatusReply or MetricsReply
 # (no size limit), and is closed. Here, unlike on gRPC, the kernel names the asker's uid
 # (SO_PEERCRED): a user is shown only their own jobs, root and the admin group every job.
+# The request's bytes follow QUERY_MAGIC, so that no stray first message passes for a query
+# (it is refused as any message that is not an AttachRequest).
 MSG_STATUS = 10
 MSG_METRICS = 11
 MSG_QUERY_REPLY = 12
+QUERY_MAGIC = b"smddpctl/1 "
 MAX_MESSAGE_BYTES = 1 << 20
 
 DATA_SOCKET_SUFFIX = ".data"

@@ -33,6 +33,7 @@ import pytest
 from smddp.client import connect
 from smddp.client.arena import ClientArena
 from smddp.client.errors import ConnectError
+from smddp.server.ctl import ask_status
 from smddp.v1 import smddp_pb2 as pb
 from smddp.v1 import smddp_pb2_grpc as pb_grpc
 from smddp.wire import (
@@ -141,6 +142,7 @@ JOIN = r"""
 import sys
 from smddp.client import connect
 from smddp.client.errors import ConnectError
+from smddp.server.ctl import ask_status
 job, token, rank, world, path = sys.argv[1], bytes.fromhex(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 try:
     comm = connect(job, token, rank, world, socket_path=path, arena_bytes=1 << 20)
@@ -206,7 +208,7 @@ def rpc_error(call, *args, **kwargs) -> grpc.RpcError:
 
 
 def status(path: str) -> pb.StatusReply:
-    return stub(path).Status(pb.StatusRequest(), timeout=10)
+    return ask_status(path)  # as smddpctl status asks: gRPC cannot tell who calls
 
 
 def pair_all_reduce(c0, c1) -> None:
