@@ -54,6 +54,7 @@ ATTACKER_TIMEOUT_S = 5.0
 HUNG_AFTER_S = 45.0
 # How long the daemon may take to give back what the attackers made it hold.
 SETTLE_S = 60.0
+WARM_UP_JOBS = 4
 # What the node's Shmem may grow by while the victim runs on (its own pages; see _given_back).
 SHMEM_SLACK_KIB = 16 << 10
 # Extreme words the attackers write (as int64).
@@ -110,7 +111,13 @@ def _victim(args: argparse.Namespace) -> int:
     done = wrong = 0
     sizes = (4, 1000, 70_000, 600_000)  # the region's buffers and past them (direct)
     try:
-        while not stop.exists():
+        while True:
+            if done % 20 == 0:
+                # Both ranks stop at the same op: they agree on it (MAX of "the file is there").
+                flag = np.array([stop.exists()], dtype=np.int32)
+                comm.all_reduce(flag, pb.MAX).wait()
+                if flag[0]:
+                    break
             n = sizes[done % len(sizes)]
             x = np.arange(n, dtype=np.float32) * (args.rank + 1) + done
             comm.all_reduce(x, pb.SUM).wait()
@@ -336,13 +343,14 @@ def _run(args: argparse.Namespace) -> int:
             if any(v.poll() is not None for v in victims):
                 break
             time.sleep(0.1)
-        for _ in range(3):  # warm-up: gRPC's pools make their threads
-            _attack_once(daemon, rng, tally)
-        time.sleep(2)
-        start = _daemon_numbers(daemon.proc.pid)
         watching = threading.Event()
         watcher = threading.Thread(target=_watch, args=(daemon, watching, tally), daemon=True)
         watcher.start()
+        # Warm-up, with the watcher asking: gRPC's pools make the threads they keep.
+        for _ in range(WARM_UP_JOBS):
+            _attack_once(daemon, rng, tally)
+        time.sleep(2)
+        start = _daemon_numbers(daemon.proc.pid)
         until = time.monotonic() + args.seconds
         while time.monotonic() < until and daemon.proc.poll() is None:
             _attack_once(daemon, rng, tally)
