@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Protocol, cast
 import numpy as np
 
 from smddp.server import hierarchical, host_collectives
+from smddp.server.algorithms import Selector
 from smddp.server.arena import Arena
 from smddp.server.config import DaemonConfig
 from smddp.server.control_region import ControlRegion
@@ -219,6 +220,8 @@ class Communicator:
         self.local_ranks = tuple(self.nodes[my_node])
         self._gpu: GpuSupply = gpu or NoGpu()
         self.layout = Layout(job_id, comm_id, tuple(tuple(r) for r in self.nodes), my_node, specs)
+        # The algorithm between nodes per op and size (the registry sets SMDDP_ALGO's pins).
+        self.algorithms = Selector(self.layout.name())
         self._remote = set(range(world_size)) - set(self.local_ranks)
         self.peers: CommPeers | None = None
         self._work: queue.Queue[Pending | None] | None = None
@@ -594,6 +597,7 @@ class Communicator:
                         self.peers,
                         by_rank,
                         dict(zip(pending.participants, arenas)),  # type: ignore[arg-type]
+                        self.algorithms,
                     )
         except PeerError as exc:
             msg = f"{self.name()}: {exc}"

@@ -20,6 +20,7 @@ else:  # Python 3.10: the same parser, as a package (pyproject's dependency on i
     import tomli as tomllib
 
 from smddp.server import units
+from smddp.server.algorithms import parse_pins
 from smddp.wire import default_socket_path
 
 ENV_PREFIX = "SMDDP_"
@@ -100,6 +101,9 @@ class DaemonConfig:
     tls_cert: str = ""  # PEM certificate this daemon shows other daemons; "" = no TLS
     tls_key: str = ""  # PEM private key of tls_cert
     tls_ca: str = ""  # PEM CA bundle that other daemons' certificates must chain to
+    # Pins the algorithm between nodes (server/algorithms.py): "op=name,..." or one name; "" lets
+    # the cost model choose. Every daemon of a job must be given the same.
+    algo: str = ""
 
     def __post_init__(self) -> None:
         if not self.socket:
@@ -166,6 +170,9 @@ _HELP = {
     "subject alternative name, which the daemons that connect to it check)",
     "tls_key": "PEM private key of --tls-cert",
     "tls_ca": "PEM CA certificates that other daemons' certificates must be signed by",
+    "algo": "algorithm between nodes per op, e.g. 'all_reduce=ring,broadcast=tree', or one name "
+    "for every op that has it ('direct'); unset, a cost model chooses per op and size; give "
+    "every daemon of a job the same",
 }
 
 
@@ -275,6 +282,10 @@ def load(argv: list[str] | None = None, environ: dict[str, str] | None = None) -
         parser.error(
             f"node_id: {node_id[:80]!r} must be 1-253 characters of A-Z a-z 0-9 . _ : @ + -"
         )
+    try:
+        parse_pins(values.get("algo", ""))
+    except ValueError as exc:
+        parser.error(str(exc))
     level = values.get("log_level", "INFO")
     if not isinstance(logging.getLevelName(level.upper()), int):
         parser.error(f"log_level: {level!r} is not one of DEBUG, INFO, WARNING, ERROR")

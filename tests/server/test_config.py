@@ -63,6 +63,7 @@ def test_defaults_without_flags_env_or_file() -> None:
         "tls_cert": "",
         "tls_key": "",
         "tls_ca": "",
+        "algo": "",
     }
 
 
