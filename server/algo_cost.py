@@ -26,9 +26,11 @@ ALPHA_S = 100e-6
 BETA_S_PER_BYTE = 1e-9
 # Per byte combined: numpy's add of two float32 arrays, about 2 GB/s of input here.
 GAMMA_S_PER_BYTE = 0.5e-9
-# The ring and the chain cut their messages into at most this many pieces, none below
-# MIN_PIECE_BYTES: a piece costs alpha, which more pieces would outweigh.
+# The ring cuts each of its blocks into at most this many pieces, the chain its whole message
+# into at most CHAIN_MAX_SEGMENTS (its pipeline is N long: it wants about sqrt(N S beta /
+# alpha) pieces), none below MIN_PIECE_BYTES: a piece costs alpha, which more would outweigh.
 MAX_SEGMENTS = 16
+CHAIN_MAX_SEGMENTS = 4096
 MIN_PIECE_BYTES = 64 << 10
 
 
@@ -179,8 +181,11 @@ def predict(m: CostModel, op: str, algorithm: str, nodes: int, nbytes: int) -> t
     fn, pieced = PREDICTIONS[op][algorithm]
     if not pieced:
         return fn(m, nodes, nbytes, 1), 1
-    per_message = nbytes / nodes if op == "all_reduce" else nbytes
-    best = min((fn(m, nodes, nbytes, s), s) for s in segments_for(int(per_message)))
+    if op == "all_reduce":
+        tries = segments_for(nbytes // nodes)
+    else:
+        tries = segments_for(nbytes, CHAIN_MAX_SEGMENTS)
+    best = min((fn(m, nodes, nbytes, s), s) for s in tries)
     return best
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import deque
 
 from smddp.server.algo_cost import CostModel
-from smddp.server.algo_schedule import FOLD, RECV, REDUCE, SEND, Shape
+from smddp.server.algo_schedule import FOLD, RECV, REDUCE, SEND, Shape, Step
 from smddp.server.algorithms import ALGORITHMS
 
 
@@ -43,7 +43,7 @@ def simulate(
     link = [0.0] * nodes  # when each node's link is free
     sent: dict[tuple[int, int, int], float] = {}  # (src, dst, round) -> arrival time
     waiting: dict[tuple[int, int, int], int] = {}  # the node blocked on that message
-    current: list[object] = [None] * nodes
+    current: list[Step | None] = [None] * nodes
     ready = deque(range(nodes))
     done = 0
     while ready:
@@ -55,7 +55,7 @@ def simulate(
             if step is None:
                 done += 1
                 break
-            op_, peer, round_, lo, hi, _ = step  # type: ignore[misc]
+            op_, peer, round_, lo, hi, _ = step
             nbytes = (hi - lo) * itemsize
             if op_ == SEND:
                 start = max(clock[i], link[i])
