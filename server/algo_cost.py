@@ -209,6 +209,6 @@ def nccl_ring_all_reduce(m: CostModel, n: int, nbytes: int) -> float:
 
 
 def nccl_tree_all_reduce(m: CostModel, n: int, nbytes: int) -> float:
-    """NCCL's tree formula (tuning.cc): 2 log2 N step latencies (up and down the tree),
-    the bytes once per link (a pipelined double binary tree)."""
-    return 2 * math.log2(n) * m.alpha + nbytes * m.beta
+    """NCCL's tree formula (tuning.cc): 2 log2 N step latencies (up and down the tree) and
+    the bytes at half the bus bandwidth (its ``ratio = .5``): twice the data per link."""
+    return 2 * math.log2(n) * m.alpha + 2 * nbytes * m.beta

@@ -928,6 +928,7 @@ class Communicator:
                 failed=self._failed[1] if self._failed else "",
                 ops_completed=self.ops_completed
                 + (self.region.ops_completed(0) if self.region else 0),
+                algorithms=self.algorithms.choices(),
             )
             slot = {r: i for i, r in enumerate(self.local_ranks)}
             for r, s in sorted(self.members.items()):

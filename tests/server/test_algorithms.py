@@ -545,3 +545,17 @@ def test_execute_barrier(algorithm: str) -> None:
         r: pb.OpRequest(request_id=1, seq=1, part=0, parts=1, kind=pb.BARRIER) for r in range(WORLD)
     }
     _execute(NODES, reqs, f"barrier={algorithm}", {})
+
+
+def test_the_communicators_status_lists_the_choices() -> None:
+    from smddp.server.communicator import Communicator
+
+    specs = (NodeSpec("a", "10.0.0.1:1"), NodeSpec("b", "10.0.0.2:1"))
+    comm = Communicator("j", "c", 4, b"k" * 32, 10.0, 4096, nodes=[[0, 1], [2, 3]], specs=specs)
+    assert list(comm.status().algorithms) == []
+    comm.algorithms.choose("all_reduce", 2, 4)
+    comm.algorithms.choose("barrier", 2, 0)
+    assert list(comm.status().algorithms) == [
+        "all_reduce <= 4 B: recursive_doubling x1",
+        "barrier <= 0 B: dissemination x1",
+    ]
