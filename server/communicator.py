@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Protocol, cast
 import numpy as np
 
 from smddp.server import hierarchical, host_collectives, supervise
+from smddp.server.algorithms import Selector
 from smddp.server.arena import Arena
 from smddp.server.config import DaemonConfig
 from smddp.server.control_region import ControlRegion, ImpossibleCounters, known_kind
@@ -231,6 +232,8 @@ class Communicator:
         self.local_ranks = tuple(self.nodes[my_node])
         self._gpu: GpuSupply = gpu or NoGpu()
         self.layout = Layout(job_id, comm_id, tuple(tuple(r) for r in self.nodes), my_node, specs)
+        # The algorithm between nodes per op and size (the registry sets SMDDP_ALGO's pins).
+        self.algorithms = Selector(self.layout.name())
         self._remote = set(range(world_size)) - set(self.local_ranks)
         self.peers: CommPeers | None = None
         self._work: queue.Queue[Pending | None] | None = None
@@ -617,6 +620,7 @@ class Communicator:
                         self.peers,
                         by_rank,
                         dict(zip(pending.participants, arenas)),  # type: ignore[arg-type]
+                        self.algorithms,
                     )
         except PeerError as exc:
             msg = f"{self.name()}: {exc}"
@@ -1029,6 +1033,7 @@ class Communicator:
                 ops_completed=_clamp(
                     self.ops_completed + (_clamp(region.ops_completed(0)) if region else 0)
                 ),
+                algorithms=self.algorithms.choices(),
             )
             slot = {r: i for i, r in enumerate(self.local_ranks)}
             for r, s in sorted(self.members.items()):

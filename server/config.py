@@ -21,6 +21,7 @@ else:  # Python 3.10: the same parser, as a package (pyproject's dependency on i
     import tomli as tomllib
 
 from smddp.server import units
+from smddp.server.algorithms import parse_pins
 from smddp.wire import default_socket_path
 
 ENV_PREFIX = "SMDDP_"
@@ -127,6 +128,9 @@ class DaemonConfig:
     admin_group: str = ""
     # Per-job metric series (labelled job, removed when it ends); off, no series names a job.
     metrics_job_labels: bool = False
+    # Pins the algorithm between nodes (server/algorithms.py): "op=name,..." or one name; "" lets
+    # the cost model choose. Every daemon of a job must be given the same.
+    algo: str = ""
 
     def __post_init__(self) -> None:
         if not self.socket:
@@ -197,6 +201,9 @@ _HELP = {
     "and the daemon's own user do; the others see their own jobs only",
     "metrics_job_labels": "per-job metric series (ops, bytes and stragglers, labelled job, "
     "removed when the job ends), on /metrics too; without it no series names a job",
+    "algo": "algorithm between nodes per op, e.g. 'all_reduce=ring,broadcast=tree', or one name "
+    "for every op that has it ('direct'); unset, a cost model chooses per op and size; give "
+    "every daemon of a job the same",
 }
 
 
@@ -328,6 +335,10 @@ def load(argv: list[str] | None = None, environ: dict[str, str] | None = None) -
             grp.getgrnam(admin_group)
         except KeyError:
             parser.error(f"admin_group: no group named {admin_group!r} on this host")
+    try:
+        parse_pins(values.get("algo", ""))
+    except ValueError as exc:
+        parser.error(str(exc))
     level = values.get("log_level", "INFO")
     if not isinstance(logging.getLevelName(level.upper()), int):
         parser.error(f"log_level: {level!r} is not one of DEBUG, INFO, WARNING, ERROR")

@@ -226,6 +226,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                 f"{r.ops_completed}"
                 f"{'' if r.attached else ' (not attached)'}"
             )
+        for line in c.algorithms:
+            print(f"    between nodes: {line}")
         for p in c.pending:
             missing = ", ".join(map(str, p.missing_ranks)) or "-"
             print(

@@ -2,14 +2,16 @@
 
 One function per op kind runs one chunk on this node, given its local ranks' requests and
 arenas. Network traffic is per node, not per rank: the local ranks' contributions are
-combined first (reduced, or concatenated), then exchanged directly between node pairs.
+combined first (reduced, or concatenated), then exchanged between the nodes.
 
-all_reduce is a reduce-scatter among nodes followed by an all-gather: node j reduces
-segment j of every node's partial sum, in node order, and sends the result to the others.
-Every element is therefore computed exactly once, in an order fixed by ranks and nodes, so
-every rank gets the same bits, and a rerun too. Each node sends and receives
-2 (N-1)/N of the data, as a ring would, over direct connections; with the few nodes of a
-data-parallel job this costs one round trip per phase instead of N-1.
+all_reduce, broadcast, all_gather and barrier run between nodes the algorithm that the
+communicator's ``algorithms.Selector`` picks for the op and chunk size (ring, halving-doubling,
+recursive doubling, tree, chain, dissemination or the direct exchange; each module of
+``server/algo_*`` states its reduction order); a caller that passes no selector gets the
+direct exchange. Every element is computed exactly once, in an order fixed by the algorithm,
+the ranks and the nodes, so every rank gets the same bits, and a rerun too. An AVG is summed,
+then divided by the world size once, at the end. reduce, gather, scatter, reduce_scatter and
+all_to_all exchange directly between node pairs.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from typing import Protocol
 import numpy as np
 
 from smddp.reduce import copy_into, reduce_into
+from smddp.server.algo_schedule import Shape, run
+from smddp.server.algorithms import ALGORITHMS, Selector
 from smddp.server.arena import Arena
 from smddp.server.domain import Layout, op_signature
 from smddp.server.errors import InvalidRequest, OpMismatch
@@ -45,10 +49,16 @@ class _NodeChunk:
     functions below share."""
 
     def __init__(
-        self, layout: Layout, peers: Peers, reqs: dict[int, pb.OpRequest], arenas: dict[int, Arena]
+        self,
+        layout: Layout,
+        peers: Peers,
+        reqs: dict[int, pb.OpRequest],
+        arenas: dict[int, Arena],
+        selector: Selector | None = None,
     ) -> None:
         self.layout = layout
         self.peers = peers
+        self.selector = selector
         self.node_ids = layout.node_ids()
         self.nodes = layout.nodes
         self.me = layout.my_node
@@ -87,6 +97,15 @@ class _NodeChunk:
             )
         return data
 
+    def between_nodes(
+        self, op: str, buf: np.ndarray, root: int = 0, blocks: tuple[int, ...] = ()
+    ) -> None:
+        """Runs ``op``'s algorithm between the nodes on this node's working buffer ``buf``."""
+        nodes = len(self.nodes)
+        name, segs = self.selector.choose(op, nodes, buf.nbytes) if self.selector else ("direct", 1)
+        steps = ALGORITHMS[op][name](Shape(nodes, self.me, buf.size, root, blocks, segs))
+        run(steps, self, buf, self.req0.reduce_op, nodes, self.me)
+
     def _check(self, frame: Frame) -> None:
         r = self.req0
         # Frames carry no ``direct``: an op that spans nodes never runs in the control region.
@@ -115,7 +134,11 @@ class _NodeChunk:
 
 
 def execute(
-    layout: Layout, peers: Peers, reqs: dict[int, pb.OpRequest], arenas: dict[int, Arena]
+    layout: Layout,
+    peers: Peers,
+    reqs: dict[int, pb.OpRequest],
+    arenas: dict[int, Arena],
+    selector: Selector | None = None,
 ) -> None:
     """Runs one chunk of a collective across the communicator's nodes.
 
@@ -123,11 +146,12 @@ def execute(
         layout: the communicator's ranks per node, which node this is, every node's id.
         peers: the other nodes (``CommPeers``).
         reqs, arenas: this node's ranks' requests and arenas, by rank.
+        selector: the communicator's choice of algorithm; None runs the direct exchange.
 
     Raises:
         SmddpError: mismatched ops or sizes; PeerError: a node did not answer.
     """
-    c = _NodeChunk(layout, peers, reqs, arenas)
+    c = _NodeChunk(layout, peers, reqs, arenas, selector)
     run = _KINDS.get(c.req0.kind)
     if run is None:
         raise InvalidRequest(f"op kind {c.req0.kind} cannot run across nodes")
@@ -153,23 +177,12 @@ def _all_reduce(c: _NodeChunk) -> None:
     outs = [c.output(r) for r in c.local]
     c.same_sizes(outs, n, "output")
     partial = _partial(c, ins, n)
-    nodes = len(c.nodes)
-    bounds = [n * j // nodes for j in range(nodes + 1)]
-    for j in c.others():
-        c.send(j, 0, [partial[bounds[j] : bounds[j + 1]]])
-    mine = slice(bounds[c.me], bounds[c.me + 1])
-    segments = [
-        partial[mine] if i == c.me else c.recv(i, 0, mine.stop - mine.start) for i in range(nodes)
-    ]
-    result = np.empty(mine.stop - mine.start, dtype=c.dtype)
-    reduce_into([result], segments, c.req0.reduce_op, divisor=c.world)
-    for j in c.others():
-        c.send(j, 1, [result])
-    full = partial  # every segment is overwritten below
-    full[mine] = result
-    for i in c.others():
-        full[bounds[i] : bounds[i + 1]] = c.recv(i, 1, bounds[i + 1] - bounds[i])
-    copy_into(outs, full)
+    c.between_nodes("all_reduce", partial)
+    if c.req0.reduce_op == pb.AVG:
+        # Once, at the end, as reduce_into divides: every node divides the same bits alike.
+        with np.errstate(all="ignore"):
+            np.divide(partial, np.asarray(c.world, dtype=c.dtype), out=partial)
+    copy_into(outs, partial)
 
 
 def _broadcast(c: _NodeChunk) -> None:
@@ -178,10 +191,10 @@ def _broadcast(c: _NodeChunk) -> None:
     if root_node == c.me:
         # Combined in the region, the root's data came to the node's lowest rank.
         data = c.input(c.req0.root if c.req0.root in c.reqs else c.local[0])
-        for j in c.others():
-            c.send(j, 0, [data])
     else:
-        data = c.recv(root_node, 0, outs[0].size)
+        # Received straight into the first output (tree and chain forward from it).
+        data = outs[0]
+    c.between_nodes("broadcast", data, root=root_node)
     c.same_sizes(outs, data.size, "output")
     copy_into(outs, data)
 
@@ -198,10 +211,10 @@ def _reduce(c: _NodeChunk) -> None:
     reduce_into([c.output(root)], parts, c.req0.reduce_op, divisor=c.world)
 
 
-def _gather_like(c: _NodeChunk, everywhere: bool) -> None:
+def _gather(c: _NodeChunk) -> None:
     ins, n = _local(c, "input")
     root_node = c.node_of[c.req0.root]
-    targets = c.local if everywhere else ([c.req0.root] if root_node == c.me else [])
+    targets = [c.req0.root] if root_node == c.me else []
     outs = [c.output(r) for r in targets]
     for out in outs:
         if out.size != n * c.world:
@@ -209,7 +222,7 @@ def _gather_like(c: _NodeChunk, everywhere: bool) -> None:
                 f"{describe_request(c.req0)}: an output holds {out.size} elements, not "
                 f"{n * c.world}"
             )
-    receivers = c.others() if everywhere else ([root_node] if root_node != c.me else [])
+    receivers = [root_node] if root_node != c.me else []
     for j in receivers:
         c.send(j, 0, ins)
     for rank, x in zip(c.local, ins):
@@ -223,11 +236,27 @@ def _gather_like(c: _NodeChunk, everywhere: bool) -> None:
 
 
 def _all_gather(c: _NodeChunk) -> None:
-    _gather_like(c, everywhere=True)
-
-
-def _gather(c: _NodeChunk) -> None:
-    _gather_like(c, everywhere=False)
+    ins, n = _local(c, "input")
+    outs = [c.output(r) for r in c.local]
+    for out in outs:
+        if out.size != n * c.world:
+            raise InvalidRequest(
+                f"{describe_request(c.req0)}: an output holds {out.size} elements, not "
+                f"{n * c.world}"
+            )
+    # The nodes' blocks in node order: the output itself when that is rank order.
+    order = [r for ranks in c.nodes for r in ranks]
+    contiguous = order == list(range(c.world))
+    buf = outs[0] if contiguous else np.empty(n * c.world, dtype=c.dtype)
+    start = n * sum(len(ranks) for ranks in c.nodes[: c.me])
+    for k, x in enumerate(ins):
+        buf[start + k * n : start + (k + 1) * n] = x
+    c.between_nodes("all_gather", buf, blocks=tuple(n * len(ranks) for ranks in c.nodes))
+    if contiguous:
+        copy_into(outs, buf)
+        return
+    for k, rank in enumerate(order):
+        copy_into([o[rank * n : (rank + 1) * n] for o in outs], buf[k * n : (k + 1) * n])
 
 
 def _scatter(c: _NodeChunk) -> None:
@@ -316,10 +345,7 @@ def _all_to_all(c: _NodeChunk) -> None:
 
 
 def _barrier(c: _NodeChunk) -> None:
-    for j in c.others():
-        c.send(j, 0, [])
-    for i in c.others():
-        c.recv(i, 0)
+    c.between_nodes("barrier", np.empty(0, dtype=np.uint8))
 
 
 _KINDS: dict[int, Callable[[_NodeChunk], None]] = {

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from smddp.server import supervise
+from smddp.server.algorithms import Selector
 from smddp.server.arena import Arena
 from smddp.server.communicator import Communicator, GpuSupply, Session
 from smddp.server.config import DaemonConfig
@@ -201,6 +202,7 @@ class Registry:
                 )
                 comm.buffers = job.buffers
                 comm.max_pending_ops = self.config.max_pending_ops
+                comm.algorithms = Selector(comm.layout.name(), self.config.algo)
                 if len(comm.nodes) > 1:
                     assert self.network is not None  # _layout refuses nodes without peers
                     comm.attach_peers(

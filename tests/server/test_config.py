@@ -65,6 +65,7 @@ def test_defaults_without_flags_env_or_file() -> None:
         "tls_ca": "",
         "admin_group": "",
         "metrics_job_labels": False,
+        "algo": "",
     }
 
 

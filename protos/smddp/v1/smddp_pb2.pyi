@@ -505,7 +505,7 @@ class RankStatus(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., global_rank: _Optional[int] = ..., pid: _Optional[int] = ..., node_id: _Optional[str] = ..., attached: _Optional[bool] = ..., ops_completed: _Optional[int] = ...) -> None: ...
 
 class CommStatus(_message.Message):
-    __slots__ = ("job_id", "comm_id", "world_size", "ranks", "pending", "failed", "ops_completed")
+    __slots__ = ("job_id", "comm_id", "world_size", "ranks", "pending", "failed", "ops_completed", "algorithms")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     COMM_ID_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -513,6 +513,7 @@ class CommStatus(_message.Message):
     PENDING_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
     OPS_COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    ALGORITHMS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     comm_id: str
     world_size: int
@@ -520,7 +521,8 @@ class CommStatus(_message.Message):
     pending: _containers.RepeatedCompositeFieldContainer[PendingOp]
     failed: str
     ops_completed: int
-    def __init__(self, job_id: _Optional[str] = ..., comm_id: _Optional[str] = ..., world_size: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., pending: _Optional[_Iterable[_Union[PendingOp, _Mapping]]] = ..., failed: _Optional[str] = ..., ops_completed: _Optional[int] = ...) -> None: ...
+    algorithms: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, job_id: _Optional[str] = ..., comm_id: _Optional[str] = ..., world_size: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., pending: _Optional[_Iterable[_Union[PendingOp, _Mapping]]] = ..., failed: _Optional[str] = ..., ops_completed: _Optional[int] = ..., algorithms: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StatusReply(_message.Message):
     __slots__ = ("node_id", "version", "uptime_seconds", "comms")
