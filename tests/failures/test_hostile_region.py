@@ -18,6 +18,8 @@ right results and a new job runs; the hostile job itself ends in a named error, 
 - B9: a rank that claimed pid 1 at Register was named pid 1 in timeouts, logs and status.
 - B10: a rank that rewrote the header's world size made a peer mapping the region later
   raise a bare ``IndexError``.
+- Op words: any sequence number, signature and arrival time in a slot; an arrival time in the
+  future used to keep the daemon from ever timing the op out.
 """
 
 from __future__ import annotations
@@ -46,12 +48,22 @@ from smddp.region import (
     DATA_OFFSET,
     ERR_MSG_MAX,
     ERR_MSG_OFFSET,
+    G_ARRIVAL,
+    G_COUNT,
+    G_DTYPE,
+    G_KIND,
+    G_OP,
+    G_ROOT,
+    G_SEQ,
     H_ALARM,
     H_WORLD,
     HEADER_BYTES,
     S_ERR_KIND,
     S_ERR_LEN,
+    S_OPS,
+    S_SEQ,
     S_STATE,
+    SIG_WORD,
     STATE_FAILED,
 )
 from smddp.v1 import smddp_pb2 as pb
@@ -531,6 +543,37 @@ def test_b9_ranks_are_named_by_the_kernels_pid(start_daemon, ctl_status, victim_
     log = d.log()
     assert "(pid 1," not in log and "(pid 1)" not in log, log[-3000:]
     assert f"registered rank 0 (node {NODE}), which says it is pid 1 (unverified" in log
+    _node_is_well(d, ctl_status, victim)
+    job.close()
+
+
+@pytest.mark.timeout(180)
+def test_any_op_words_end_only_their_job_and_in_time(start_daemon, ctl_status, victim_of):
+    d = start_daemon(name="words")
+    victim = victim_of(d.socket)
+    job = RawJob(d.socket, "words-hostile", timeout_ms=2000)
+    view = job.region()
+    # Slot 0 at op #2**62 with a signature of impossible words that arrived in the future;
+    # slot 1 at a negative op, its op counter negative too.
+    seq = 1 << 62
+    sig = view.slot_base[0] + SIG_WORD
+    words = {G_SEQ: seq, G_KIND: 1 << 40, G_DTYPE: -1, G_COUNT: 1 << 62, G_ROOT: -7}
+    words.update({G_OP: 1 << 50, G_ARRIVAL: 1 << 62})
+    for g, value in words.items():
+        view.words[sig + g] = value
+    view.words[view.slot_base[0] + S_SEQ] = seq
+    view.words[view.slot_base[1] + S_SEQ] = -3
+    view.words[view.slot_base[1] + S_OPS] = -1
+    start = time.monotonic()
+    failed = _wait_for(
+        lambda: (_comm(ctl_status, d.socket, job.job) or {}).get("failed"), "the job failed"
+    )
+    took = time.monotonic() - start
+    print(f"{failed} ({took:.1f} s)")
+    assert failed.startswith(f"job words-hostile comm 0: op #{seq} op#{1 << 40}(") and (
+        "timed out: rank 1 never arrived" in failed
+    ), failed
+    assert took < 20
     _node_is_well(d, ctl_status, victim)
     job.close()
 
