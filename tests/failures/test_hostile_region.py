@@ -20,6 +20,9 @@ right results and a new job runs; the hostile job itself ends in a named error, 
   raise a bare ``IndexError``.
 - Op words: any sequence number, signature and arrival time in a slot; an arrival time in the
   future used to keep the daemon from ever timing the op out.
+- The header's failure words set by a rank, with any kind and length: a waiting rank raises
+  an error of a known kind with a message of bounded length (it used to read the length word
+  as is: a message of the whole region).
 """
 
 from __future__ import annotations
@@ -44,10 +47,13 @@ import pytest
 from test_limits import SERVING, _attach, node_health, pair_all_reduce, register, stub
 
 from smddp.client.arena import ClientArena
+from smddp.client.errors import DaemonLostError, OpError
+from smddp.client.shm import ShmPath
 from smddp.region import (
     DATA_OFFSET,
     ERR_MSG_MAX,
     ERR_MSG_OFFSET,
+    FAIL_MSG_MAX,
     G_ARRIVAL,
     G_COUNT,
     G_DTYPE,
@@ -56,6 +62,9 @@ from smddp.region import (
     G_ROOT,
     G_SEQ,
     H_ALARM,
+    H_FAIL_KIND,
+    H_FAIL_LEN,
+    H_FAILED,
     H_WORLD,
     HEADER_BYTES,
     S_ERR_KIND,
@@ -65,7 +74,9 @@ from smddp.region import (
     S_STATE,
     SIG_WORD,
     STATE_FAILED,
+    futex_wake,
 )
+from smddp.server.control_region import ControlRegion
 from smddp.v1 import smddp_pb2 as pb
 from smddp.wire import (
     MAX_MESSAGE_BYTES,
@@ -148,6 +159,9 @@ import mmap, os, socket, sys, time
 import grpc
 import numpy as np
 from smddp.client.arena import ClientArena
+from smddp.client.errors import DaemonLostError, OpError
+from smddp.client.shm import ShmPath
+from smddp.server.control_region import ControlRegion
 from smddp.region import DATA_OFFSET, H_FAILED, HEADER_BYTES, S_SEQ
 from smddp.v1 import smddp_pb2 as pb, smddp_pb2_grpc as pb_grpc
 from smddp.wire import (DATA_SOCKET_SUFFIX, MAX_MESSAGE_BYTES, MSG_ATTACH, MSG_PEER_ARENAS,
@@ -633,3 +647,47 @@ def test_b10_a_rewritten_world_size_is_a_named_error(start_daemon, ctl_status, v
         os.close(fd)
     s1.close()
     arena.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("native", ["1", "0"])
+@pytest.mark.parametrize("length", [0, 1 << 40, -5])
+def test_failure_words_a_rank_wrote_raise_a_known_kind_and_a_bounded_message(
+    native: str, length: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # No daemon: ControlRegion is the daemon's own object; rank 0 waits in op #1 for rank 1,
+    # which sets the header's failure words itself: an unknown kind, any length.
+    monkeypatch.setenv("SMDDP_NATIVE", native)
+    region = ControlRegion(2, data_bytes=4096)
+
+    def gone() -> DaemonLostError:
+        return DaemonLostError("smddpd at test is gone")
+
+    shm = ShmPath("job j comm 0", 0, region.view.buf, 60.0, lambda: True, gone)
+    hostile = region.view
+    hostile.buf[-4096:] = np.frombuffer(b"DATA" * 1024, np.uint8)  # the last data buffer
+    hostile.header[H_FAIL_KIND] = 1 << 40
+    hostile.header[H_FAIL_LEN] = length
+    hostile.header[H_FAILED] = 1
+    hostile.header[H_ALARM] = 1
+    futex_wake(hostile.step_address(1))
+    start = time.monotonic()
+    with pytest.raises(OpError) as info:
+        shm.wait(shm.publish(1, shm.next_parity(), pb.BARRIER, 0, 0, 0, 0), 1)
+    took = time.monotonic() - start
+    err = info.value
+    print(f"{type(err).__name__} kind {err.kind}: {str(err)[:160]} ({took:.2f} s)")
+    assert err.kind == pb.INVALID and took < 10
+    assert 0 < len(str(err)) <= FAIL_MSG_MAX and "DATA" not in str(err)
+    # No message was written, whatever the length word says: the error says so.
+    assert str(err) == (
+        "job j comm 0: the control region says the communicator failed, without a "
+        "message (a rank of the job wrote over the region's failure words)"
+    )
+    # The daemon's own failure still goes in, over the rank's words.
+    region.fail(pb.RANK_FAILED, "job j comm 0: rank 1 (pid 7, node n) disconnected")
+    assert hostile.failure() == (
+        pb.RANK_FAILED,
+        "job j comm 0: rank 1 (pid 7, node n) disconnected",
+    )
+    region.close()
