@@ -90,8 +90,7 @@ class Session:
     channel: ReplyChannel | None = None
     uid: int | None = None  # the kernel's word, at attach; counted against it from then on
     peer_pid: int = 0  # the attached process as the kernel names it (SO_PEERCRED)
-    # The pid the rank claimed at Register (any number it liked): named, as unverified, only
-    # until it attaches.
+    # The pid the rank claimed at Register (any number it liked): named only until it attaches.
     claimed_pid: int = 0
     registered_at: float = field(default_factory=time.monotonic)
     ops_completed: int = 0
@@ -102,11 +101,10 @@ class Session:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def label(self) -> str:
-        """``rank 2 (pid 4711, node n1)``, the way errors name a rank; before it attached,
-        ``rank 2 (pid 4711 unverified, node n1)`` with the pid it claimed at Register."""
-        if self.pid or not self.claimed_pid:
-            return f"rank {self.rank} (pid {self.pid}, node {self.node_id})"
-        return f"rank {self.rank} (pid {self.claimed_pid} unverified, node {self.node_id})"
+        """``rank 2 (pid 4711, node n1)``, the way errors name a rank: the pid the kernel
+        gave at attach; before it attached (a rank that never did, say), the one it claimed
+        at Register, all there is (its registration's log line says it is unverified)."""
+        return f"rank {self.rank} (pid {self.pid or self.claimed_pid}, node {self.node_id})"
 
     def log_fields(self) -> dict[str, object]:
         """``extra=`` for a log record about this rank: the JSON log's job, comm, rank, node."""

@@ -195,8 +195,8 @@ class ControlRegion:
         return known_kind(kind), message
 
     def ops_completed(self, rank: int) -> int:
-        """Ops rank ``rank`` completed through the region."""
-        return int(self.view.slots[rank, S_OPS])
+        """Ops rank ``rank`` completed through the region (its counter; never below 0)."""
+        return max(0, int(self.view.slots[rank, S_OPS]))
 
     def pending(self, now_ns: int | None = None, inside: bool = True) -> RegionPending | None:
         """The op the furthest ranks wait at while others have not arrived, or None.

@@ -267,7 +267,15 @@ class Registry:
                 logging.INFO,
                 fail=self._others_attached(old),
             )
-        log.info("%s: registered %s", where, session.label(), extra=session.log_fields())
+        log.info(
+            "%s: registered rank %d (node %s), which says it is pid %d (unverified until it "
+            "attaches)",
+            where,
+            session.rank,
+            session.node_id,
+            req.pid,
+            extra=session.log_fields(),
+        )
         return session
 
     def _layout(self, req: Registration, where: str) -> tuple[list[list[int]] | None, int]:

@@ -301,9 +301,7 @@ class RegionView:
         b = self.slot_base[rank]
         n = min(max(int(self.words[b + S_ERR_LEN]), 0), ERR_MSG_MAX)
         off = HEADER_BYTES + rank * self.slot_bytes + ERR_MSG_OFFSET
-        return int(self.words[b + S_ERR_KIND]), bytes(self.buf[off : off + n]).decode(
-            "utf-8", "replace"
-        )
+        return int(self.words[b + S_ERR_KIND]), _text(self.buf[off : off + n])
 
     def set_slot_error(self, rank: int, kind: int, message: str) -> None:
         """Records an error in ``rank``'s slot (by that rank) and raises the alarm."""
@@ -323,9 +321,7 @@ class RegionView:
         if not self.header[H_FAILED]:
             return None
         n = min(max(int(self.header[H_FAIL_LEN]), 0), FAIL_MSG_MAX)
-        return int(self.header[H_FAIL_KIND]), bytes(
-            self.buf[FAIL_MSG_OFFSET : FAIL_MSG_OFFSET + n]
-        ).decode("utf-8", "replace")
+        return int(self.header[H_FAIL_KIND]), _text(self.buf[FAIL_MSG_OFFSET : FAIL_MSG_OFFSET + n])
 
     def write_failure(self, kind: int, message: str) -> None:
         """The daemon fails the communicator: message first, then the flags, then wakes all.
@@ -349,6 +345,12 @@ class RegionView:
             if int(self.slots[r, S_STATE]) == STATE_FAILED:
                 return self.slot_error(r)
         return None
+
+
+def _text(data: np.ndarray) -> str:
+    """A message as written into the region, without the zero bytes that pad it when its
+    length word says more than was written."""
+    return bytes(data).decode("utf-8", "replace").strip("\x00")
 
 
 # -- futex --------------------------------------------------------------------------------------

@@ -18,6 +18,11 @@ right results and a new job runs; the hostile job itself ends in a named error, 
 - B9: a rank that claimed pid 1 at Register was named pid 1 in timeouts, logs and status.
 - B10: a rank that rewrote the header's world size made a peer mapping the region later
   raise a bare ``IndexError``.
+- Op words: any sequence number, signature and arrival time in a slot; an arrival time in the
+  future used to keep the daemon from ever timing the op out.
+- The header's failure words set by a rank, with any kind and length: a waiting rank raises
+  an error of a known kind with a message of bounded length (it used to read the length word
+  as is: a message of the whole region).
 """
 
 from __future__ import annotations
@@ -42,18 +47,36 @@ import pytest
 from test_limits import SERVING, _attach, node_health, pair_all_reduce, register, stub
 
 from smddp.client.arena import ClientArena
+from smddp.client.errors import DaemonLostError, OpError
+from smddp.client.shm import ShmPath
 from smddp.region import (
     DATA_OFFSET,
     ERR_MSG_MAX,
     ERR_MSG_OFFSET,
+    FAIL_MSG_MAX,
+    G_ARRIVAL,
+    G_COUNT,
+    G_DTYPE,
+    G_KIND,
+    G_OP,
+    G_ROOT,
+    G_SEQ,
     H_ALARM,
+    H_FAIL_KIND,
+    H_FAIL_LEN,
+    H_FAILED,
     H_WORLD,
     HEADER_BYTES,
     S_ERR_KIND,
     S_ERR_LEN,
+    S_OPS,
+    S_SEQ,
     S_STATE,
+    SIG_WORD,
     STATE_FAILED,
+    futex_wake,
 )
+from smddp.server.control_region import ControlRegion
 from smddp.v1 import smddp_pb2 as pb
 from smddp.wire import (
     MAX_MESSAGE_BYTES,
@@ -136,6 +159,9 @@ import mmap, os, socket, sys, time
 import grpc
 import numpy as np
 from smddp.client.arena import ClientArena
+from smddp.client.errors import DaemonLostError, OpError
+from smddp.client.shm import ShmPath
+from smddp.server.control_region import ControlRegion
 from smddp.region import DATA_OFFSET, H_FAILED, HEADER_BYTES, S_SEQ
 from smddp.v1 import smddp_pb2 as pb, smddp_pb2_grpc as pb_grpc
 from smddp.wire import (DATA_SOCKET_SUFFIX, MAX_MESSAGE_BYTES, MSG_ATTACH, MSG_PEER_ARENAS,
@@ -530,7 +556,38 @@ def test_b9_ranks_are_named_by_the_kernels_pid(start_daemon, ctl_status, victim_
     assert f"rank 1 never arrived (rank 1 (pid {os.getpid()}, node {NODE}))" in reply.error
     log = d.log()
     assert "(pid 1," not in log and "(pid 1)" not in log, log[-3000:]
-    assert f"rank 0 (pid 1 unverified, node {NODE})" in log  # its registration, as claimed
+    assert f"registered rank 0 (node {NODE}), which says it is pid 1 (unverified" in log
+    _node_is_well(d, ctl_status, victim)
+    job.close()
+
+
+@pytest.mark.timeout(180)
+def test_any_op_words_end_only_their_job_and_in_time(start_daemon, ctl_status, victim_of):
+    d = start_daemon(name="words")
+    victim = victim_of(d.socket)
+    job = RawJob(d.socket, "words-hostile", timeout_ms=2000)
+    view = job.region()
+    # Slot 0 at op #2**62 with a signature of impossible words that arrived in the future;
+    # slot 1 at a negative op, its op counter negative too.
+    seq = 1 << 62
+    sig = view.slot_base[0] + SIG_WORD
+    words = {G_SEQ: seq, G_KIND: 1 << 40, G_DTYPE: -1, G_COUNT: 1 << 62, G_ROOT: -7}
+    words.update({G_OP: 1 << 50, G_ARRIVAL: 1 << 62})
+    for g, value in words.items():
+        view.words[sig + g] = value
+    view.words[view.slot_base[0] + S_SEQ] = seq
+    view.words[view.slot_base[1] + S_SEQ] = -3
+    view.words[view.slot_base[1] + S_OPS] = -1
+    start = time.monotonic()
+    failed = _wait_for(
+        lambda: (_comm(ctl_status, d.socket, job.job) or {}).get("failed"), "the job failed"
+    )
+    took = time.monotonic() - start
+    print(f"{failed} ({took:.1f} s)")
+    assert failed.startswith(f"job words-hostile comm 0: op #{seq} op#{1 << 40}(") and (
+        "timed out: rank 1 never arrived" in failed
+    ), failed
+    assert took < 20
     _node_is_well(d, ctl_status, victim)
     job.close()
 
@@ -590,3 +647,47 @@ def test_b10_a_rewritten_world_size_is_a_named_error(start_daemon, ctl_status, v
         os.close(fd)
     s1.close()
     arena.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("native", ["1", "0"])
+@pytest.mark.parametrize("length", [0, 1 << 40, -5])
+def test_failure_words_a_rank_wrote_raise_a_known_kind_and_a_bounded_message(
+    native: str, length: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # No daemon: ControlRegion is the daemon's own object; rank 0 waits in op #1 for rank 1,
+    # which sets the header's failure words itself: an unknown kind, any length.
+    monkeypatch.setenv("SMDDP_NATIVE", native)
+    region = ControlRegion(2, data_bytes=4096)
+
+    def gone() -> DaemonLostError:
+        return DaemonLostError("smddpd at test is gone")
+
+    shm = ShmPath("job j comm 0", 0, region.view.buf, 60.0, lambda: True, gone)
+    hostile = region.view
+    hostile.buf[-4096:] = np.frombuffer(b"DATA" * 1024, np.uint8)  # the last data buffer
+    hostile.header[H_FAIL_KIND] = 1 << 40
+    hostile.header[H_FAIL_LEN] = length
+    hostile.header[H_FAILED] = 1
+    hostile.header[H_ALARM] = 1
+    futex_wake(hostile.step_address(1))
+    start = time.monotonic()
+    with pytest.raises(OpError) as info:
+        shm.wait(shm.publish(1, shm.next_parity(), pb.BARRIER, 0, 0, 0, 0), 1)
+    took = time.monotonic() - start
+    err = info.value
+    print(f"{type(err).__name__} kind {err.kind}: {str(err)[:160]} ({took:.2f} s)")
+    assert err.kind == pb.INVALID and took < 10
+    assert 0 < len(str(err)) <= FAIL_MSG_MAX and "DATA" not in str(err)
+    # No message was written, whatever the length word says: the error says so.
+    assert str(err) == (
+        "job j comm 0: the control region says the communicator failed, without a "
+        "message (a rank of the job wrote over the region's failure words)"
+    )
+    # The daemon's own failure still goes in, over the rank's words.
+    region.fail(pb.RANK_FAILED, "job j comm 0: rank 1 (pid 7, node n) disconnected")
+    assert hostile.failure() == (
+        pb.RANK_FAILED,
+        "job j comm 0: rank 1 (pid 7, node n) disconnected",
+    )
+    region.close()
