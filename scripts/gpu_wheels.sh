@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
 # Downloads into .whl/ the wheels that smddp needs and the lent GPU machine's image lacks, so that
-# benchmarks/gpu_check.sh can install them there offline (that machine reaches no network).
+# benchmarks/gpu_check.py can install them there offline (that machine reaches no network).
 #
-#   bash scripts/gpu_wheels.sh     # here, where PyPI is reachable; then carry .whl to the device
+#   bash scripts/gpu_wheels.sh     # here, where PyPI is reachable
+#
+# .whl/ is git-ignored: it reaches the GPU machine only when the device tool's run names it:
+#   carry:   [".whl"]
+#   command: bash benchmarks/gpu_check.sh
+# (The kernel cache, benchmarks/kernel_cache/, is committed and travels with the tree.)
 #
 # The image ('cuda': Python 3.12 at /opt/torch/.venv, torch 2.11.0+cu130, cupy-cuda13x 14.2.0,
 # nvidia-cuda-nvrtc 13, grpcio, protobuf, numpy, ml-dtypes, prometheus-client, pytest,

@@ -48,7 +48,6 @@ from smddp.wire import (
     ROOTED_KINDS,
     describe_request,
     rank_list,
-    reduce_op_check,
 )
 
 if TYPE_CHECKING:
@@ -793,22 +792,20 @@ class GpuOps:
         dtype or fan-in never stalls the other jobs' ops (``_Work.reduce`` finds them ready).
         Bad requests are left to ``execute``'s checks, which name the problem."""
         req = reqs[0]
-        if req.kind not in REDUCING_KINDS or gpu_kernels.SPECS.get(req.dtype) is None:
-            return
-        if reduce_op_check(req.dtype, req.reduce_op):
-            return
         w = len(reqs)
+        # The one key the kernels' cache is prepared from too (gpu_kernels.module_keys).
+        key = gpu_kernels.op_module_key(req.kind, req.dtype, req.reduce_op, w)
+        if key is None:
+            return
         try:
             devices = [self._device(s, q.cuda.device_uuid) for s, q in zip(sessions, reqs)]
         except SmddpError:
             return
-        if req.kind == pb.ALL_REDUCE:
-            wanted = {(d, (req.dtype, req.reduce_op, w, w)) for d in devices}
-        elif req.kind == pb.REDUCE:
+        if req.kind == pb.REDUCE:
             root = req.root if 0 <= req.root < w else 0
-            wanted = {(devices[root], (req.dtype, req.reduce_op, w, 1))}
-        else:  # REDUCE_SCATTER
-            wanted = {(d, (req.dtype, req.reduce_op, w, 1)) for d in devices}
+            wanted = {(devices[root], key)}
+        else:  # all_reduce, reduce_scatter: every rank's GPU launches
+            wanted = {(d, key) for d in devices}
         for device, key in sorted(wanted):
             try:
                 self.rt.prepare(device, key)

@@ -27,7 +27,7 @@ the PTX ``cvt`` instructions, bfloat16 ones are bit manipulation.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from smddp.v1 import smddp_pb2 as pb
@@ -130,6 +130,39 @@ def combine_expr(dtype: int, reduce_op: int) -> str:
     if wide is not None and symbol in "+*":
         return f"({spec.compute})(({wide})a {symbol} ({wide})b)"
     return f"a {symbol} b"
+
+
+# A module's key: (dtype, reduce op, fan-in, fan-out). One module holds the scalar and the
+# vectorised kernel of that combination.
+ModuleKey = tuple[int, int, int, int]
+
+
+def op_module_key(kind: int, dtype: int, reduce_op: int, world: int) -> ModuleKey | None:
+    """The module a GPU op of ``world`` ranks launches, or None when it launches no kernel.
+
+    all_reduce reads every rank's input and writes every rank's output; reduce and
+    reduce_scatter write one output per launch (the root's, or the block's owner). The same
+    key on any number of GPUs: each GPU's launch still reads all ``world`` ranks.
+    """
+    if kind not in (pb.ALL_REDUCE, pb.REDUCE, pb.REDUCE_SCATTER) or dtype not in SPECS:
+        return None
+    if reduce_op_check(dtype, reduce_op):
+        return None
+    return (dtype, reduce_op, world, world if kind == pb.ALL_REDUCE else 1)
+
+
+def module_keys(worlds: Iterable[int]) -> list[ModuleKey]:
+    """Every module GPU ops of the given world sizes can ask for (every reducing kind, dtype
+    and reduce op the kernels cover), sorted: what a prepared kernel cache must hold."""
+    keys = {
+        key
+        for world in worlds
+        for kind in (pb.ALL_REDUCE, pb.REDUCE, pb.REDUCE_SCATTER)
+        for dtype in SPECS
+        for reduce_op in REDUCE_NAMES
+        if (key := op_module_key(kind, dtype, reduce_op, world)) is not None
+    }
+    return sorted(keys)
 
 
 def kernel_name(dtype: int, reduce_op: int, fan_in: int, fan_out: int, vectorized: bool) -> str:

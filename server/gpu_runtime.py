@@ -1,9 +1,14 @@
 """``gpu.Runtime`` on CuPy: the daemon's real CUDA calls.
 
-Imported only by ``gpu.ops()`` on the first GPU op; importing it imports CuPy. Kernels come
-from ``gpu_kernels`` and are compiled by NVRTC (``compile_module``) to a cubin once per
-combination of dtype, reduce op, fan-in/fan-out and GPU architecture, each under a lock of
-its own, then loaded once per device (a module's functions belong to one device's context).
+Imported only by ``gpu.ops()`` on the first GPU op; CuPy itself is imported by
+``CupyRuntime``. Kernels come from ``gpu_kernels``; each module's cubin (one per combination
+of dtype, reduce op, fan-in/fan-out and GPU architecture) is found, in this order, in the
+process's memory, in the prepared archives of ``SMDDP_KERNEL_CACHE`` (``PreparedKernels``,
+compiled beforehand on a machine without a GPU: benchmarks/gpu_kernel_cache.py), in the disk
+cache an earlier daemon wrote, or else compiled by NVRTC (``compile_module``), each module under
+a lock of its own and, when several are wanted at once (``warm``), in parallel threads (NVRTC
+releases the GIL). Modules are then loaded once per device (a module's functions belong to one
+device's context).
 """
 
 from __future__ import annotations
@@ -13,7 +18,9 @@ import hashlib
 import logging
 import os
 import threading
+import zipfile
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from smddp import cuda_driver
@@ -45,9 +52,81 @@ _ATTR_CC_MAJOR = 75
 _ATTR_CC_MINOR = 76
 # What NVRTC gets: the same options for every module (tests compile with exactly these).
 NVRTC_OPTIONS = ("--std=c++14",)
-# Kernels worth having before the first op needs them (gpu_check.sh warms these): all_reduce
-# of the usual training dtypes by 2, 4 and 8 ranks of one GPU.
+# Kernels worth having before the first op needs them: all_reduce of the usual training
+# dtypes by 2, 4 and 8 ranks of one GPU.
 COMMON_KERNELS = [(dtype, pb.SUM, w, w) for dtype in (pb.FLOAT32, pb.BFLOAT16) for w in (2, 4, 8)]
+# Folders (separated by os.pathsep) of prepared kernel archives, read before anything is
+# compiled: benchmarks/gpu_check.py sets it to benchmarks/kernel_cache.
+KERNEL_CACHE_ENV = "SMDDP_KERNEL_CACHE"
+# Modules compiled at once by ``warm`` (NVRTC runs outside the GIL; each takes ~0.3 s).
+WARM_THREADS = 8
+
+
+def prepared_entry(key: gpu_kernels.ModuleKey, arch: str) -> str:
+    """The name of ``key``'s cubin for ``arch`` in a prepared archive: the kernel's name and a
+    digest of its source and NVRTC's options, so a changed generator never meets an old cubin."""
+    source = gpu_kernels.reduce_module(*key)
+    digest = hashlib.sha256("\0".join([source, *NVRTC_OPTIONS, arch]).encode()).hexdigest()
+    return f"{gpu_kernels.kernel_name(*key, False)}.{arch}.{digest[:20]}.cubin"
+
+
+def archive_name(arch: str, cuda_major: int) -> str:
+    """The prepared archive of ``arch`` built by NVRTC of CUDA ``cuda_major``, e.g.
+    ``sm_90-cuda13.zip`` (a cubin of one CUDA major may not load under another's driver)."""
+    return f"{arch}-cuda{cuda_major}.zip"
+
+
+class PreparedKernels:
+    """Cubins compiled beforehand, read from zip archives (``archive_name``) in ``folders``.
+
+    An archive holds one member per module (``prepared_entry``); the first folder holding a
+    member wins. Safe for concurrent readers (one lock around the archives).
+    """
+
+    def __init__(self, folders: Sequence[str]) -> None:
+        self.folders = [f for f in folders if f]
+        self._archives: dict[str, list[zipfile.ZipFile]] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_env(cls) -> PreparedKernels:
+        """The archives ``SMDDP_KERNEL_CACHE`` names (none when it is unset)."""
+        return cls(os.environ.get(KERNEL_CACHE_ENV, "").split(os.pathsep))
+
+    def _open(self, name: str) -> list[zipfile.ZipFile]:
+        archives = self._archives.get(name)
+        if archives is None:
+            archives = []
+            for folder in self.folders:
+                path = os.path.join(folder, name)
+                try:
+                    archives.append(zipfile.ZipFile(path))
+                except FileNotFoundError:
+                    continue
+                except (OSError, zipfile.BadZipFile) as exc:
+                    log.warning("prepared kernel archive %s unreadable: %s", path, exc)
+            self._archives[name] = archives
+        return archives
+
+    def get(self, key: gpu_kernels.ModuleKey, arch: str, cuda_major: int) -> bytes | None:
+        """``key``'s prepared cubin for ``arch``, or None where no archive holds it."""
+        if not self.folders:
+            return None
+        member = prepared_entry(key, arch)
+        with self._lock:
+            for archive in self._open(archive_name(arch, cuda_major)):
+                try:
+                    return archive.read(member) or None
+                except KeyError:
+                    continue
+                except (OSError, zipfile.BadZipFile) as exc:
+                    log.warning("prepared kernel %s unreadable: %s", member, exc)
+        return None
+
+    def members(self, arch: str, cuda_major: int) -> set[str]:
+        """Every member name of the archives of ``arch`` and ``cuda_major``."""
+        with self._lock:
+            return {n for a in self._open(archive_name(arch, cuda_major)) for n in a.namelist()}
 
 
 def compile_module(
@@ -114,6 +193,10 @@ class CupyRuntime:
         self._wait_value: Any = None
         self._archs: dict[int, str] = {}
         self._binaries: dict[tuple[tuple[int, int, int, int], str], bytes] = {}
+        self._prepared = PreparedKernels.from_env()
+        # Where each module's cubin came from: "prepared", "disk" or "compiled" (gpu_check
+        # reads the daemon's log line of these counts).
+        self.sources: dict[str, int] = {"prepared": 0, "disk": 0, "compiled": 0}
         self._compiling: dict[tuple[tuple[int, int, int, int], str], threading.Lock] = {}
         self._modules: dict[tuple[tuple[int, int, int, int], int], Any] = {}
         self._lock = threading.Lock()
@@ -275,16 +358,29 @@ class CupyRuntime:
             arch = self._archs[device] = f"sm_{major}{minor}"
         return arch
 
-    def _binary(self, key: tuple[int, int, int, int], arch: str) -> bytes:
-        """The module's cubin for ``arch``, compiled once (other compiles go on meanwhile:
-        one lock per module, never the daemon's)."""
+    def _cuda_major(self) -> int:
+        try:
+            return int(self.cp.cuda.nvrtc.getVersion()[0])
+        except Exception:  # NVRTC's library missing: the prepared archives still serve
+            return int(self.rt.runtimeGetVersion()) // 1000
+
+    def _binary(self, key: tuple[int, int, int, int], arch: str, prepared: bool = True) -> bytes:
+        """The module's cubin for ``arch``: prepared, cached on disk, or compiled once (other
+        compiles go on meanwhile: one lock per module, never the daemon's). ``prepared``
+        False skips the prepared archives (a prepared cubin the driver refused)."""
         with self._lock:
             lock = self._compiling.setdefault((key, arch), threading.Lock())
         with lock:
             binary = self._binaries.get((key, arch))
+            source = ""
+            if binary is None and prepared:
+                binary = self._prepared.get(key, arch, self._cuda_major())
+                source = "prepared"
             if binary is None:
                 binary = self._cached(key, arch)
+                source = "disk"
             if binary is None:
+                source = "compiled"
                 try:
                     binary = compile_module(self.cp, *key, arch=arch)
                 except CudaCallError:
@@ -294,6 +390,9 @@ class CupyRuntime:
                         f"compiling {gpu_kernels.kernel_name(*key, False)} for {arch}: {exc}"
                     ) from None
                 self._store(key, arch, binary)
+            if source:
+                with self._lock:
+                    self.sources[source] += 1
             self._binaries[(key, arch)] = binary
             return binary
 
@@ -334,7 +433,23 @@ class CupyRuntime:
         ``device``; the daemon calls it before taking its lock, so a compile stalls nobody."""
         if (key, device) in self._modules:
             return
-        binary = self._binary(key, self._arch(device))
+        arch = self._arch(device)
+        try:
+            self._load(device, key, self._binary(key, arch))
+        except CudaCallError as exc:
+            if not self._prepared.folders:
+                raise
+            # Perhaps a prepared cubin this driver refuses (built by a newer CUDA): compile.
+            log.warning(
+                "%s for %s did not load (%s); compiling it",
+                gpu_kernels.kernel_name(*key, False),
+                arch,
+                exc,
+            )
+            self._binaries.pop((key, arch), None)
+            self._load(device, key, self._binary(key, arch, prepared=False))
+
+    def _load(self, device: int, key: tuple[int, int, int, int], binary: bytes) -> None:
         with self._lock:
             if (key, device) in self._modules:
                 return
@@ -348,10 +463,33 @@ class CupyRuntime:
             self._modules[(key, device)] = module
 
     def warm(self, device: int, keys: Sequence[tuple[int, int, int, int]]) -> None:
-        """Compiles and loads ``keys`` on ``device`` now (gpu_check.sh, and the daemon's
-        first GPU op for ``COMMON_KERNELS``)."""
-        for key in keys:
+        """Finds or compiles ``keys``' cubins for ``device``'s architecture, the missing ones
+        in parallel threads, then loads them on ``device`` (gpu_check, and the daemon's first
+        GPU op for ``COMMON_KERNELS``).
+
+        Raises:
+            CudaCallError: a module does not compile or load (the first such, once all ran).
+        """
+        wanted = [k for k in dict.fromkeys(keys) if (k, device) not in self._modules]
+        if not wanted:
+            return
+        arch = self._arch(device)
+        threads = max(1, min(WARM_THREADS, len(wanted)))
+        with ThreadPoolExecutor(threads, thread_name_prefix="smddp-nvrtc") as pool:
+            # list(): the first failure is raised here, after every compile has finished.
+            list(pool.map(lambda k: self._binary(k, arch), wanted))
+        for key in wanted:
             self.prepare(device, key)
+        log.info(
+            "reduction kernels on GPU %d (%s): %d ready; cubins so far: %d prepared, %d from "
+            "the disk cache, %d compiled",
+            device,
+            arch,
+            len(wanted),
+            self.sources["prepared"],
+            self.sources["disk"],
+            self.sources["compiled"],
+        )
 
     def _function(
         self, device: int, dtype: int, reduce_op: int, fan_in: int, fan_out: int, vectorized: bool

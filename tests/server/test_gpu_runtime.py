@@ -310,3 +310,44 @@ def test_the_daemons_runtime_warms_the_common_kernels_on_every_gpu(monkeypatch, 
     assert {d for _, d in rt._modules} == {0, 1}
     # One compile per module and architecture, one load per GPU.
     assert len([c for c in calls if c[0] == "nvrtcCompileProgram"]) == len(COMMON_KERNELS)
+
+
+def test_prepared_cubins_are_read_before_anything_is_compiled(
+    runtime, monkeypatch, tmp_path
+) -> None:
+    """SMDDP_KERNEL_CACHE names a folder of prepared archives (benchmarks/gpu_kernel_cache.py):
+    a module found there is loaded as it is, never compiled; one missing is compiled, and
+    ``warm`` compiles what is missing in parallel threads, one compile per module."""
+    import threading
+    import zipfile
+
+    from smddp.server.gpu_runtime import archive_name, prepared_entry
+
+    have = [(pb.FLOAT32, pb.SUM, 2, 2), (pb.BFLOAT16, pb.MAX, 3, 1)]
+    with zipfile.ZipFile(tmp_path / archive_name("sm_90", 13), "w") as z:
+        for key in have:
+            z.writestr(prepared_entry(key, "sm_90"), b"\x7fELF prepared " + repr(key).encode())
+    monkeypatch.setenv("SMDDP_KERNEL_CACHE", str(tmp_path))
+    rt, calls = runtime()
+    rt.warm(0, have)
+    assert not [c for c in calls if c[0] == "nvrtcCompileProgram"]
+    assert len([c for c in calls if c[0] == "cuModuleLoadData"]) == 2
+    assert rt.sources == {"prepared": 2, "disk": 0, "compiled": 0}
+
+    nvrtc = sys.modules["cupy"].cuda.nvrtc
+    compile_threads: set[str] = set()
+    barrier = threading.Barrier(3, timeout=10)
+    plain = nvrtc.compileProgram
+
+    def compile_program(prog, options):
+        compile_threads.add(threading.current_thread().name)
+        barrier.wait()  # only met when three compiles run at once
+        plain(prog, options)
+
+    nvrtc.compileProgram = compile_program
+    missing = [(pb.INT32, pb.BXOR, 4, 4), (pb.FLOAT16, pb.SUM, 8, 8), (pb.INT8, pb.MIN, 2, 1)]
+    rt.warm(0, [*have, *missing])
+    assert len([c for c in calls if c[0] == "nvrtcCompileProgram"]) == 3
+    assert len(compile_threads) == 3, compile_threads
+    assert rt.sources == {"prepared": 2, "disk": 0, "compiled": 3}
+    assert len(rt._modules) == 5
