@@ -462,32 +462,36 @@ class Communicator:
         bound.root, bound.seq = src, seq
         return bound
 
-    def _match_any(self, session: Session, req: pb.OpRequest, now: float) -> pb.OpRequest | None:
-        """A receive from any source, bound to the sender of the send that came first among
-        those that can meet it now (``_bind_any``); or None, when none can and it waits in
-        ``_any_waiting``. Lock held."""
+    def _next_sends(self, session: Session) -> list[tuple[float, int, int]]:
+        """(arrival time, sender, tag) of each rank's next message to ``session``'s rank
+        that has come (its first chunk): from this node in ``_pending``, from another in the
+        peers' mailbox. Lock held."""
         me = session.rank
-        first: tuple[float, int] | None = None
+        found = []
         for src in range(self.world_size):
             seq = self._next_from(session, src) if src != me else None
             if seq is None:
                 continue
-            came: float | None = None
             if src in self._remote:
                 frame = self.peers.peek_p2p(src, me, seq) if self.peers is not None else None
-                if frame is not None and frame.tag == req.tag:
-                    came = frame.arrived
+                if frame is not None:
+                    found.append((frame.arrived, src, frame.tag))
             else:
                 pending = self._pending.get(("p", src, me, seq, 0))
                 sent = pending.arrivals.get(src) if pending is not None else None
-                if sent is not None and sent[1].tag == req.tag:
-                    came = sent[2]
-            if came is not None and (first is None or came < first[0]):
-                first = (came, src)
-        if first is None:
-            self._any_waiting[me] = AnyWait(session, req, now)
+                if sent is not None:
+                    found.append((sent[2], src, sent[1].tag))
+        return found
+
+    def _match_any(self, session: Session, req: pb.OpRequest, now: float) -> pb.OpRequest | None:
+        """A receive from any source, bound to the sender of the send that came first among
+        those that can meet it now (``_bind_any``); or None, when none can and it waits in
+        ``_any_waiting``. Lock held."""
+        candidates = [(came, src) for came, src, tag in self._next_sends(session) if tag == req.tag]
+        if not candidates:
+            self._any_waiting[session.rank] = AnyWait(session, req, now)
             return None
-        return self._bind_any(session, req, first[1])
+        return self._bind_any(session, req, min(candidates)[1])
 
     def _offer_any(self, pending: Pending, src: int, dst: int, seq: int, tag: int) -> None:
         """A send from ``src`` on this node has come (its first chunk, in ``pending``): the
@@ -526,22 +530,10 @@ class Communicator:
         if not late:
             return None
         wait = min(late, key=lambda w: w.since)
-        me, tag = wait.session.rank, wait.req.tag
+        tag = wait.req.tag
         # Sends that came with another tag are passed over; saying so names the likely bug.
-        others = []
-        for src in range(self.world_size):
-            seq = self._next_from(wait.session, src) if src != me else None
-            if seq is None:
-                continue
-            if src in self._remote:
-                frame = self.peers.peek_p2p(src, me, seq) if self.peers is not None else None
-                if frame is not None:
-                    others.append(f"rank {src}'s has tag {frame.tag}")
-            else:
-                pending = self._pending.get(("p", src, me, seq, 0))
-                sent = pending.arrivals.get(src) if pending is not None else None
-                if sent is not None:
-                    others.append(f"rank {src}'s has tag {sent[1].tag}")
+        came = sorted(self._next_sends(wait.session))
+        others = [f"rank {src}'s has tag {t}" for _, src, t in came]
         message = (
             f"{self.name()}: {wait.session.label()}'s receive #{wait.req.seq} from any source "
             f"{describe_request(wait.req)} (tag {tag}) timed out: no rank sent it a message "
