@@ -643,10 +643,21 @@ class SmddpProcessGroup(dist.ProcessGroup):
         handle = self._ops.recv(as_numpy(buf, "recv"), src, tag)
         return SmddpWork([handle], [t], stage.finish())
 
+    @_tracked
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> SmddpWork:
-        raise UnsupportedError(
-            "recv: smddp needs the source rank (recv from any source is not supported)"
-        )
+        """recv with ``src=None``: the first message sent to this rank with ``tag``, from any
+        rank; the Work's ``_source_rank()`` names the sender (``dist.recv`` returns it)."""
+        t = _one(tensors, "recv")
+        if on_cuda(t):
+            raise UnsupportedError(
+                f"recv: rank {self.rank()} received from any source into a CUDA tensor, which "
+                "smddp supports for CPU tensors only (the GPU path matches a send and a recv "
+                "by their ranks); name the source (src=...) or receive into a CPU tensor"
+            )
+        stage = _Staging()
+        buf = stage.out(t, "recv")
+        handle = self._ops.recv_any(as_numpy(buf, "recv"), tag)
+        return SmddpWork([handle], [t], stage.finish())
 
     def _gpu(self) -> CudaCollectives:
         """The GPU path (backend/cuda.py), for collectives on CUDA tensors."""

@@ -136,3 +136,7 @@ class SoloOps:
     def recv(self, array: np.ndarray, src: int, tag: int = 0) -> Handle:
         """The communicator's (it refuses a receive from the only rank, itself)."""
         return self.comm.recv(array, src, tag)
+
+    def recv_any(self, array: np.ndarray, tag: int = 0) -> Handle:
+        """The communicator's (it refuses a receive where no other rank can send)."""
+        return self.comm.recv_any(array, tag)

@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from smddp.backend.errors import translate
 from smddp.client import Communicator, Handle
-from smddp.client.errors import SmddpError
+from smddp.client.errors import SmddpError, UnsupportedError
 from smddp.client.progress import ProgressThread
 
 
@@ -251,6 +251,17 @@ class SmddpWork(dist.Work):
     def result(self) -> List[torch.Tensor]:
         self.wait()
         return self._result
+
+    def _source_rank(self) -> int:
+        """The rank that sent what a recv received (``dist.recv`` returns it for a receive
+        from any source); waits for the recv first."""
+        self.wait()
+        source = self._handles[0].source if len(self._handles) == 1 else -1
+        if source < 0:
+            raise UnsupportedError("source_rank: only the Work of a recv has a source rank")
+        return source
+
+    source_rank = _source_rank  # torch's older public name
 
     def _unwrap(self, value: Any) -> None:
         if self._error is not None:

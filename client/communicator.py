@@ -399,11 +399,15 @@ class Communicator:
             self._check_open()
             self._complete_open()
             if req.kind in P2P_KINDS:
+                if req.kind == pb.RECV:
+                    self._engine.settle_receives()  # host receives before it get numbers first
                 req.seq = self._engine.next_p2p_seq(req.root, req.kind)
             else:
                 self._seq += 1
                 req.seq = self._seq
             handle = Handle(self, what, req.seq)
+            if req.kind == pb.RECV:
+                handle.source = req.root
             self._engine.gpu(handle, req, after)
             return handle
 
@@ -634,17 +638,34 @@ class Communicator:
         """Receives into ``array`` from rank ``src``."""
         return self._p2p(pb.RECV, flat(array, "recv", writable=True), src, tag)
 
+    def recv_any(self, array: np.ndarray, tag: int = 0) -> Handle:
+        """Receives into ``array`` the first message sent to this rank with ``tag``, from any
+        rank (torch's ``recv`` with ``src=None``); ``Handle.source`` names the sender once
+        ``wait`` returns.
+
+        Messages from each rank are received in the order it sent them, and a send with
+        another tag is left for a receive with that tag. The receives this rank posts after
+        this one go to the daemon once it knows the sender.
+        """
+        data = flat(array, "recv", writable=True)
+        if self.world_size < 2:
+            raise UnsupportedError(
+                f"recv: rank {self.rank} is the only rank of the group, so no rank can send to it"
+            )
+        return self._p2p(pb.RECV, data, -1, tag)
+
     def _p2p(self, kind: int, data: np.ndarray, peer: int, tag: int) -> Handle:
+        """A send or receive (``peer`` -1: a receive from any source), numbered by the engine."""
         what = "send" if kind == pb.SEND else "recv"
-        check_peer(peer, self.rank, self.world_size, what)
+        if peer != -1:
+            check_peer(peer, self.rank, self.world_size, what)
         with self._lock:
             self._check_open()
             self._complete_open()
-            seq = self._engine.next_p2p_seq(peer, kind)
-            template = request(seq, kind, data.dtype, data.size, root=peer)
+            template = request(0, kind, data.dtype, data.size, root=max(peer, 0))
             template.tag = tag
-            handle = Handle(self, what, seq)
-            self._engine.point_to_point(handle, template, data)
+            handle = Handle(self, what)
+            self._engine.point_to_point(handle, template, data, any_source=peer == -1)
             return handle
 
     def close(self) -> None:

@@ -27,6 +27,8 @@ from smddp.v1 import smddp_pb2 as pb
 
 # The daemon enforces the op timeout; this is the client's own last resort on top of it.
 REPLY_GRACE_S = 30.0
+# The numbering slot of a rank's receives from any source (the daemon's ``ANY_SOURCE``).
+ANY_SOURCE = -1
 
 Regions = dict[str, tuple[int, int] | list[tuple[int, int]]]
 Copies = Sequence[tuple[np.ndarray, int]]  # (array, offset in the chunk's block)
@@ -40,6 +42,19 @@ class _Chunk:
     # A GPU op's chunk holds no arena block; after(ok) runs when its reply is retired.
     after: Callable[[bool], None] | None = None
     recv_bytes: int = 0  # ring bytes a receive holds until its sender's data arrives
+    # A receive from any source: its other chunks, sent once the reply names the sender.
+    rest: list[_Deferred] | None = None
+    message: _Message | None = None
+
+
+@dataclass(eq=False)
+class _Message:
+    """A receive's number among the messages from its peer, given when its first chunk
+    goes out (``_flush_deferred``): receives behind one from any source wait in the queue,
+    and only once its sender is known can theirs be counted."""
+
+    peer: int  # ANY_SOURCE until the daemon names the sender
+    seq: int = 0
 
 
 @dataclass(eq=False)
@@ -49,6 +64,8 @@ class _Deferred:
     layout: BlockLayout
     copy_out: Copies
     regions: Regions
+    message: _Message | None = None
+    rest: list[_Deferred] | None = None  # chunk 0 of a receive from any source: the others
 
 
 class BlockLayout:
@@ -112,6 +129,9 @@ class DaemonEngine:
         self._recv_bytes = 0
         self._deferred: collections.deque[_Deferred] = collections.deque()
         self._flushing = False
+        # A receive from any source is out and its sender not yet known: the receives behind
+        # it wait in ``_deferred``, since their numbers depend on which rank it took.
+        self._any_open = False
         self._p2p_seq: dict[tuple[int, int], int] = {}
         self._ids = itertools.count(1)
 
@@ -130,10 +150,12 @@ class DaemonEngine:
         copy_out: Copies,
         regions: Regions,
         recv_bytes: int = 0,
+        deferred: _Deferred | None = None,
     ) -> None:
         """Places one chunk in the ring and sends it; ``regions`` hold relative offsets.
 
-        ``recv_bytes``: the chunk is a receive (``_submit_recv``), already counted in ``op``.
+        ``recv_bytes``: the chunk is a receive (``_flush_deferred``), already counted in ``op``;
+        ``deferred`` is its queue entry.
         """
         base = self.ring.alloc(layout.size)
         while base is None:
@@ -153,6 +175,8 @@ class DaemonEngine:
         chunk = _Chunk(
             op, req.request_id, [(dst, base + off) for dst, off in copy_out], recv_bytes=recv_bytes
         )
+        if deferred is not None and deferred.rest is not None:
+            chunk.rest, chunk.message = deferred.rest, deferred.message
         if not recv_bytes:
             op.pending += 1
         self._send(chunk, req)
@@ -165,40 +189,56 @@ class DaemonEngine:
             # Retiring the chunk meets the same broken connection and frees its block.
             chunk.op.error = chunk.op.error or exc
 
-    def _submit_recv(
-        self,
-        op: InFlight,
-        req: pb.OpRequest,
-        layout: BlockLayout,
-        copy_out: Copies,
-        regions: Regions,
-    ) -> None:
-        """Sends a receive chunk now, or once the receives before it leave room (``_recv_cap``)."""
-        op.pending += 1
-        self._deferred.append(_Deferred(op, req, layout, copy_out, regions))
-        self._flush_deferred()
-
     def _flush_deferred(self) -> None:
-        """Sends the waiting receive chunks, in order, while they fit under the cap."""
+        """Sends the waiting receive chunks, in order, while they fit under the cap and no
+        receive from any source before them waits for its sender."""
         if self._flushing:
             return  # a submit below retires chunks, which calls here again
         self._flushing = True
         try:
-            while self._deferred:
+            while self._deferred and not self._any_open:
                 d = self._deferred[0]
                 size = d.layout.size
                 if self._recv_bytes and self._recv_bytes + size > self._recv_cap:
                     return
                 self._deferred.popleft()
                 self._recv_bytes += size
-                self._submit(d.op, d.req, d.layout, [], d.copy_out, d.regions, recv_bytes=size)
+                message = d.message
+                if message is not None:
+                    if d.req.part == 0:
+                        message.seq = self.next_p2p_seq(message.peer, pb.RECV)
+                        d.op.seq = message.seq
+                    d.req.seq = message.seq
+                if d.req.any_source:
+                    self._any_open = True
+                self._submit(
+                    d.op, d.req, d.layout, [], d.copy_out, d.regions, recv_bytes=size, deferred=d
+                )
         finally:
             self._flushing = False
+
+    def _sender_known(self, chunk: _Chunk, source: int | None) -> None:
+        """The reply to a receive from any source's first chunk is in: its other chunks go
+        out as plain receives from ``source`` (None: it failed, and they never will)."""
+        self._any_open = False
+        rest = chunk.rest or []
+        if source is None:
+            chunk.op.pending -= len(rest)
+            return
+        chunk.op.source = source
+        # Numbered as the daemon numbered the first chunk: the next message from source.
+        seq = self.next_p2p_seq(source, pb.RECV)
+        if chunk.message is not None:
+            chunk.message.peer, chunk.message.seq = source, seq
+        for d in rest:
+            d.req.root = source
+        self._deferred.extendleft(reversed(rest))
 
     def retire_oldest(self) -> None:
         """Waits for the oldest chunk's reply and copies its output out (or records its error)."""
         chunk = self._outstanding.popleft()
         ok = False
+        source: int | None = None
         try:
             reply = self.session.wait_reply(chunk.request_id, self.timeout_s + REPLY_GRACE_S)
         except SmddpError as exc:
@@ -206,6 +246,7 @@ class DaemonEngine:
         else:
             if reply.ok:
                 ok = True
+                source = reply.source_rank
                 arena = self.session.arena
                 for dst, off in chunk.copy_out:
                     np.copyto(dst, arena.view(off, dst.size, dst.dtype))
@@ -217,6 +258,8 @@ class DaemonEngine:
             else:
                 chunk.after(ok)
             chunk.op.pending -= 1
+            if chunk.rest is not None:
+                self._sender_known(chunk, source if ok else None)
             if chunk.recv_bytes:
                 self._recv_bytes -= chunk.recv_bytes
                 self._flush_deferred()
@@ -243,6 +286,12 @@ class DaemonEngine:
     def drain(self) -> None:
         """Retires every chunk still in flight."""
         while self._outstanding:
+            self.retire_oldest()
+
+    def settle_receives(self) -> None:
+        """Retires chunks until every receive has its number: no receive waits in the queue
+        (a GPU receive, numbered at once, must not overtake them)."""
+        while (self._deferred or self._any_open) and self._outstanding:
             self.retire_oldest()
 
     def parts(self, n: int, bytes_per_element: int) -> tuple[int, int]:
@@ -378,10 +427,24 @@ class DaemonEngine:
         self._p2p_seq[(peer, kind)] = seq
         return seq
 
-    def point_to_point(self, op: InFlight, template: pb.OpRequest, data: np.ndarray) -> None:
-        """send or recv (``template.kind``) of ``data``, in chunks."""
+    def point_to_point(
+        self, op: InFlight, template: pb.OpRequest, data: np.ndarray, any_source: bool = False
+    ) -> None:
+        """send or recv (``template.kind``) of ``data``, in chunks; from any source when
+        ``any_source`` (a receive; ``template.root`` is then unused).
+
+        A send is numbered now. A receive is numbered when its first chunk goes out, and its
+        chunks go out in order behind the receives before it, within ``_recv_cap``; a
+        receive from any source sends its first chunk alone, and the others once the
+        daemon's reply names the sender (``_sender_known``).
+        """
         s = data.dtype.itemsize
         per, parts = self.parts(data.size, s)
+        if template.kind == pb.SEND:
+            template.seq = self.next_p2p_seq(template.root, pb.SEND)
+            op.seq = template.seq
+        message = _Message(ANY_SOURCE if any_source else template.root)
+        chunks: list[_Deferred] = []
         for p, (a, b) in enumerate(_ranges(data.size, per, parts)):
             layout = BlockLayout()
             off = layout.add((b - a) * s)
@@ -390,7 +453,21 @@ class DaemonEngine:
             if template.kind == pb.SEND:
                 self._submit(op, req, layout, [(data[a:b], off)], [], {"input": region})
             else:
-                self._submit_recv(op, req, layout, [(data[a:b], off)], {"output": region})
+                chunks.append(
+                    _Deferred(op, req, layout, [(data[a:b], off)], {"output": region}, message)
+                )
+        if not chunks:
+            return
+        op.pending += len(chunks)
+        if any_source:
+            first = chunks[0]
+            first.req.any_source = True
+            first.rest = chunks[1:]
+            chunks = [first]
+        else:
+            op.source = template.root
+        self._deferred.extend(chunks)
+        self._flush_deferred()
 
     def gpu(self, op: InFlight, req: pb.OpRequest, after: Callable[[bool], None]) -> None:
         """Sends one numbered GPU op (one part, no block); ``after(ok)`` runs at its retiring."""

@@ -46,7 +46,7 @@ class RegionWait:
 class InFlight:
     """What the paths know of one op: parts still due, its error, how it completes."""
 
-    __slots__ = ("what", "seq", "pending", "error", "region", "event", "__weakref__")
+    __slots__ = ("what", "seq", "pending", "error", "region", "event", "source", "__weakref__")
 
     def __init__(
         self,
@@ -63,6 +63,9 @@ class InFlight:
         self.region: RegionWait | None = None
         # Set once an op that the progress thread runs has finished.
         self.event = event
+        # A receive's sender: its peer, or for a receive from any source the rank whose send
+        # it took, known once its first chunk is retired (-1 until then, and for other ops).
+        self.source = -1
 
     @property
     def description(self) -> str:

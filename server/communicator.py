@@ -187,6 +187,20 @@ class Pending:
         return [r for r in self.participants if r not in self.arrivals]
 
 
+@dataclass
+class AnyWait:
+    """A receive from any source that no send has matched yet (one per rank at most: the
+    client sends its next receive only once this one has its reply)."""
+
+    session: Session
+    req: pb.OpRequest
+    since: float  # time.monotonic() when it arrived
+
+
+# The ``next_p2p`` slot that numbers a rank's receives from any source.
+ANY_SOURCE = -1
+
+
 def _gpu_bytes(req: pb.OpRequest) -> int:
     """Bytes a rank's GPU request contributes (its inputs), for the metrics."""
     return sum(b.nbytes for b in req.cuda.inputs)
@@ -240,6 +254,8 @@ class Communicator:
         # Per op in progress: (time the first rank arrived at chunk 0, bytes so far).
         self._progress: dict[tuple[object, ...], tuple[float, int]] = {}
         self._pending: dict[tuple[object, ...], Pending] = {}
+        # Receives from any source waiting for a send, by receiving rank (``_match_any``).
+        self._any_waiting: dict[int, AnyWait] = {}
         self._failed: tuple[int, str] | None = None
         self._closed = False  # the last local rank left: nothing waits on it any more
         self._failure_counted = False  # smddp_errors_total has this communicator's failure
@@ -367,6 +383,11 @@ class Communicator:
             ready = None
             early = False
             too_far = ""
+            if failure is None and req.any_source:
+                bound = self._match_any(session, req, now)
+                if bound is None:
+                    return  # it waits for a send (``_offer_any``); check_timeouts bounds it
+                req = bound
             if failure is None:
                 key, participants = self._key(session, req)
                 pending = self._pending.get(key)
@@ -377,6 +398,8 @@ class Communicator:
                     pending = Pending(key, req.seq, req.part, participants, now)
                     self._pending[key] = pending
                 pending.arrivals[session.rank] = (session, req, now)
+                if req.kind == pb.SEND and req.part == 0 and pending.missing():
+                    self._offer_any(pending, session.rank, req.root, req.seq, req.tag)
                 if not pending.missing():
                     del self._pending[key]
                     ready = pending
@@ -421,6 +444,119 @@ class Communicator:
         elif early:
             session.reply(pb.OpReply(request_id=req.request_id, ok=True))
 
+    # -- receives from any source ---------------------------------------------------------
+    #
+    # Messages between two ranks are numbered by both (``seq``, per pair and direction), and
+    # a plain receive meets the send of the same number. A receive from any source has its
+    # own numbering; the daemon binds it to the sender whose next message to the receiver
+    # (the number the receiver's next receive from it would have) came first, with the same
+    # tag, and from then on it is that plain receive: the same number, matched, checked and
+    # run by the usual paths, its reply naming the sender (``source_rank``). The client sends
+    # nothing behind it until that reply is in, so the numbers it gives its later receives
+    # from each rank agree with the daemon's, and a rank has one such receive waiting at most.
+    # As gloo does, a message is taken by the receive posted first that accepts it, and the
+    # tag selects: a sender whose next message has another tag is passed over.
+
+    def _next_from(self, session: Session, src: int) -> int | None:
+        """The number of the next message ``session``'s rank receives from ``src``, or None
+        while a message from ``src`` is received part way (no whole message is next)."""
+        with session.lock:
+            seq, part = session.next_p2p.get((src, pb.RECV), (1, 0))
+        return seq if part == 0 else None
+
+    def _bind_any(self, session: Session, req: pb.OpRequest, src: int) -> pb.OpRequest:
+        """``req`` (a receive from any source) as the plain receive of the next message from
+        ``src``; the receiver's next receive from ``src`` comes after it. Lock held."""
+        bound = pb.OpRequest()
+        bound.CopyFrom(req)
+        with session.lock:
+            seq, _ = session.next_p2p.get((src, pb.RECV), (1, 0))
+            session.next_p2p[(src, pb.RECV)] = (seq, 1) if req.parts > 1 else (seq + 1, 0)
+        bound.root, bound.seq = src, seq
+        return bound
+
+    def _next_sends(self, session: Session) -> list[tuple[float, int, int]]:
+        """(arrival time, sender, tag) of each rank's next message to ``session``'s rank
+        that has come (its first chunk): from this node in ``_pending``, from another in the
+        peers' mailbox. Lock held."""
+        me = session.rank
+        found = []
+        for src in range(self.world_size):
+            seq = self._next_from(session, src) if src != me else None
+            if seq is None:
+                continue
+            if src in self._remote:
+                frame = self.peers.peek_p2p(src, me, seq) if self.peers is not None else None
+                if frame is not None:
+                    found.append((frame.arrived, src, frame.tag))
+            else:
+                pending = self._pending.get(("p", src, me, seq, 0))
+                sent = pending.arrivals.get(src) if pending is not None else None
+                if sent is not None:
+                    found.append((sent[2], src, sent[1].tag))
+        return found
+
+    def _match_any(self, session: Session, req: pb.OpRequest, now: float) -> pb.OpRequest | None:
+        """A receive from any source, bound to the sender of the send that came first among
+        those that can meet it now (``_bind_any``); or None, when none can and it waits in
+        ``_any_waiting``. Lock held."""
+        candidates = [(came, src) for came, src, tag in self._next_sends(session) if tag == req.tag]
+        if not candidates:
+            self._any_waiting[session.rank] = AnyWait(session, req, now)
+            return None
+        return self._bind_any(session, req, min(candidates)[1])
+
+    def _offer_any(self, pending: Pending, src: int, dst: int, seq: int, tag: int) -> None:
+        """A send from ``src`` on this node has come (its first chunk, in ``pending``): the
+        receive from any source that ``dst`` has waiting takes it if it is ``dst``'s next
+        message from ``src`` and has its tag. Lock held."""
+        wait = self._any_waiting.get(dst)
+        if wait is None or wait.req.tag != tag or self._next_from(wait.session, src) != seq:
+            return
+        del self._any_waiting[dst]
+        bound = self._bind_any(wait.session, wait.req, src)
+        pending.arrivals[dst] = (wait.session, bound, wait.since)
+
+    def _offer_any_remote(self, frame: Frame) -> None:
+        """A send from another node has come before its receive (``CommPeers.on_p2p_mail``):
+        a receive from any source waiting for it binds to it and runs like any receive."""
+        with self._lock:
+            wait = self._any_waiting.get(frame.dst_rank)
+            if (
+                self._failed is not None
+                or wait is None
+                or wait.req.tag != frame.tag
+                or self._next_from(wait.session, frame.src_rank) != frame.seq
+            ):
+                return
+            del self._any_waiting[frame.dst_rank]
+            req = self._bind_any(wait.session, wait.req, frame.src_rank)
+            key, participants = self._key(wait.session, req)
+            pending = Pending(key, req.seq, 0, participants, wait.since)
+            pending.arrivals[wait.session.rank] = (wait.session, req, wait.since)
+        self._run(pending)
+
+    def _any_timed_out(self, now: float) -> str | None:
+        """The message that fails the communicator for a receive from any source that no
+        send met within the timeout; None if none is overdue. Lock held."""
+        late = [w for w in self._any_waiting.values() if now - w.since > self.timeout_s]
+        if not late:
+            return None
+        wait = min(late, key=lambda w: w.since)
+        tag = wait.req.tag
+        # Sends that came with another tag are passed over; saying so names the likely bug.
+        came = sorted(self._next_sends(wait.session))
+        others = [f"rank {src}'s has tag {t}" for _, src, t in came]
+        message = (
+            f"{self.name()}: {wait.session.label()}'s receive #{wait.req.seq} from any source "
+            f"{describe_request(wait.req)} (tag {tag}) timed out: no rank sent it a message "
+            f"with tag {tag} within the group's timeout of {self.timeout_s:.1f} s "
+            f"(it waited {now - wait.since:.1f} s)"
+        )
+        if others:
+            message += f"; the next messages that came for it: {', '.join(others)}"
+        return message
+
     def _too_far_ahead(self, session: Session, req: pb.OpRequest) -> str:
         """Why ``req`` may not wait for the other ranks: the communicator holds
         ``max_pending_ops`` already. Called with the lock held."""
@@ -455,13 +591,15 @@ class Communicator:
             raise InvalidRequest(f"unknown dtype {req.dtype} in {KIND_NAMES[req.kind]}")
         if req.parts < 1 or req.part >= req.parts:
             raise InvalidRequest(f"chunk {req.part} of {req.parts} is impossible")
-        if (
+        if req.any_source:
+            self._validate_any(session, req)
+        elif (
             req.kind in ROOTED_KINDS or req.kind in P2P_KINDS
         ) and not 0 <= req.root < self.world_size:
             raise InvalidRequest(
                 f"{describe_request(req)}: rank {req.root} is outside a world of {self.world_size}"
             )
-        if req.kind in P2P_KINDS and req.root == session.rank:
+        if req.kind in P2P_KINDS and req.root == session.rank and not req.any_source:
             raise InvalidRequest(
                 f"{describe_request(req)}: a rank cannot send to or receive from itself"
             )
@@ -490,7 +628,7 @@ class Communicator:
         # Chunks come in order; anything else is a client bug that would desynchronise ranks.
         with session.lock:
             if req.kind in P2P_KINDS:
-                slot = (req.root, req.kind)
+                slot = (ANY_SOURCE if req.any_source else req.root, req.kind)
                 expected = session.next_p2p.get(slot, (1, 0))
             else:
                 expected = session.next_collective
@@ -508,14 +646,34 @@ class Communicator:
                     f"but op #{expected[0]} chunk {expected[1]} was next"
                 )
             following = (req.seq, req.part + 1) if req.part + 1 < req.parts else (req.seq + 1, 0)
+            if req.any_source:
+                following = (req.seq + 1, 0)  # its other chunks come as plain receives
             if req.kind in P2P_KINDS:
                 session.next_p2p[slot] = following
             else:
                 session.next_collective = following
 
+    def _validate_any(self, session: Session, req: pb.OpRequest) -> None:
+        """What a receive from any source must be (the chunk the client sends as one)."""
+        if req.kind != pb.RECV or req.part != 0:
+            raise InvalidRequest(
+                f"{describe_request(req)} chunk {req.part}: only the first chunk of a receive "
+                "comes from any source"
+            )
+        if req.HasField("cuda"):
+            raise InvalidRequest(
+                f"{describe_request(req)}: a receive from any source takes host memory only"
+            )
+        if session.rank in self._any_waiting:
+            raise InvalidRequest(
+                f"{describe_request(req)} arrived as receive #{req.seq} from any source while "
+                "the one before it still waits for a send"
+            )
+
     def attach_peers(self, peers: CommPeers) -> None:
         """Makes this a multi-node communicator: chunks run in order on a worker thread."""
         self.peers = peers
+        peers.on_p2p_mail = self._offer_any_remote
         self._work = queue.Queue()
         threading.Thread(target=self._worker, name="smddp-comm-worker", daemon=True).start()
 
@@ -573,11 +731,16 @@ class Communicator:
 
         def arrived(frame: Frame) -> None:
             try:
-                if (frame.dtype, frame.count, frame.parts) != (req.dtype, req.count, req.parts):
+                if (frame.dtype, frame.count, frame.parts, frame.tag) != (
+                    req.dtype,
+                    req.count,
+                    req.parts,
+                    req.tag,
+                ):
                     raise InvalidRequest(
-                        f"send of {frame.count} x {dtype_name(frame.dtype)} from rank {req.root} "
-                        "meets "
-                        f"{describe_request(req)} on {session.label()}"
+                        f"send of {frame.count} x {dtype_name(frame.dtype)} (tag {frame.tag}) "
+                        f"from rank {req.root} as message #{req.seq} meets "
+                        f"{describe_request(req)} (tag {req.tag}) on {session.label()}"
                     )
                 out = session.arena.view(req.output, numpy_dtype(req.dtype))  # type: ignore[union-attr]
                 data = frame.payload.view(out.dtype)
@@ -681,7 +844,10 @@ class Communicator:
             )
         for s, r in zip(sessions, reqs):
             if pending.sent is None or r.kind != pb.SEND:
-                s.reply(pb.OpReply(request_id=r.request_id, ok=True))
+                reply = pb.OpReply(request_id=r.request_id, ok=True)
+                if r.any_source:
+                    reply.source_rank = r.root  # bound to its sender (``_bind_any``)
+                s.reply(reply)
 
     def _run_p2p(
         self, sessions: list[Session], reqs: list[pb.OpRequest], sent: np.ndarray | None = None
@@ -781,6 +947,8 @@ class Communicator:
             self._failed = (kind, message)
             pending = list(self._pending.values())
             self._pending.clear()
+            waiting = list(self._any_waiting.values())
+            self._any_waiting.clear()
             region = self.region
             self._attached.notify_all()  # peer-arenas requests get the error now
         gpu_ops = self._gpu.active()
@@ -797,12 +965,12 @@ class Communicator:
             self.peers.failed(message)
         # Counted once: here when an op waited, else by _count_op_failure for the op that failed.
         with self._lock:
-            count = bool(pending or in_region) and not self._failure_counted
+            count = bool(pending or waiting or in_region) and not self._failure_counted
             self._failure_counted = self._failure_counted or count
         if self._metrics is not None and count:
             self._metrics.error(kind)
         log.log(
-            logging.WARNING if pending or in_region else log_level,
+            logging.WARNING if pending or waiting or in_region else log_level,
             "%s",
             message,
             extra=self._log_fields(culprit),
@@ -814,6 +982,8 @@ class Communicator:
                         self.buffers.give(p.sent.nbytes)
                     continue  # answered when it arrived
                 self._reply_error(session, req, kind, message)
+        for wait in waiting:
+            self._reply_error(wait.session, wait.req, kind, message)
 
     def _count_op_failure(self) -> None:
         """Counts the communicator's failure for an op that failed outside ``_pending`` (while
@@ -831,6 +1001,11 @@ class Communicator:
         found an error (a mismatch) in the control region."""
         if self.region is not None and self._failed is None:
             self._check_region(now)
+        with self._lock:
+            late = self._any_timed_out(now) if self._failed is None else None
+        if late is not None:
+            self.fail(pb.TIMEOUT, late)
+            return
         with self._lock:
             overdue = [p for p in self._pending.values() if now - p.first_arrival > self.timeout_s]
             if not overdue or self._failed is not None:

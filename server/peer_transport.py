@@ -163,6 +163,10 @@ class CommPeers:
         self._mail: dict[tuple[object, ...], Frame] = {}
         self._mail_p2p_bytes = 0  # of p2p frames in _mail: counted against the job's budget
         self._waiters: dict[tuple[object, ...], Callable[[Frame], None]] = {}
+        # Called (outside the lock) with the first chunk of each message that another node
+        # sent before its receive was posted, once it is in the mailbox: the communicator
+        # matches it to a receive from any source.
+        self.on_p2p_mail: Callable[[Frame], None] | None = None
         self._cond = threading.Condition()
         self._closed = False
         self._failure: str | None = None
@@ -353,6 +357,7 @@ class CommPeers:
             count=r.count,
             root=r.root,
             reduce_op=r.reduce_op,
+            tag=r.tag,
         )
         sock = self._socket_for(node, time.monotonic() + self.timeout_s)
         with self._send_locks[sock]:
@@ -460,6 +465,7 @@ class CommPeers:
                 frame.payload = np.empty(nbytes, dtype=np.uint8)
                 # numpy declares ndarray.__buffer__ for Python 3.12+ only.
                 recv_into(sock, memoryview(frame.payload))  # type: ignore[arg-type]
+                frame.arrived = time.monotonic()
                 ftype = frame.ftype
                 if ftype == FRAME_HEARTBEAT:
                     continue
@@ -535,6 +541,10 @@ class CommPeers:
             )
         if waiter is not None:
             waiter(frame)
+        elif not over and key[0] == "p" and frame.kind == pb.SEND and frame.part == 0:
+            hook = self.on_p2p_mail
+            if hook is not None:
+                hook(frame)  # a receive from any source may be waiting for it
 
     def recv(self, seq: int, part: int, round_: int, node: int) -> Frame:
         """Blocks until node ``node``'s frame for (seq, part, round) arrives.
@@ -577,6 +587,12 @@ class CommPeers:
                 return
             self._release_p2p(frame.payload.nbytes)
         callback(frame)
+
+    def peek_p2p(self, src_rank: int, dst_rank: int, seq: int) -> Frame | None:
+        """The first chunk of message ``seq`` from ``src_rank`` to ``dst_rank`` if it has
+        arrived and waits in the mailbox (left there), else None."""
+        with self._cond:
+            return self._mail.get(("p", src_rank, dst_rank, seq, 0))
 
     def _release_p2p(self, nbytes: int) -> None:
         """Gives back the budget of a p2p frame that left the mailbox (lock held)."""

@@ -31,8 +31,8 @@ FRAME_BYE = 4  # the sender's ranks have all left; its EOF that follows is not a
 
 # magic, type, kind, dtype, reserved (0; it carried an ABORT frame's error kind before aborts
 # moved to the Peer service), seq, part, parts, round, src rank, dst rank, count, root, reduce
-# op, payload bytes, source node
-HEADER = struct.Struct("!4sBBBBQIIIiiQiIQI")
+# op, payload bytes, source node, tag (a SEND's; 0 in other frames)
+HEADER = struct.Struct("!4sBBBBQIIIiiQiIQIq")
 MAGIC = b"SMDP"
 HELLO = struct.Struct("!4sHHI")
 HELLO_MAGIC = b"SMDH"
@@ -76,6 +76,8 @@ class Frame:
     reduce_op: int
     src_node: int
     payload: np.ndarray
+    tag: int = 0  # a SEND's tag, which a receive from any source matches on
+    arrived: float = 0.0  # time.monotonic() when the receiving daemon had it whole
 
     def signature(self) -> tuple[int, ...]:
         """What must agree between nodes for the frame to belong to this node's op."""
@@ -105,11 +107,12 @@ def pack_header(
     count: int = 0,
     root: int = 0,
     reduce_op: int = 0,
+    tag: int = 0,
 ) -> bytes:
     """One frame's header; ``nbytes`` of payload follow it."""
     return HEADER.pack(
         MAGIC, ftype, kind, dtype, 0, seq, part, parts, round_,
-        src_rank, dst_rank, count, root, reduce_op, nbytes, src_node,
+        src_rank, dst_rank, count, root, reduce_op, nbytes, src_node, tag,
     )  # fmt: skip
 
 
@@ -120,13 +123,13 @@ def unpack_header(data: bytes) -> tuple[Frame, int]:
         ConnectionError: not a frame header (wrong magic or an impossible size).
     """
     (magic, ftype, kind, dtype, _reserved, seq, part, parts, round_, src_rank, dst_rank,
-     count, root, reduce_op, nbytes, src_node) = HEADER.unpack(data)  # fmt: skip
+     count, root, reduce_op, nbytes, src_node, tag) = HEADER.unpack(data)  # fmt: skip
     if magic != MAGIC or nbytes > MAX_PAYLOAD:
         raise ConnectionError("malformed frame header")
     empty = np.empty(0, dtype=np.uint8)
     frame = Frame(
         ftype, kind, dtype, seq, part, parts, round_, src_rank, dst_rank,
-        count, root, reduce_op, src_node, empty,
+        count, root, reduce_op, src_node, empty, tag,
     )  # fmt: skip
     return frame, nbytes
 

@@ -193,8 +193,11 @@ def describe(kind: int, dtype: int, count: int, root: int, reduce_op: int) -> st
 
 def describe_request(req: pb.OpRequest) -> str:
     """``describe`` applied to an OpRequest; a GPU op says so:
-    ``all_reduce(SUM, 8 x float32 on GPU)``."""
+    ``all_reduce(SUM, 8 x float32 on GPU)``, and a receive from any source too:
+    ``recv(src=any, 8 x float32)``."""
     text = describe(req.kind, req.dtype, req.count, req.root, req.reduce_op)
+    if req.kind == pb.RECV and req.any_source:
+        text = text.replace(f"src={req.root}", "src=any", 1)
     return text[:-1] + " on GPU)" if req.HasField("cuda") else text
 
 

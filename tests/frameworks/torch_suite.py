@@ -56,17 +56,7 @@ ONLY_TORCH_GLOO = {
 
 
 # Tests that need what smddp does not offer, with the reason (gloo passes them).
-NOT_IN_SMDDP = {
-    **{
-        name: "smddp's recv needs the source rank (recv from any source), as NCCL's does; "
-        "the suite skips these for nccl too"
-        for name in (
-            "test_send_recv_any_source",
-            "test_send_recv_any_source_autograd_profiler",
-            "test_send_recv_any_source_torch_profiler",
-        )
-    },
-}
+NOT_IN_SMDDP: dict[str, str] = {}
 
 
 class GlooStandIn(str):

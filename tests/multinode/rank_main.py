@@ -16,6 +16,7 @@ Programs:
 - ``ddp``: a few DDP steps of a small MLP; returns the final parameters.
 - ``hold``: joins, runs a barrier, prints ``ready`` and waits for a line on stdin, so that
   the parent can look at the daemons while the job is registered.
+- ``recv_any``: ``recv``/``irecv`` from any source, senders on the same node and on another.
 """
 
 from __future__ import annotations
@@ -520,7 +521,95 @@ def hold(spec: dict[str, Any]) -> dict[str, Any]:
     return {"sum": t.tolist()}
 
 
-PROGRAMS = {"collectives": collectives, "ddp": ddp, "hold": hold}
+def _message(sender: int, k: int, n: int) -> torch.Tensor:
+    """Message #k of ``sender``, ``n`` elements whose values say both."""
+    return torch.arange(n, dtype=torch.float32) + (1000.0 * sender + 100_000.0 * k)
+
+
+def _origin(t: torch.Tensor) -> tuple[int, int]:
+    """The (sender, k) of a tensor filled by ``_message``, or (-1, -1) if it is not one."""
+    k, rest = divmod(float(t[0]), 100_000.0)
+    sender = int(rest // 1000.0)
+    if not torch.equal(t, _message(sender, int(k), t.numel())):
+        return -1, -1
+    return sender, int(k)
+
+
+def recv_any(spec: dict[str, Any]) -> dict[str, Any]:
+    """``recv``/``irecv`` with no source, on 3 ranks: 0 and 1 on one node, 2 on another.
+
+    Returns what each receive got, as (reported sender, (sender, k) read from the values):
+    - ``race``: ranks 1 (same node) and 2 (other node) each send ``spec["race"]`` messages
+      to rank 0 at once; rank 0 receives them all from any source, recv and irecv in turn;
+    - ``tags``: rank 2's tag-5 send and rank 1's tag-7 send both wait before rank 0's
+      receives with tag 7, then tag 5;
+    - ``posted``: rank 0's irecv waits at its daemon before rank 2 sends, a message of
+      several chunks (``spec["big"]`` elements);
+    - ``remote_receiver``: rank 2 receives from ranks 0 and 1, both on the other node;
+    - ``mismatch``: on the group [0, 2], rank 2 sends 5 elements and rank 0 receives 7 from
+      any source: rank 0's error.
+    """
+    me = dist.get_rank()
+    got: dict[str, Any] = {}
+    n, big, race = 16, spec["big"], spec["race"]
+
+    def take(key: str, out: torch.Tensor, work: Any = None) -> None:
+        if work is None:
+            src = dist.recv(out)
+        else:
+            work.wait()
+            src = work._source_rank()
+        got.setdefault(key, []).append((src, _origin(out)))
+
+    dist.barrier()
+    if me == 0:
+        for i in range(2 * race):
+            out = torch.full((n,), -7.0)
+            take("race", out, dist.irecv(out) if i % 2 else None)
+    else:
+        for w in [dist.isend(_message(me, k, n), dst=0) for k in range(race)]:
+            w.wait()
+    dist.barrier()
+    sends = []
+    if me in (1, 2):
+        sends.append(dist.isend(_message(me, 10, n), dst=0, tag=7 if me == 1 else 5))
+    dist.barrier()
+    if me == 0:
+        for tag in (7, 5):
+            out = torch.full((n,), -7.0)
+            src = dist.recv(out, tag=tag)
+            got.setdefault("tags", []).append((src, _origin(out)))
+    for w in sends:
+        w.wait()
+    if me == 0:
+        out = torch.full((big,), -7.0)
+        work = dist.irecv(out)
+        dist.barrier()
+        take("posted", out, work)
+    else:
+        dist.barrier()
+        if me == 2:
+            dist.send(_message(2, 20, big), dst=0)
+    if me == 2:
+        for _ in range(2):
+            out = torch.full((n,), -7.0)
+            take("remote_receiver", out)
+    else:
+        dist.send(_message(me, 30, n), dst=2)
+    dist.barrier()
+    pair = dist.new_group([0, 2])
+    if me == 0:
+        try:
+            dist.recv(torch.zeros(7), group=pair)
+        except Exception as exc:
+            got["mismatch"] = f"{type(exc).__name__}: {exc}"
+    elif me == 2:
+        dist.send(torch.ones(5), dst=0, group=pair)
+    dist.barrier()  # the default group goes on
+    return got
+
+
+PROGRAMS = {"collectives": collectives, "ddp": ddp, "hold": hold, "recv_any": recv_any}
 
 
 def main() -> None:

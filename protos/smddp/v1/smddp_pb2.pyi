@@ -371,7 +371,7 @@ class Region(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class OpRequest(_message.Message):
-    __slots__ = ("request_id", "session_id", "session_secret", "seq", "part", "parts", "kind", "dtype", "count", "root", "reduce_op", "tag", "input", "output", "send_blocks", "recv_blocks", "direct", "cuda", "node_combined")
+    __slots__ = ("request_id", "session_id", "session_secret", "seq", "part", "parts", "kind", "dtype", "count", "root", "reduce_op", "tag", "input", "output", "send_blocks", "recv_blocks", "direct", "cuda", "node_combined", "any_source")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_SECRET_FIELD_NUMBER: _ClassVar[int]
@@ -391,6 +391,7 @@ class OpRequest(_message.Message):
     DIRECT_FIELD_NUMBER: _ClassVar[int]
     CUDA_FIELD_NUMBER: _ClassVar[int]
     NODE_COMBINED_FIELD_NUMBER: _ClassVar[int]
+    ANY_SOURCE_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     session_id: str
     session_secret: bytes
@@ -410,7 +411,8 @@ class OpRequest(_message.Message):
     direct: bool
     cuda: CudaOp
     node_combined: bool
-    def __init__(self, request_id: _Optional[int] = ..., session_id: _Optional[str] = ..., session_secret: _Optional[bytes] = ..., seq: _Optional[int] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., kind: _Optional[_Union[OpKind, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., count: _Optional[int] = ..., root: _Optional[int] = ..., reduce_op: _Optional[_Union[ReduceOp, str]] = ..., tag: _Optional[int] = ..., input: _Optional[_Union[Region, _Mapping]] = ..., output: _Optional[_Union[Region, _Mapping]] = ..., send_blocks: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., recv_blocks: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., direct: _Optional[bool] = ..., cuda: _Optional[_Union[CudaOp, _Mapping]] = ..., node_combined: _Optional[bool] = ...) -> None: ...
+    any_source: bool
+    def __init__(self, request_id: _Optional[int] = ..., session_id: _Optional[str] = ..., session_secret: _Optional[bytes] = ..., seq: _Optional[int] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., kind: _Optional[_Union[OpKind, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., count: _Optional[int] = ..., root: _Optional[int] = ..., reduce_op: _Optional[_Union[ReduceOp, str]] = ..., tag: _Optional[int] = ..., input: _Optional[_Union[Region, _Mapping]] = ..., output: _Optional[_Union[Region, _Mapping]] = ..., send_blocks: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., recv_blocks: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., direct: _Optional[bool] = ..., cuda: _Optional[_Union[CudaOp, _Mapping]] = ..., node_combined: _Optional[bool] = ..., any_source: _Optional[bool] = ...) -> None: ...
 
 class CudaBuffer(_message.Message):
     __slots__ = ("ipc_handle", "alloc_base", "alloc_bytes", "offset", "nbytes", "buffer_id")
@@ -445,16 +447,18 @@ class CudaOp(_message.Message):
     def __init__(self, device_uuid: _Optional[bytes] = ..., ready_event: _Optional[bytes] = ..., done_event: _Optional[bytes] = ..., inputs: _Optional[_Iterable[_Union[CudaBuffer, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[CudaBuffer, _Mapping]]] = ..., freed: _Optional[_Iterable[_Union[CudaBuffer, _Mapping]]] = ...) -> None: ...
 
 class OpReply(_message.Message):
-    __slots__ = ("request_id", "ok", "error_kind", "error")
+    __slots__ = ("request_id", "ok", "error_kind", "error", "source_rank")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_KIND_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_RANK_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     ok: bool
     error_kind: ErrorKind
     error: str
-    def __init__(self, request_id: _Optional[int] = ..., ok: _Optional[bool] = ..., error_kind: _Optional[_Union[ErrorKind, str]] = ..., error: _Optional[str] = ...) -> None: ...
+    source_rank: int
+    def __init__(self, request_id: _Optional[int] = ..., ok: _Optional[bool] = ..., error_kind: _Optional[_Union[ErrorKind, str]] = ..., error: _Optional[str] = ..., source_rank: _Optional[int] = ...) -> None: ...
 
 class DeregisterRequest(_message.Message):
     __slots__ = ("session_id", "session_secret")
