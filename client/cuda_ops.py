@@ -8,7 +8,9 @@ handles (``cuda_ipc``), sends the op and returns a Handle at once; when the repl
 ``events.finish(ok)`` runs, and the framework makes its stream wait on "done" there. The
 host never waits for the GPU.
 
-Only single-node communicators: across nodes GPU tensors are refused (UnsupportedError).
+One path whatever the layout: in a communicator spanning nodes the daemon combines its
+node's tensors on the GPU and exchanges them with the other nodes through pinned host memory
+(``server/gpu.py``'s ``execute_across``); the request is the same.
 """
 
 from __future__ import annotations
@@ -93,11 +95,6 @@ class CudaCollectives:
         reduce_op: int = 0,
         tag: int = 0,
     ) -> Handle:
-        if not self.comm.single_node:
-            raise UnsupportedError(
-                f"{what}: GPU tensors are not supported yet in a process group spanning nodes; "
-                "move them to the CPU first"
-            )
         arrays = [*inputs, *outputs]
         for a in arrays:
             if a.dtype != dtype:

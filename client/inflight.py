@@ -84,7 +84,6 @@ class GpuSubmitter(Protocol):
 
     rank: int
     world_size: int
-    single_node: bool
 
     def submit_gpu(self, req: pb.OpRequest, after: Callable[[bool], None], what: str) -> InFlight:
         """Numbers and sends one GPU op; ``after(ok)`` runs when its reply is retired."""

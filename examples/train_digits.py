@@ -8,6 +8,9 @@
 # Run:
 #     torchrun --standalone --nproc-per-node 2 examples/train_digits.py
 #
+# It trains on the node's GPUs when torch sees any (ranks share them when there are
+# fewer GPUs than ranks), else on the CPU.
+#
 # For development without the smddp backend, set SMDDP_EXAMPLE_BACKEND to
 # another torch.distributed backend (e.g. "gloo"); the smddp import is then
 # skipped.
@@ -56,6 +59,19 @@ class Net(nn.Module):
         x = self.dropout2(x)
         x = self.fc2(x)
         return F.log_softmax(x, dim=1)
+
+
+def pick_device(local_rank):
+    """This rank's GPU where the node has GPUs, else the CPU.
+
+    With fewer GPUs than ranks on the node the ranks share them, round robin (one GPU:
+    every rank on GPU 0), which smddp and gloo allow (NCCL does not).
+    """
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    gpu = local_rank % torch.cuda.device_count()
+    torch.cuda.set_device(gpu)
+    return torch.device("cuda", gpu)
 
 
 def load_datasets(seed):
@@ -183,11 +199,7 @@ def main():
     # Keep the global batch size fixed: each rank takes its share.
     args.batch_size = max(args.batch_size // args.world_size, 1)
 
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
+    device = pick_device(local_rank)
 
     if rank == 0:
         print(
@@ -209,7 +221,7 @@ def main():
         test_loader = DataLoader(test_dataset, batch_size=args.test_batch_size, shuffle=False)
 
     model = Net().to(device)
-    model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
+    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = optim.Adadelta(model.parameters(), lr=args.lr)
     scheduler = StepLR(optimizer, step_size=1, gamma=args.gamma)
 

@@ -13,7 +13,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, cast
 
@@ -131,6 +131,31 @@ class GpuOps(Protocol):
         ranks: Sequence[int],
         sessions: Sequence[Session],
         reqs: Sequence[pb.OpRequest],
+    ) -> None: ...
+
+    def execute_across(
+        self,
+        comm: Communicator,
+        ranks: Sequence[int],
+        sessions: Sequence[Session],
+        reqs: Sequence[pb.OpRequest],
+        exchange: Callable[[dict[int, pb.OpRequest], dict[int, Arena]], None],
+    ) -> None: ...
+
+    def send_across(
+        self,
+        comm: Communicator,
+        session: Session,
+        req: pb.OpRequest,
+        deliver: Callable[[pb.OpRequest, np.ndarray], None],
+    ) -> None: ...
+
+    def recv_across(
+        self,
+        comm: Communicator,
+        session: Session,
+        req: pb.OpRequest,
+        subscribe: Callable[[int, Callable[[Frame], None]], None],
     ) -> None: ...
 
     def execute_p2p(
@@ -609,11 +634,6 @@ class Communicator:
                 raise InvalidRequest(problem)
         if session.arena is None and req.kind != pb.BARRIER:
             raise InvalidRequest("the rank has not attached its arena")
-        if req.HasField("cuda") and len(self.nodes) > 1:
-            raise InvalidRequest(
-                f"{describe_request(req)}: GPU tensors are not supported yet in a communicator "
-                f"spanning nodes ({len(self.nodes)} nodes); move them to the CPU first"
-            )
         if req.node_combined and (
             self.peers is None
             or req.kind not in COMBINED_KINDS
@@ -710,6 +730,9 @@ class Communicator:
     def _run_remote_p2p(self, pending: Pending) -> None:
         session, req, _ = next(iter(pending.arrivals.values()))
         assert self.peers is not None and session.arena is not None
+        if req.HasField("cuda"):
+            self._run_remote_gpu_p2p(pending, session, req)
+            return
         if req.kind == pb.SEND:
             node = next(i for i, ranks in enumerate(self.nodes) if req.root in ranks)
             data = session.arena.view(req.input, numpy_dtype(req.dtype))
@@ -758,6 +781,52 @@ class Communicator:
 
         self.peers.on_p2p(req.root, session.rank, req.seq, req.part, arrived)
 
+    def _run_remote_gpu_p2p(self, pending: Pending, session: Session, req: pb.OpRequest) -> None:
+        """A GPU send or recv whose peer is on another node, on a thread of its own: the
+        GPU ops stage it through pinned host memory, chunk by chunk, as frames of the same
+        shape as a host send's."""
+        peers = self.peers
+        assert peers is not None
+
+        def deliver(part: pb.OpRequest, data: np.ndarray) -> None:
+            node = next(i for i, ranks in enumerate(self.nodes) if req.root in ranks)
+            peers.send(node, FRAME_DATA, part, 0, [data], src_rank=session.rank, dst_rank=req.root)
+
+        def subscribe(part: int, callback: Callable[[Frame], None]) -> None:
+            peers.on_p2p(req.root, session.rank, req.seq, part, callback)
+
+        def run() -> None:
+            try:
+                gpu_ops = self._gpu.ops(session.node_id)
+                if req.kind == pb.SEND:
+                    gpu_ops.send_across(self, session, req, deliver)
+                else:
+                    gpu_ops.recv_across(self, session, req, subscribe)
+            except SmddpError as exc:
+                msg = str(exc) if str(exc).startswith(self.name()) else f"{self.name()}: {exc}"
+                self.fail(exc.kind, msg)
+                self._count_op_failure()
+                failure = self._failed or (exc.kind, msg)
+                self._reply_error(session, req, *failure)
+                return
+            except Exception as exc:  # a bug in the daemon must fail the op, not hang the job
+                what = describe_request(req)
+                log.exception("%s: GPU %s failed", self.name(), what)
+                msg = f"{self.name()}: internal error in smddpd running {what}: {exc!r}"
+                self.fail(pb.INVALID, msg)
+                self._count_op_failure()
+                self._reply_error(session, req, pb.INVALID, msg)
+                return
+            self._finish(pending, [session], [req])
+
+        threading.Thread(target=run, name="smddp-gpu-p2p", daemon=True).start()
+
+    def _between_nodes(self, reqs: dict[int, pb.OpRequest], arenas: dict[int, Arena]) -> None:
+        """Phase 2 of a collective among the node daemons, on this node's share: its ranks'
+        requests and arenas, or the staging buffers of a GPU op (``GpuOps.execute_across``)."""
+        assert self.peers is not None
+        hierarchical.execute(self.layout, self.peers, reqs, arenas, self.algorithms)
+
     def _execute(self, pending: Pending) -> None:
         arrivals = [pending.arrivals[r] for r in pending.participants]
         reqs = [a[1] for a in arrivals]
@@ -769,19 +838,19 @@ class Communicator:
                 self._check_match(pending, reqs)
                 arenas = [s.arena for s in sessions]
                 if any(r.HasField("cuda") for r in reqs):
-                    self._gpu.ops(sessions[0].node_id).execute(
-                        self, pending.participants, sessions, reqs
-                    )
+                    gpu_ops = self._gpu.ops(sessions[0].node_id)
+                    if self.peers is None:
+                        gpu_ops.execute(self, pending.participants, sessions, reqs)
+                    else:  # combined on the GPU, staged in host memory, then phase 2
+                        gpu_ops.execute_across(
+                            self, pending.participants, sessions, reqs, self._between_nodes
+                        )
                 elif self.peers is None:
                     host_collectives.execute(reqs, arenas)  # type: ignore[arg-type]
                 else:
-                    by_rank = dict(zip(pending.participants, reqs))
-                    hierarchical.execute(
-                        self.layout,
-                        self.peers,
-                        by_rank,
+                    self._between_nodes(
+                        dict(zip(pending.participants, reqs)),
                         dict(zip(pending.participants, arenas)),  # type: ignore[arg-type]
-                        self.algorithms,
                     )
         except PeerError as exc:
             msg = f"{self.name()}: {exc}"

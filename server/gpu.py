@@ -32,6 +32,7 @@ from __future__ import annotations
 import collections
 import functools
 import logging
+import queue
 import threading
 import time
 import weakref
@@ -39,14 +40,25 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from smddp.server import gpu_kernels, supervise
-from smddp.server.errors import CudaCallError, FailedPrecondition, InvalidRequest, SmddpError
+import numpy as np
+
+from smddp.server import gpu_kernels, gpu_staging, supervise
+from smddp.server.arena import Arena
+from smddp.server.errors import (
+    CudaCallError,
+    FailedPrecondition,
+    InvalidRequest,
+    PeerError,
+    SmddpError,
+)
+from smddp.server.peer_wire import Frame
 from smddp.v1 import smddp_pb2 as pb
 from smddp.wire import (
     KIND_NAMES,
     REDUCING_KINDS,
     ROOTED_KINDS,
     describe_request,
+    dtype_name,
     rank_list,
 )
 
@@ -140,6 +152,14 @@ class Runtime(Protocol):
     def destroy_flag(self, flag: Any) -> None:
         """Frees a flag of ``new_flag``."""
 
+    def alloc_host(self, nbytes: int, device: int) -> tuple[int, memoryview]:
+        """Pinned (page-locked), mapped and portable host memory of ``nbytes``: its address,
+        which every GPU's copies and kernels take (unified addressing), and a writable view
+        of its bytes for the host. The staging of ops that span nodes (``gpu_staging``)."""
+
+    def free_host(self, address: int) -> None:
+        """Frees memory of ``alloc_host``."""
+
     def prepare(self, device: int, key: tuple[int, int, int, int]) -> None:
         """Compiles and loads the reduction module of ``key`` (dtype, reduce op, fan-in,
         fan-out) for ``device``; called outside the daemon's lock (a compile takes ~1 s)."""
@@ -225,6 +245,8 @@ class _CommStreams:
         self.ticket = 0
         self.pending: collections.deque[tuple[int, list[tuple[Any, int]]]] = collections.deque()
         self.aborted = False
+        # Pinned host buffers of its ops that span nodes, made at the first one.
+        self.staging: gpu_staging.StagingPool | None = None
 
     def stream(self, device: int) -> Any:
         if device not in self.streams:
@@ -638,6 +660,8 @@ class GpuOps:
                     self._quietly(functools.partial(self.rt.destroy_event, event, device))
             for flag in cs.flags.values():  # the work streams that read them are done
                 self._quietly(functools.partial(self.rt.destroy_flag, flag))
+            if cs.staging is not None:  # as the staging buffers
+                self._quietly(cs.staging.close)
             self.collect()
 
         threading.Thread(target=drain, name="smddp-gpu-drain", daemon=True).start()
@@ -841,6 +865,393 @@ class GpuOps:
             work.copy(b.device, b.outputs[0], work.inp(a, 0, b.device), a.in_bytes[0], a.device)
             work.run()
 
+    # -- ops that span nodes ------------------------------------------------------------------
+
+    def execute_across(
+        self,
+        comm: Communicator,
+        ranks: Sequence[int],
+        sessions: Sequence[Session],
+        reqs: Sequence[pb.OpRequest],
+        exchange: Exchange,
+    ) -> None:
+        """Runs one matched GPU collective of a communicator that spans nodes, for this
+        node's ranks (``reqs[i]`` is rank ``ranks[i]``'s request), chunk by chunk: the
+        node's tensors into pinned host memory (reduced by the kernels, in rank order, or
+        copied side by side), ``exchange`` (the node-to-node algorithms of host memory) on
+        it, the results into every local rank's tensors; a chunk is copied down while the
+        one before is in the exchange (``gpu_staging``). Returns once the last chunk's
+        copies and the ranks' done events are queued.
+
+        Raises:
+            InvalidRequest: buffers that do not fit the op, handles that do not open.
+            FailedPrecondition: a GPU the daemon cannot see or reach, a failed CUDA call.
+            PeerError: a node did not answer, or the GPU did not finish a chunk in time.
+        """
+        _check_all_gpu(ranks, reqs)
+        self._prepare_node(sessions, reqs)
+        with self._lock:
+            self.collect()
+            resolved = [self._resolve(comm, r, s, q) for r, s, q in zip(ranks, sessions, reqs)]
+            self.collect()
+            pool = self._staging(comm)
+        _NodeShare(self, comm, resolved, pool, exchange).run()
+
+    def send_across(
+        self,
+        comm: Communicator,
+        session: Session,
+        req: pb.OpRequest,
+        deliver: Callable[[pb.OpRequest, np.ndarray], None],
+    ) -> None:
+        """A GPU send to a rank on another node: each chunk (cut as the client cuts host
+        sends, so that a host recv can take it) is copied into pinned host memory and handed
+        to ``deliver`` with its request (part, parts). Blocks until the last is delivered.
+
+        Raises:
+            InvalidRequest: a buffer that does not fit the op.
+            PeerError: the node cannot be reached, the GPU did not finish in time.
+        """
+        _check_all_gpu([session.rank], [req])
+        with self._lock:
+            self.collect()
+            a = self._resolve(comm, session.rank, session, req)
+            self.collect()
+            pool = self._staging(comm)
+        ranges = self._p2p_ranges(comm, a, a.in_bytes, "send", "input")
+        who = f"{comm.name()}: {describe_request(req)} to rank {req.root}"
+        share = _NodeShare(self, comm, [a], pool, None)
+        for p, (lo, hi) in enumerate(ranges):
+            nbytes = (hi - lo) * share.itemsize
+            buf = pool.take(nbytes, a.device)
+            try:
+                with self._lock:
+                    work = _Work(self, comm, [a])
+                    work.copy(a.device, buf.address, a.inputs[0] + lo * share.itemsize, nbytes)
+                    marks = share.queue(work, buf, last=p + 1 == len(ranges))
+                self._wait_events(marks, comm.timeout_s, who, comm)
+                part = pb.OpRequest()
+                part.CopyFrom(req)
+                part.ClearField("cuda")
+                part.part, part.parts = p, len(ranges)
+                deliver(part, buf.data[:nbytes])
+            except BaseException:
+                share.fence()
+                raise
+            finally:
+                pool.give(buf, [])
+
+    def recv_across(
+        self,
+        comm: Communicator,
+        session: Session,
+        req: pb.OpRequest,
+        subscribe: Callable[[int, Callable[[Frame], None]], None],
+    ) -> None:
+        """A GPU recv from a rank on another node: ``subscribe(part, callback)`` has each
+        chunk's frame (cut as host sends are) handed over; each is copied into pinned host
+        memory and from there into the rank's tensor. Blocks until the last is queued.
+
+        Raises:
+            InvalidRequest: a frame or buffer that does not fit the op.
+            PeerError: the communicator failed or closed before every chunk came.
+        """
+        _check_all_gpu([session.rank], [req])
+        with self._lock:
+            self.collect()
+            b = self._resolve(comm, session.rank, session, req)
+            self.collect()
+            pool = self._staging(comm)
+        ranges = self._p2p_ranges(comm, b, b.out_bytes, "recv", "output")
+        arrived: queue.Queue[tuple[int, Frame]] = queue.Queue()
+        for p in range(len(ranges)):
+            subscribe(p, functools.partial(lambda part, frame: arrived.put((part, frame)), p))
+        frames: dict[int, Frame] = {}
+        share = _NodeShare(self, comm, [b], pool, None)
+        s = share.itemsize
+        try:
+            for p, (lo, hi) in enumerate(ranges):
+                while p not in frames:
+                    try:
+                        part, frame = arrived.get(timeout=ARRIVAL_POLL_S)
+                    except queue.Empty:
+                        if pool.closed or comm.failed() is not None:
+                            raise PeerError(
+                                f"{describe_request(req)} from rank {req.root}: the communicator "
+                                "failed or closed before the data came"
+                            ) from None
+                        continue
+                    frames[part] = frame
+                frame = frames.pop(p)
+                got = (frame.dtype, frame.count, frame.parts, frame.payload.nbytes)
+                if got != (req.dtype, req.count, len(ranges), (hi - lo) * s):
+                    raise InvalidRequest(
+                        f"send of {frame.count} x {dtype_name(frame.dtype)} in {frame.parts} "
+                        f"chunks from rank {req.root} meets {describe_request(req)} on "
+                        f"{session.label()} (chunk {p} of {len(ranges)}: "
+                        f"{frame.payload.nbytes} bytes)"
+                    )
+                buf = pool.take(frame.payload.nbytes, b.device)
+                marks: list[tuple[Any, int]] = []
+                try:
+                    buf.data[: frame.payload.nbytes] = frame.payload.view(np.uint8)
+                    with self._lock:
+                        work = _Work(self, comm, [b])
+                        work.copy(b.device, b.outputs[0] + lo * s, buf.address, (hi - lo) * s)
+                        marks = share.queue(work, buf, last=p + 1 == len(ranges))
+                finally:
+                    pool.give(buf, marks)
+        except BaseException:
+            share.fence()
+            raise
+
+    def _p2p_ranges(
+        self, comm: Communicator, r: _Resolved, sizes: list[int], what: str, which: str
+    ) -> list[tuple[int, int]]:
+        """The chunks of a send or recv across nodes, after checking its one buffer."""
+        req = r.req
+        itemsize = gpu_kernels.SPECS[req.dtype].itemsize
+        if len(sizes) != 1 or sizes[0] != req.count * itemsize:
+            raise InvalidRequest(
+                f"{comm.name()}: {describe_request(req)}: a GPU {what} names one {which} of "
+                f"{req.count} x {itemsize} bytes, not {sizes}"
+            )
+        return gpu_staging.p2p_ranges(req, comm.chunk_bytes)
+
+    def _prepare_node(self, sessions: Sequence[Session], reqs: Sequence[pb.OpRequest]) -> None:
+        """Compiles the kernel that combines the node's ranks (``_prepare``'s reason): the
+        fan-in of the node's ranks, one output (the staging), AVG as SUM (the division
+        comes once, after the nodes have reduced)."""
+        req = reqs[0]
+        if req.kind not in (pb.ALL_REDUCE, pb.REDUCE) or len(reqs) < 2:
+            return
+        # A reduce of the node's ranks into one output: the key the kernel cache holds too.
+        key = gpu_kernels.op_module_key(pb.REDUCE, req.dtype, _node_op(req.reduce_op), len(reqs))
+        if key is None:
+            return
+        try:
+            device = self._device(sessions[0], reqs[0].cuda.device_uuid)
+            self.rt.prepare(device, key)
+        except SmddpError:
+            return  # the op meets it again and fails with the message
+
+    def _staging(self, comm: Communicator) -> gpu_staging.StagingPool:
+        """The communicator's staging pool, made at its first op that spans nodes."""
+        cs = self._comm_streams(comm)
+        if cs.staging is None:
+            # The pool's waits are bounded by the group's timeout (no reference to the
+            # communicator: the streams of a communicator must not keep it alive).
+            timeout_s, who = comm.timeout_s, comm.name()
+            cs.staging = gpu_staging.StagingPool(
+                self.rt, lambda marks: self._wait_events(marks, timeout_s, who)
+            )
+        return cs.staging
+
+    def _wait_events(
+        self,
+        marks: list[tuple[Any, int]],
+        timeout_s: float,
+        who: str,
+        comm: Communicator | None = None,
+    ) -> None:
+        """Blocks until ``marks`` have fired: the host needs what the GPU wrote (or must
+        not overwrite what it reads). Polls, as ``close_before_free`` does.
+
+        Raises:
+            PeerError: the communicator failed meanwhile, or ``timeout_s`` passed.
+        """
+        deadline = time.monotonic() + timeout_s
+        step = 0
+        while True:
+            try:
+                if all(self.rt.event_done(e, d) for e, d in marks):
+                    return
+            except CudaCallError as exc:
+                raise FailedPrecondition(f"{who}: waiting for the GPU failed: {exc}") from None
+            failure = comm.failed() if comm is not None else None
+            if failure is not None:
+                raise PeerError(failure[1], kind=failure[0])
+            if time.monotonic() > deadline:
+                raise PeerError(
+                    f"{who}: the GPU did not finish staging through host memory within "
+                    f"{timeout_s:.0f} s",
+                    kind=pb.TIMEOUT,
+                )
+            time.sleep(_GATE_POLL_S[min(step, len(_GATE_POLL_S) - 1)])
+            step += 1
+
+
+# What a GPU op that spans nodes runs between nodes on its staging: the requests and arenas of
+# the node's share (``Communicator``'s phase 2, ``hierarchical.execute``).
+Exchange = Callable[[dict[int, pb.OpRequest], dict[int, Arena]], None]
+# How often a recv across nodes looks whether its communicator failed while no data comes.
+ARRIVAL_POLL_S = 0.5
+
+
+def _node_op(reduce_op: int) -> int:
+    """The op that combines a node's ranks: an AVG is summed there (and divided by the world
+    once, after the nodes), as the host path's node partial is."""
+    return pb.SUM if reduce_op == pb.AVG else reduce_op
+
+
+class _NodeShare:
+    """One GPU collective of a communicator that spans nodes, on this node: its chunks
+    through the staging pool (``GpuOps.execute_across``)."""
+
+    def __init__(
+        self,
+        ops: GpuOps,
+        comm: Communicator,
+        ranks: list[_Resolved],
+        pool: gpu_staging.StagingPool,
+        exchange: Exchange | None,
+    ) -> None:
+        self.ops = ops
+        self.rt = ops.rt
+        self.comm = comm
+        self.ranks = ranks
+        self.by_rank = {r.rank: r for r in ranks}
+        self.pool = pool
+        self.exchange = exchange
+        self.req = ranks[0].req
+        self.who = f"{comm.name()}: {describe_request(self.req)}"
+        spec = gpu_kernels.SPECS.get(self.req.dtype)
+        self.itemsize = spec.itemsize if spec is not None else 1
+        # Where the node's reductions run and its buffers are pinned: the lowest rank's GPU.
+        self.home = ranks[0].device
+        self.gated = False  # the first chunk waited for the ranks' ready events
+        self.queued = False  # work on the ranks' buffers may be queued
+
+    def run(self) -> None:
+        """Every chunk: down, exchange, up (the next one's down queued before an exchange)."""
+        held: list[tuple[gpu_staging.Staging, list[tuple[Any, int]]]] = []
+        try:
+            chunks = self._plan()
+            held.append(self._down(chunks[0]))
+            for i, chunk in enumerate(chunks):
+                if i + 1 < len(chunks):
+                    held.append(self._down(chunks[i + 1]))
+                buf, marks = held[0]
+                self.ops._wait_events(marks, self.comm.timeout_s, self.who, self.comm)
+                held[0] = (buf, [])
+                self._exchange(chunk, buf)
+                held[0] = (buf, self._up(chunk, buf, last=i + 1 == len(chunks)))
+                self.pool.give(*held.pop(0))
+        except BaseException:
+            self.fence()
+            raise
+        finally:
+            for buf, marks in held:  # a failed op's: free once their copies are done
+                self.pool.give(buf, marks)
+
+    def _plan(self) -> list[gpu_staging.Chunk]:
+        local = [
+            gpu_staging.Local(
+                r.rank,
+                r.req,
+                tuple(r.in_bytes),
+                tuple(r.out_bytes),
+                bool(r.inputs and r.outputs and r.inputs[0] == r.outputs[0]),
+            )
+            for r in self.ranks
+        ]
+        shape = gpu_staging.Shape(self.req, local, self.comm.nodes, self.comm.chunk_bytes)
+        if self.req.kind != pb.ALL_TO_ALL:
+            return gpu_staging.plan(shape)
+        # The nodes agree on the chunks first: each knows only its own ranks' blocks.
+        chunk, value = gpu_staging.a2a_agreement(shape, gpu_staging.a2a_footprint(shape))
+        buf = self.pool.take(chunk.size, self.home)
+        try:
+            buf.data[:8] = value.view(np.uint8)
+            self._exchange(chunk, buf)
+            largest = int(buf.data[:8].view(np.int64)[0])
+        finally:
+            self.pool.give(buf, [])
+        return gpu_staging.plan(shape, gpu_staging.a2a_parts(largest, self.comm.chunk_bytes))
+
+    def _exchange(self, chunk: gpu_staging.Chunk, buf: gpu_staging.Staging) -> None:
+        assert self.exchange is not None
+        arenas: dict[int, Arena] = {
+            rank: buf.arena(f"{self.who}: the staging of rank {rank}") for rank in chunk.reqs
+        }
+        self.exchange(chunk.reqs, arenas)
+
+    def _down(self, chunk: gpu_staging.Chunk) -> tuple[gpu_staging.Staging, list[tuple[Any, int]]]:
+        """Queues the chunk's copies (or reductions) into a staging buffer; returns the
+        buffer and the events that fire once they are done."""
+        buf = self.pool.take(chunk.size, self.home)
+        try:
+            with self.ops._lock:
+                work = _Work(self.ops, self.comm, self.ranks)
+                for d in chunk.down:
+                    dst = buf.address + d.at
+                    if len(d.sources) == 1:
+                        ref = d.sources[0]
+                        r = self.by_rank[ref.rank]
+                        work.copy(r.device, dst, r.inputs[ref.index] + ref.offset, d.nbytes)
+                        continue
+                    inputs = [
+                        work.inp(self.by_rank[ref.rank], ref.index, self.home) + ref.offset
+                        for ref in d.sources
+                    ]
+                    work.reduce(
+                        self.home,
+                        inputs,
+                        [dst],
+                        d.count,
+                        {r.device for r in self.ranks},
+                        reduce_op=_node_op(self.req.reduce_op),
+                    )
+                return buf, self.queue(work, buf, last=False)
+        except BaseException:
+            self.pool.give(buf, [])
+            raise
+
+    def _up(
+        self, chunk: gpu_staging.Chunk, buf: gpu_staging.Staging, last: bool
+    ) -> list[tuple[Any, int]]:
+        """Queues the chunk's copies from the staging buffer into the ranks' outputs (and,
+        after the last chunk, the ranks' done events); returns the events after them."""
+        with self.ops._lock:
+            work = _Work(self.ops, self.comm, self.ranks)
+            for u in chunk.up:
+                r = self.by_rank[u.target.rank]
+                dst = r.outputs[u.target.index] + u.target.offset
+                work.copy(r.device, dst, buf.address + u.at, u.nbytes)
+            return self.queue(work, buf, last)
+
+    def queue(self, work: _Work, buf: gpu_staging.Staging, last: bool) -> list[tuple[Any, int]]:
+        """Queues ``work`` (behind the ready events for the op's first work, before the
+        done events for its last); returns events recorded after it on every stream it used,
+        on which the host waits before it reads or reuses ``buf``. The daemon's lock held."""
+        self.queued = True
+        streams = work.run(gate=not self.gated, done=last)
+        self.gated = True
+        if not work.steps:
+            return []
+        marks = []
+        for device, stream in streams.items():
+            event = buf.events.get(device)
+            if event is None:
+                event = buf.events[device] = self.rt.new_event(device)
+            self.rt.record_event(event, stream, device)
+            marks.append((event, device))
+        return marks
+
+    def fence(self) -> None:
+        """After a failure: each rank's done event follows whatever was queued on its
+        buffers, so that its stream (and allocator) waits for that work."""
+        if not self.queued:
+            return
+        cs = self.ops._comm_streams(self.comm)
+        with self.ops._lock:
+            for r in self.ranks:
+                stream = cs.streams.get(r.device)
+                if stream is not None:
+                    self.ops._quietly(
+                        functools.partial(self.rt.record_event, r.done, stream, r.device)
+                    )
+
 
 def _check_all_gpu(ranks: Sequence[int], reqs: Sequence[pb.OpRequest]) -> None:
     gpu = [r for r, q in zip(ranks, reqs) if q.HasField("cuda")]
@@ -922,19 +1333,25 @@ class _Work:
         self.steps.append(_Step(device, lambda s: self.rt.copy(s, device, dst, src, nbytes)))
 
     def reduce(
-        self, device: int, inputs: list[int], outputs: list[int], count: int, touches: set[int]
+        self,
+        device: int,
+        inputs: list[int],
+        outputs: list[int],
+        count: int,
+        touches: set[int],
+        reduce_op: int | None = None,
     ) -> None:
         """Reduces ``count`` elements of ``inputs`` (rank order) into every output, on
-        ``device``, whose kernels must reach the memory of the GPUs in ``touches``."""
+        ``device``, whose kernels must reach the memory of the GPUs in ``touches``
+        (with ``reduce_op``, where not the op's own)."""
         req = self.req
+        op = req.reduce_op if reduce_op is None else reduce_op
         for other in sorted(touches):
             self.ops._peer(device, other, self.who)
         max_grid = self.rt.max_grid(device)
 
         def step(launch: gpu_kernels.Launch) -> Callable[[Any], None]:
-            return lambda s: self.rt.reduce(
-                s, device, req.dtype, req.reduce_op, inputs, outputs, launch
-            )
+            return lambda s: self.rt.reduce(s, device, req.dtype, op, inputs, outputs, launch)
 
         for a, b in gpu_kernels.chunks(count, self.itemsize, self.ops.chunk_bytes):
             for launch in gpu_kernels.plan_launches(
@@ -1069,8 +1486,12 @@ class _Work:
 
     # -- queueing -----------------------------------------------------------------------------
 
-    def run(self) -> None:
+    def run(self, gate: bool = True, done: bool = True) -> dict[int, Any]:
         """Queues the steps between the ranks' ready and done events.
+
+        ``gate``/``done`` False (the chunks of an op that spans nodes, but its first and
+        last): no wait for the ready events, no done events; the work stream's order keeps
+        the chunks after the first one's gate. Returns the streams used, by GPU.
 
         Every stream involved (of a GPU that works or holds a rank) first waits on the
         communicator's flag for this op's ticket, which the gate thread raises once the gate
@@ -1088,19 +1509,9 @@ class _Work:
         queued = False
         try:
             streams = {d: cs.stream(d) for d in involved}
-            marks = []
-            for device in involved:
-                gate = cs.gate(device)
-                for r in ranks:
-                    self.rt.wait_event(gate, r.ready, device)
-                mark = cs.mark(device)
-                self.rt.record_event(mark, gate, device)
-                marks.append((mark, device))
-                cs.flag(device)
-            ticket = self.ops._gate(cs, marks)
-            for device in involved:
-                queued = True
-                self.rt.wait_flag(streams[device], cs.flag(device), ticket & 0xFFFFFFFF, device)
+            if gate:
+                self._gate_on_ready(cs, involved, streams)
+            queued = True
             for step in self.steps:
                 step.run(streams[step.device])
             if len(involved) > 1:
@@ -1110,8 +1521,9 @@ class _Work:
                     for other in working:
                         if other != device:
                             self.rt.wait_event(streams[device], cs.join(other), device)
-            for r in ranks:
-                self.rt.record_event(r.done, streams[r.device], r.device)
+            if done:
+                for r in ranks:
+                    self.rt.record_event(r.done, streams[r.device], r.device)
         except CudaCallError as exc:
             if queued:
                 # Kernels may be queued that write the ranks' buffers: each rank's done
@@ -1126,6 +1538,25 @@ class _Work:
             raise FailedPrecondition(
                 f"{self.who}: a CUDA call failed while queueing the op: {exc}"
             ) from None
+        return streams
+
+    def _gate_on_ready(
+        self, cs: _CommStreams, involved: list[int], streams: dict[int, Any]
+    ) -> None:
+        """Makes every stream in ``involved`` wait on the communicator's flag for a new
+        ticket, which the gate thread raises once every rank's ready event has fired."""
+        marks = []
+        for device in involved:
+            gate = cs.gate(device)
+            for r in self.ranks:
+                self.rt.wait_event(gate, r.ready, device)
+            mark = cs.mark(device)
+            self.rt.record_event(mark, gate, device)
+            marks.append((mark, device))
+            cs.flag(device)
+        ticket = self.ops._gate(cs, marks)
+        for device in involved:
+            self.rt.wait_flag(streams[device], cs.flag(device), ticket & 0xFFFFFFFF, device)
 
 
 # -- the process's instance ---------------------------------------------------------------------

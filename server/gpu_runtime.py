@@ -314,6 +314,20 @@ class CupyRuntime:
     def destroy_flag(self, flag: Any) -> None:
         self._call("cudaFreeHost", self.rt.freeHost, flag)
 
+    def alloc_host(self, nbytes: int, device: int) -> tuple[int, memoryview]:
+        # As the flags: pinned, mapped and portable, so that every GPU's copies reach it at
+        # full speed (no bounce through pageable memory) and kernels may write it directly.
+        with self._on(device):
+            address = int(
+                self._call(
+                    "cudaHostAlloc", self.rt.hostAlloc, max(1, nbytes), _HOST_ALLOC_PORTABLE_MAPPED
+                )
+            )
+        return address, memoryview((ctypes.c_uint8 * max(1, nbytes)).from_address(address))
+
+    def free_host(self, address: int) -> None:
+        self._call("cudaFreeHost", self.rt.freeHost, address)
+
     def _wait_value32(self) -> Any:
         """cuStreamWaitValue32 of the driver (its _v2 entry point where there is one)."""
         if self._wait_value is None:

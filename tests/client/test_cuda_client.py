@@ -318,13 +318,16 @@ def test_bad_calls_send_nothing(call, message: str) -> None:
     assert comm.sent == []
 
 
-def test_gpu_tensors_across_nodes_are_refused() -> None:
-    cc, comm, _ = collectives(single_node=False)
-    with pytest.raises(
-        UnsupportedError, match="not supported yet in a process group spanning nodes"
-    ):
+def test_gpu_tensors_across_nodes_go_as_on_one_node() -> None:
+    """A communicator spanning nodes sends the very request one node does: the daemon
+    stages it between nodes (issue 27; this was refused before)."""
+    sent = []
+    for single_node in (True, False):
+        cc, comm, _ = collectives(single_node=single_node)
         cc.all_reduce(arr(0, 4), pb.SUM, Events())
-    assert comm.sent == []
+        ((req, _, what),) = comm.sent
+        sent.append((req.SerializeToString(deterministic=True), what))
+    assert sent[0] == sent[1]
 
 
 # -- numbering and retiring GPU ops in the Communicator -------------------------------------------

@@ -124,3 +124,20 @@ def test_train_digits(backend, tmp_path, monkeypatch):
     with torch.no_grad():
         reloaded = (model(x).argmax(dim=1) == y).float().mean().item()
     assert reloaded == pytest.approx(accuracy, abs=1e-3)
+
+
+@pytest.mark.parametrize(
+    ("gpus", "local_rank", "want"),
+    [(0, 1, "cpu"), (1, 0, "cuda:0"), (1, 3, "cuda:0"), (2, 3, "cuda:1"), (8, 3, "cuda:3")],
+)
+def test_ranks_share_the_node_s_gpus_round_robin(gpus, local_rank, want, monkeypatch):
+    """With fewer GPUs than local ranks (one GPU, local rank 1 and up) the ranks share them,
+    rather than fail in set_device; without GPUs the CPU (issue 27)."""
+    example = _load_example(monkeypatch)
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    device = example.pick_device(local_rank)
+    assert str(device) == want
+    assert chosen == ([] if want == "cpu" else [device.index])

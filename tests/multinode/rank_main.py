@@ -14,6 +14,8 @@ Programs:
   recorded, not raised, so that every rank keeps calling the same collectives; results that
   every rank must hold are hashed, and the parent compares the hashes.
 - ``ddp``: a few DDP steps of a small MLP; returns the final parameters.
+- ``gpu_collectives``: every collective on fake GPU tensors against the host path
+  (``gpu_programs``).
 - ``hold``: joins, runs a barrier, prints ``ready`` and waits for a line on stdin, so that
   the parent can look at the daemons while the job is registered.
 - ``recv_any``: ``recv``/``irecv`` from any source, senders on the same node and on another.
@@ -609,7 +611,20 @@ def recv_any(spec: dict[str, Any]) -> dict[str, Any]:
     return got
 
 
-PROGRAMS = {"collectives": collectives, "ddp": ddp, "hold": hold, "recv_any": recv_any}
+def gpu_collectives(spec: dict[str, Any]) -> dict[str, Any]:
+    """Every collective on the fake GPU against the host path (``gpu_programs``)."""
+    import gpu_programs
+
+    return gpu_programs.gpu_collectives(spec)
+
+
+PROGRAMS = {
+    "collectives": collectives,
+    "ddp": ddp,
+    "hold": hold,
+    "gpu_collectives": gpu_collectives,
+    "recv_any": recv_any,
+}
 
 
 def main() -> None:

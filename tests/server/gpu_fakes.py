@@ -35,6 +35,7 @@ from smddp.wire import numpy_dtype
 
 CLIENT_BASE = 0x7F00_0000_0000  # where fake ranks' allocations start (their address space)
 DAEMON_BASE = 0x1000_0000_0000  # where the daemon's fake mappings start
+HOST_BASE = 0x2000_0000_0000  # where the daemon's fake pinned host buffers start
 
 
 @dataclass(eq=False)
@@ -90,6 +91,8 @@ class FakeRuntime:
     _next_map: itertools.count = field(default_factory=lambda: itertools.count(0))
     _next_stream: itertools.count = field(default_factory=lambda: itertools.count(0))
     _next_event: itertools.count = field(default_factory=lambda: itertools.count(0))
+    _next_host: itertools.count = field(default_factory=lambda: itertools.count(0))
+    host: dict[int, int] = field(default_factory=dict)  # pinned host buffers: address -> bytes
 
     # -- what the tests call --------------------------------------------------------------------
 
@@ -186,6 +189,20 @@ class FakeRuntime:
 
     def destroy_flag(self, flag: Any) -> None:
         self.log.append(("destroy_flag", flag))
+
+    def alloc_host(self, nbytes: int, device: int) -> tuple[int, memoryview]:
+        # Mapped like a rank's allocation, so that copies and kernels reach it by address.
+        address = HOST_BASE + (next(self._next_host) << 32)
+        data = np.zeros(max(1, nbytes), dtype=np.uint8)
+        self.mapped[address] = Allocation(data, device, address, b"host")
+        self.host[address] = nbytes
+        self.log.append(("alloc_host", address, nbytes))
+        return address, memoryview(data)
+
+    def free_host(self, address: int) -> None:
+        del self.mapped[address]
+        del self.host[address]
+        self.log.append(("free_host", address))
 
     def enable_peer(self, device: int, peer: int) -> None:
         if (device, peer) in self.no_peer:
