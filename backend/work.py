@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from smddp.backend.errors import translate
+from smddp.backend.exit_gate import GATE
 from smddp.client import Communicator, Handle
 from smddp.client.errors import SmddpError, UnsupportedError
 from smddp.client.progress import ProgressThread
@@ -220,6 +221,15 @@ class SmddpWork(dist.Work):
             self._error = translate(exc)
         self._completed = True
 
+    def _await_ops(self) -> None:
+        """Waits until the op's handles are done, recording nothing: ``_complete`` meets
+        their errors again and records them."""
+        for h in self._handles:
+            try:
+                h.wait()
+            except Exception:
+                pass
+
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
         if not self._completed:
             self._complete()
@@ -305,12 +315,19 @@ class SmddpWork(dist.Work):
         _guard_backward(self, fut)
 
         def complete() -> None:
-            try:
-                self._complete()
-            except BaseException as exc:  # a bug must not leave the Future pending forever
-                self._error = self._error or exc
-            finally:
-                signal.set_result(None)
+            # Waiting for the op touches no torch, so the interpreter's exit may cut it short;
+            # the copy-backs and the Future's completion release the GIL inside torch, where
+            # being cut short aborts the process (see exit_gate).
+            self._await_ops()
+            with GATE.passage() as admitted:
+                if not admitted:
+                    return  # the interpreter is exiting: nothing will read this Future
+                try:
+                    self._complete()
+                except BaseException as exc:  # a bug must not leave the Future pending forever
+                    self._error = self._error or exc
+                finally:
+                    signal.set_result(None)
 
         _completer(self._handles[0].comm).submit(complete)
         return fut
