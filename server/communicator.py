@@ -586,10 +586,14 @@ class Communicator:
         ``max_pending_ops`` already. Called with the lock held."""
         oldest = min(self._pending.values(), key=lambda p: (p.seq, p.part))
         behind = oldest.missing()
+        sent = f"{describe_request(req)} as op #{req.seq} chunk {req.part}"
+        who, n = session.label(), len(self._pending)
+        oldest_op = f"the oldest, op #{oldest.seq}, for {rank_list(behind)}"
+        limit = f"{self.max_pending_ops} pending op chunks per communicator"
         return (
             f"{self.name()}: "
-            f"{session.label()} sent {describe_request(req)} as op #{req.seq} chunk {req.part} while {len(self._pending)} op chunks already wait for other ranks (the oldest, op #{oldest.seq}, for {rank_list(behind)}): "  # noqa: E501
-            f"past the limit of {self.max_pending_ops} pending op chunks per communicator (--max-pending-ops, SMDDP_MAX_PENDING_OPS); "  # noqa: E501
+            f"{who} sent {sent} while {n} op chunks already wait for other ranks ({oldest_op}): "
+            f"past the limit of {limit} (--max-pending-ops, SMDDP_MAX_PENDING_OPS); "
             "a rank runs too far ahead of the others"
         )
 
@@ -638,9 +642,10 @@ class Communicator:
             or req.HasField("cuda")
             or session.rank != self.local_ranks[0]
         ):
+            lowest = f"the lowest rank of a node (rank {self.local_ranks[0]})"
             raise InvalidRequest(
                 f"{describe_request(req)}: "
-                f"only the lowest rank of a node (rank {self.local_ranks[0]}) sends an op its node combined, and only an all_reduce, broadcast or barrier in host memory of a communicator spanning nodes"  # noqa: E501
+                f"only {lowest} sends an op its node combined, and only an all_reduce, broadcast or barrier in host memory of a communicator spanning nodes"  # noqa: E501
             )
         # Chunks come in order; anything else is a client bug that would desynchronise ranks.
         with session.lock:
@@ -755,9 +760,10 @@ class Communicator:
                     req.parts,
                     req.tag,
                 ):
-                    raise InvalidRequest(
-                        f"send of {frame.count} x {dtype_name(frame.dtype)} (tag {frame.tag}) from rank {req.root} as message #{req.seq} meets {describe_request(req)} (tag {req.tag}) on {session.label()}"  # noqa: E501
-                    )
+                    sent = f"{frame.count} x {dtype_name(frame.dtype)} (tag {frame.tag})"
+                    src = f"rank {req.root} as message #{req.seq}"
+                    ours = f"{describe_request(req)} (tag {req.tag}) on {session.label()}"
+                    raise InvalidRequest(f"send of {sent} from {src} meets {ours}")
                 out = session.arena.view(req.output, numpy_dtype(req.dtype))  # type: ignore[union-attr]
                 data = frame.payload.view(out.dtype)
                 if data.size != out.size:
@@ -930,8 +936,10 @@ class Communicator:
             recv.parts,
             recv.tag,
         ):
+            sender = f"{describe_request(send)} (tag {send.tag}) as message #{send.seq}"
+            receiver = f"{describe_request(recv)} (tag {recv.tag})"
             raise InvalidRequest(
-                f"{s_send.label()} called {describe_request(send)} (tag {send.tag}) as message #{send.seq} to rank {s_recv.rank}, which called {describe_request(recv)} (tag {recv.tag})"  # noqa: E501
+                f"{s_send.label()} called {sender} to rank {s_recv.rank}, which called {receiver}"
             )
         if send.HasField("cuda") or recv.HasField("cuda"):
             self._gpu.ops(s_send.node_id).execute_p2p(self, (s_send, send), (s_recv, recv))
@@ -1136,10 +1144,12 @@ class Communicator:
         if p.waited_s <= self.timeout_s:
             return
         where = " at a synchronisation inside it" if p.inside else ""
+        late = f"{rank_list(missing)} never arrived{where} ({', '.join(labels)})"
+        waited = f"{rank_list(arrived)} waited {p.waited_s:.1f} s"
         message = (
             f"{self.name()}: "
             f"op #{p.seq} {p.description} timed out: "
-            f"{rank_list(missing)} never arrived{where} ({', '.join(labels)}) while {rank_list(arrived)} waited {p.waited_s:.1f} s, past the group's timeout of {self.timeout_s:.1f} s"  # noqa: E501
+            f"{late} while {waited}, past the group's timeout of {self.timeout_s:.1f} s"
         )
         self.fail(pb.TIMEOUT, message, culprit=culprit)
 

@@ -245,8 +245,11 @@ class RegionView:
             trusted = cls(buf, world, data_bytes)
             if said == (world, slot_bytes(data_bytes), data_bytes):
                 return trusted
+        says = f"{said[0]} ranks, slots of {said[1]} bytes and data buffers of {said[2]} bytes"
+        made = f"{world} ranks on this node in {buf.nbytes} bytes"
+        why = "a rank of the job wrote over its header"
         raise RegionGeometryError(
-            f"the control region's header says {said[0]} ranks, slots of {said[1]} bytes and data buffers of {said[2]} bytes, but smddpd made it for {world} ranks on this node in {buf.nbytes} bytes (a rank of the job wrote over its header)",  # noqa: E501
+            f"the control region's header says {says}, but smddpd made it for {made} ({why})",
             trusted,
         )
 
