@@ -1088,10 +1088,12 @@ class Communicator:
             held_back = next((q.held_back for q in self._pending.values() if q.held_back), "")
         waited = now - p.first_arrival
         arrived = sorted(p.arrivals)
+        absent = f"{rank_list(missing)} never arrived ({', '.join(labels)})"
+        stayed = f"{rank_list(arrived)} waited {waited:.1f} s"
         message = (
             f"{self.name()}: "
             f"op #{p.seq} {describe_request(req)} timed out: "
-            f"{rank_list(missing)} never arrived ({', '.join(labels)}) while {rank_list(arrived)} waited {waited:.1f} s, past the group's timeout of {self.timeout_s:.1f} s"  # noqa: E501
+            f"{absent} while {stayed}, past the group's timeout of {self.timeout_s:.1f} s"
         )
         if held_back:
             # A rank that sends more than the daemon holds before receiving waits for its

@@ -984,9 +984,11 @@ class GpuOps:
                 frame = frames.pop(p)
                 got = (frame.dtype, frame.count, frame.parts, frame.payload.nbytes)
                 if got != (req.dtype, req.count, len(ranges), (hi - lo) * s):
+                    sent = f"{frame.count} x {dtype_name(frame.dtype)} in {frame.parts} chunks"
+                    ours = f"{describe_request(req)} on {session.label()}"
+                    chunk = f"chunk {p} of {len(ranges)}: {frame.payload.nbytes} bytes"
                     raise InvalidRequest(
-                        f"send of {frame.count} x {dtype_name(frame.dtype)} in {frame.parts} chunks from rank {req.root} meets {describe_request(req)} on {session.label()} (chunk {p} of {len(ranges)}: "  # noqa: E501
-                        f"{frame.payload.nbytes} bytes)"
+                        f"send of {sent} from rank {req.root} meets {ours} ({chunk})"
                     )
                 buf = pool.take(frame.payload.nbytes, b.device)
                 marks: list[tuple[Any, int]] = []
