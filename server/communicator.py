@@ -1242,8 +1242,7 @@ class Communicator:
         """
         message = (
             f"{self.name()}: "
-            f"internal error in smddpd while {what} ({type(exc).__name__}: "
-            f"{exc}); "
+            f"internal error in smddpd while {what} ({type(exc).__name__}: {exc}); "
             "the communicator cannot go on"
         )
         steps = supervise.Steps("failing the communicator", self.name(), self._log_fields())

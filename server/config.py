@@ -145,15 +145,10 @@ _HELP = {
     "grpc_bind": "HOST:PORT of a TCP gRPC listener serving grpc.health.v1 and reflection only, for probes (status, metrics and jobs stay on the unix socket)",  # noqa: E501
     "http_bind": "HOST:PORT serving /healthz, /readyz and /metrics; 'off' disables",
     "peer_bind": "HOST:PORT of the control service (gRPC) for other nodes' daemons; "
-    "'off' serves one node only (the default, unless --data-port, --advertise, --peer-transport or --ucx-port is set: "  # noqa: E501
-    "then 0.0.0.0:7470)",
-    "data_port": "TCP port, on the --peer-bind host, of the data connections from other nodes' daemons (0: "  # noqa: E501
-    "any free port; "
-    "other daemons learn it when they join)",
+    "'off' serves one node only (the default, unless --data-port, --advertise, --peer-transport or --ucx-port is set: then 0.0.0.0:7470)",  # noqa: E501
+    "data_port": "TCP port, on the --peer-bind host, of the data connections from other nodes' daemons (0: any free port; other daemons learn it when they join)",  # noqa: E501
     "peer_transport": "what carries a job's bytes between nodes: "
-    "tcp, or ucx (UCX stream endpoints: "
-    "RDMA where the site's UCX has it; "
-    "needs smddp's ucx extra, e.g. pip install '.[ucx]' in a checkout); "
+    "tcp, or ucx (UCX stream endpoints: RDMA where the site's UCX has it; needs smddp's ucx extra, e.g. pip install '.[ucx]' in a checkout); "  # noqa: E501
     "every daemon of a job must use the same",
     "ucx_port": "port of the UCX listener with --peer-transport ucx (0: any free port)",
     "advertise": "HOST:PORT other daemons use to reach this one",
@@ -165,15 +160,13 @@ _HELP = {
     "gpu_chunk_bytes": "GPU ops: "
     "most bytes one reduction kernel launch covers (a larger op is several launches, between which other jobs' GPU work can run)",  # noqa: E501
     "gpu_warm": "when CuPy is imported and the common reduction kernels (float32, bfloat16 all_reduce by 2, 4, 8 ranks) are compiled on every GPU: "  # noqa: E501
-    "first-op, or start (in the background once serving; "
-    "every GPU then holds a CUDA context of the daemon)",
+    "first-op, or start (in the background once serving; every GPU then holds a CUDA context of the daemon)",  # noqa: E501
     "default_timeout_s": "per-op timeout in seconds for clients that set none",
     "max_jobs": "most jobs served at once",
     "max_ranks_per_job": "largest world size of a communicator",
     "max_arena_bytes": "largest arena a rank may attach",
     "attach_timeout_s": "seconds a registered rank has to attach its arena (a registration not attached by then is dropped), and a data-socket connection to send its first message",  # noqa: E501
-    "max_unattached": "most registrations not attached yet, in all (the oldest is dropped to make room: "  # noqa: E501
-    "gRPC does not tell the caller's uid, so none may block another)",
+    "max_unattached": "most registrations not attached yet, in all (the oldest is dropped to make room: gRPC does not tell the caller's uid, so none may block another)",  # noqa: E501
     "max_jobs_per_uid": "most jobs one uid runs at once",
     "max_ranks_per_uid": "most attached ranks of one uid",
     "max_connections_per_uid": "most data-socket connections of one uid",
@@ -183,15 +176,12 @@ _HELP = {
     "max_buffered_bytes": "the same, for all uids together",
     "max_pending_rendezvous": "most Rendezvous calls waiting at once (each holds a gRPC thread); "
     "the same again for Meet calls from other daemons",
-    "max_peer_rendezvous": "most rendezvous hosted here that only other daemons' ranks are in (anyone who reaches --peer-bind can open them; "  # noqa: E501
-    "this node's own ranks have --max-jobs apart)",
+    "max_peer_rendezvous": "most rendezvous hosted here that only other daemons' ranks are in (anyone who reaches --peer-bind can open them; this node's own ranks have --max-jobs apart)",  # noqa: E501
     "max_rendezvous_wait_s": "the longest one Rendezvous call waits, whatever its timeout",
     "max_op_streams": "most gRPC Ops streams (SMDDP_OP_CHANNEL=grpc) at once",
     "max_pending_ops": "most op chunks one communicator holds that some of its ranks have sent and others not yet; "  # noqa: E501
     "a rank that runs further ahead fails the communicator",
-    "tls_cert": "PEM certificate for mutual TLS with other nodes' daemons (with --tls-key and --tls-ca; "  # noqa: E501
-    "every node must use TLS; "
-    "the certificate must name this node's id as a DNS subject alternative name, which the daemons that connect to it check)",  # noqa: E501
+    "tls_cert": "PEM certificate for mutual TLS with other nodes' daemons (with --tls-key and --tls-ca; every node must use TLS; the certificate must name this node's id as a DNS subject alternative name, which the daemons that connect to it check)",  # noqa: E501
     "tls_key": "PEM private key of --tls-cert",
     "tls_ca": "PEM CA certificates that other daemons' certificates must be signed by",
     "admin_group": "group whose members see every job in smddpctl status and metrics, as root and the daemon's own user do; "  # noqa: E501

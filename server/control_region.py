@@ -330,8 +330,7 @@ class ControlRegion:
                 row, col = (int(x) for x in back[0])
                 raise ImpossibleCounters(
                     0,
-                    f"went backwards ({name(row)} column {col}: "
-                    f"{int(seen[row, col])} -> {int(now[row, col])})",
+                    f"went backwards ({name(row)} column {col}: {int(seen[row, col])} -> {int(now[row, col])})",  # noqa: E501
                 )
         for slot in range(len(byts)):
             fell = np.flatnonzero(byts[slot] < self._seen_bytes[slot])
@@ -339,8 +338,7 @@ class ControlRegion:
                 row = int(fell[0])
                 raise ImpossibleCounters(
                     slot,
-                    f"went backwards ({_row_name(row)} bytes: "
-                    f"{int(self._seen_bytes[slot, row])} -> {int(byts[slot, row])})",
+                    f"went backwards ({_row_name(row)} bytes: {int(self._seen_bytes[slot, row])} -> {int(byts[slot, row])})",  # noqa: E501
                 )
             for what, now, seen in (
                 ("ops at which it arrived last", last, self._seen_last),

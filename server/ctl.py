@@ -78,11 +78,7 @@ def _fail(target: str, exc: grpc.RpcError) -> SystemExit:
     """The exit message of a failed call; a socket nobody answers on says so."""
     hint = ""
     if exc.code() == grpc.StatusCode.UNAVAILABLE and target.startswith("unix:"):
-        hint = (
-            " (the socket exists but no daemon answers on it: "
-            "a smddpd that stopped without removing it; "
-            "a new smddpd on that socket replaces it)"
-        )
+        hint = " (the socket exists but no daemon answers on it: a smddpd that stopped without removing it; a new smddpd on that socket replaces it)"  # noqa: E501
     elif exc.code() == grpc.StatusCode.UNIMPLEMENTED and not target.startswith("unix:"):
         hint = (
             " (a --grpc-bind listener serves health only: run smddpctl on that node, with --socket)"
@@ -433,14 +429,12 @@ def _common(parser: argparse.ArgumentParser, suppress: bool) -> None:
     parser.add_argument(
         "--socket",
         default=default,
-        help="the daemon's unix socket (default: "
-        "SMDDP_SOCKET, else /run/smddp/smddpd.sock or the per-user path smddpd uses when it may not create /run/smddp)",  # noqa: E501
+        help="the daemon's unix socket (default: SMDDP_SOCKET, else /run/smddp/smddpd.sock or the per-user path smddpd uses when it may not create /run/smddp)",  # noqa: E501
     )
     parser.add_argument(
         "--address",
         default=default,
-        help="HOST:PORT of a daemon's --grpc-bind listener instead of the socket (health only: "
-        "that listener serves nothing else)",
+        help="HOST:PORT of a daemon's --grpc-bind listener instead of the socket (health only: that listener serves nothing else)",  # noqa: E501
     )
     parser.add_argument(
         "--json",

@@ -445,8 +445,7 @@ class DataSocketServer:
             )
             error = (
                 f"{session.comm.name()}: "
-                f"internal error in smddpd while answering {session.label()}'s peer-arenas request ({type(exc).__name__}: "  # noqa: E501
-                f"{exc})"
+                f"internal error in smddpd while answering {session.label()}'s peer-arenas request ({type(exc).__name__}: {exc})"  # noqa: E501
             )
             reply, sent = pb.AttachReply(ok=False, error=error), []
         channel = session.channel

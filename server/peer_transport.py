@@ -504,8 +504,7 @@ class CommPeers:
         self._on_failure(
             pb.INVALID,
             f"{self.layout.name()}: "
-            f"internal error in smddpd while delivering a frame from node {self.node_ids[node]} ({type(exc).__name__}: "  # noqa: E501
-            f"{exc}); "
+            f"internal error in smddpd while delivering a frame from node {self.node_ids[node]} ({type(exc).__name__}: {exc}); "  # noqa: E501
             "the communicator cannot go on",
         )
 

@@ -120,8 +120,7 @@ def unavailable_reason() -> str | None:
         return None
     return (
         "UCX transport unavailable: "
-        f"importing ucxx failed ({type(_IMPORT_ERROR).__name__}: "
-        f"{_IMPORT_ERROR}); "
+        f"importing ucxx failed ({type(_IMPORT_ERROR).__name__}: {_IMPORT_ERROR}); "
         "install smddp's ucx extra where smddpd runs (pip install '.[ucx]' in smddp's checkout)"
     )
 

@@ -11,9 +11,10 @@ so a run may mix plain strings and f-strings. A boundary between two fragments i
 earlier fragment ends a sentence or a clause: with ``. ``, ``: ``, ``; ``, ``? `` or ``! `` (the
 punctuation, then the space that would start the next one), or with a newline escape. ``e.g. `` and
 ``i.e. `` end no sentence, and neither do ``), `` or a bare space: such a boundary cuts a sentence.
-The next fragment may start in lower case (``"...: "`` then ``"rank 3 ..."``, or a clause after
-``; ``). A sentence too long for 100 columns is built from named parts, or left on one line with
-``# noqa: E501``.
+Nor may a boundary fall inside a parenthesis the fragments before it opened (``"(0: "`` then
+``"any free port)"``): the parenthesis is part of its sentence. The next fragment may start in
+lower case (``"...: "`` then ``"rank 3 ..."``, or a clause after ``; ``). A sentence too long
+for 100 columns is built from named parts, or left on one line with ``# noqa: E501``.
 
 ``server/gpu_kernels.py`` is not read: its adjacent literals are lines of CUDA C source for NVRTC,
 not messages.
@@ -47,6 +48,24 @@ def _body(token: str) -> str:
     return token[m.end() : len(token) - len(m.group(2))]
 
 
+def _open_parentheses(text: str) -> int:
+    """How many parentheses ``text`` leaves open, outside f-string replacement fields."""
+    depth = fields = i = 0
+    while i < len(text):
+        if fields == 0 and text[i : i + 2] in ("{{", "}}"):
+            i += 2
+            continue
+        c = text[i]
+        if c == "{":
+            fields += 1
+        elif c == "}":
+            fields -= 1
+        elif fields == 0 and c in "()":
+            depth += 1 if c == "(" else -1
+        i += 1
+    return depth
+
+
 def cut_sentences(source: str) -> list[tuple[int, str, str]]:
     """Where ``source`` joins adjacent string literals inside a sentence.
 
@@ -58,9 +77,15 @@ def cut_sentences(source: str) -> list[tuple[int, str, str]]:
     run: list[tokenize.TokenInfo] = []
 
     def close() -> None:
+        before = ""
         for a, b in zip(run, run[1:]):
             end = _body(a.string)
-            if not _WHOLE_END.search(end) or _NOT_AN_END.search(end):
+            before += end
+            if (
+                not _WHOLE_END.search(end)
+                or _NOT_AN_END.search(end)
+                or _open_parentheses(before) > 0
+            ):
                 found.append((a.start[0], end[-30:], _body(b.string)[:30]))
         run.clear()
 
@@ -94,6 +119,10 @@ def test_the_checker_finds_a_cut_sentence() -> None:
     assert len(cut_sentences('x = ("holds 4 elements " "of this chunk")\n')) == 1
     assert len(cut_sentences('x = ("first, " "second")\n')) == 1
     assert len(cut_sentences('x = ("install it (e.g. " "pip install x)")\n')) == 1
+    # A clause end inside an open parenthesis cuts it; "{{" and a field's "(" do not count.
+    assert len(cut_sentences('x = ("a port (0: " "any free port)")\n')) == 1
+    assert cut_sentences('x = (f"{f(a)}: " "b")\n') == []
+    assert cut_sentences('x = (f"a {{(: " "b")\n') == [(1, "a {{(: ", "b")]
 
 
 def test_the_checker_passes_whole_sentences_and_clauses() -> None:
