@@ -80,7 +80,9 @@ def cut_sentences(source: str) -> list[tuple[int, str, str]]:
         before = ""
         for a, b in zip(run, run[1:]):
             end = _body(a.string)
-            before += end
+            # A plain string's braces are text: written as an f-string would write them.
+            plain = "f" not in a.string[: a.string.index(a.string[-1])].lower()
+            before += end.replace("{", "{{").replace("}", "}}") if plain else end
             if (
                 not _WHOLE_END.search(end)
                 or _NOT_AN_END.search(end)
@@ -123,6 +125,7 @@ def test_the_checker_finds_a_cut_sentence() -> None:
     assert len(cut_sentences('x = ("a port (0: " "any free port)")\n')) == 1
     assert cut_sentences('x = (f"{f(a)}: " "b")\n') == []
     assert cut_sentences('x = (f"a {{(: " "b")\n') == [(1, "a {{(: ", "b")]
+    assert cut_sentences('x = ("a {(: " "b")\n') == [(1, "a {(: ", "b")]
 
 
 def test_the_checker_passes_whole_sentences_and_clauses() -> None:
