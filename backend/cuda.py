@@ -276,8 +276,8 @@ class CudaCollectives:
         api = device_api()
         if not api.available():
             raise UnsupportedError(
-                f"{what}: got CUDA tensors, but this torch build has no usable CUDA "
-                f"(torch {torch.__version__}, CUDA {torch.version.cuda or 'none'}); "
+                f"{what}: "
+                f"got CUDA tensors, but this torch build has no usable CUDA (torch {torch.__version__}, CUDA {torch.version.cuda or 'none'}); "  # noqa: E501
                 "smddp needs a CUDA build of torch and a GPU for them"
             )
         devices = set()
@@ -286,8 +286,9 @@ class CudaCollectives:
                 raise UnsupportedError(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
             if not api.is_device(t):
                 raise UnsupportedError(
-                    f"{what}: mixes tensors on {t.device} with CUDA tensors; pass all of a "
-                    "call's tensors on the same GPU"
+                    f"{what}: "
+                    f"mixes tensors on {t.device} with CUDA tensors; "
+                    "pass all of a call's tensors on the same GPU"
                 )
             if t.layout != torch.strided:
                 raise UnsupportedError(
@@ -296,8 +297,8 @@ class CudaCollectives:
             if t.dtype not in SUPPORTED:
                 names = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED)
                 raise UnsupportedError(
-                    f"{what}: dtype {str(t.dtype).removeprefix('torch.')} is not supported "
-                    f"({names})"
+                    f"{what}: "
+                    f"dtype {str(t.dtype).removeprefix('torch.')} is not supported ({names})"
                 )
             devices.add(api.device_index(t))
         if len(devices) != 1:
@@ -328,10 +329,11 @@ class CudaCollectives:
         """
         api = device_api()
         if api.capturing():
+            capture = 'torch.cuda.graph, torch.compile(mode="reduce-overhead")'
             raise UnsupportedError(
-                f"{what}: smddp cannot run inside CUDA graph capture (torch.cuda.graph, "
-                'torch.compile(mode="reduce-overhead")): the daemon is not part of the graph, '
-                "so replays would skip the collective; run it outside the captured region"
+                f"{what}: smddp cannot run inside CUDA graph capture ({capture}): "
+                "the daemon is not part of the graph, so replays would skip the collective; "
+                "run it outside the captured region"
             )
         # A free channel a free found broken is reopened here (a no-op call when all is well).
         cuda_free_hook.refresh(self.comm.session)
@@ -356,8 +358,8 @@ class CudaCollectives:
         for i, o in enumerate(others):
             if o.numel() != ref.numel() or o.dtype != ref.dtype:
                 raise UnsupportedError(
-                    f"{what}: tensor {i} has {o.numel()} x {o.dtype} but {ref.numel()} x "
-                    f"{ref.dtype} was expected"
+                    f"{what}: "
+                    f"tensor {i} has {o.numel()} x {o.dtype} but {ref.numel()} x {ref.dtype} was expected"  # noqa: E501
                 )
 
     # -- collectives --------------------------------------------------------------------------
@@ -426,8 +428,8 @@ class CudaCollectives:
         device = self._device(what, [output, input])
         if output.numel() != input.numel() * self.size or output.dtype != input.dtype:
             raise UnsupportedError(
-                f"{what}: output has {output.numel()} x {output.dtype} but {self.size} ranks x "
-                f"{input.numel()} x {input.dtype} are gathered"
+                f"{what}: "
+                f"output has {output.numel()} x {output.dtype} but {self.size} ranks x {input.numel()} x {input.dtype} are gathered"  # noqa: E501
             )
         copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []
         buf = self._out(output, copy_back)
@@ -473,8 +475,8 @@ class CudaCollectives:
         device = self._device(what, [output, input])
         if input.numel() != output.numel() * self.size or output.dtype != input.dtype:
             raise UnsupportedError(
-                f"{what}: input has {input.numel()} x {input.dtype} but {self.size} ranks x "
-                f"{output.numel()} x {output.dtype} are expected"
+                f"{what}: "
+                f"input has {input.numel()} x {input.dtype} but {self.size} ranks x {output.numel()} x {output.dtype} are expected"  # noqa: E501
             )
         copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []
         buf = self._out(output, copy_back)

@@ -196,8 +196,7 @@ def _build_lock(lock_path: Path) -> Iterator[None]:
             except BlockingIOError:
                 if time.monotonic() > deadline:
                     raise OSError(
-                        f"another process has been building {lock_path.parent} for more than "
-                        f"{LOCK_WAIT_S:.0f} s"
+                        f"another process has been building {lock_path.parent} for more than {LOCK_WAIT_S:.0f} s"  # noqa: E501
                     ) from None
                 time.sleep(0.05)
         yield
@@ -226,8 +225,8 @@ def build_hook() -> ctypes.CDLL:
     cuda_include = _cuda_headers(cpp_extension.CUDA_HOME)
     if cuda_include is None:
         raise RuntimeError(
-            "no CUDA headers (cuda_runtime_api.h) under CUDA_HOME or the nvidia-* wheels of "
-            "this Python: the hook needs them (install the CUDA toolkit, or set CUDA_HOME)"
+            "no CUDA headers (cuda_runtime_api.h) under CUDA_HOME or the nvidia-* wheels of this Python: "  # noqa: E501
+            "the hook needs them (install the CUDA toolkit, or set CUDA_HOME)"
         )
     includes = [*cpp_extension.include_paths(), cuda_include]
     lib_dirs = [os.path.join(os.path.dirname(torch.__file__), "lib")]
@@ -341,8 +340,9 @@ def _load(library: Callable[[], ctypes.CDLL]) -> FreeChannel:
 def _no_hook(exc: BaseException) -> None:
     detail = getattr(exc, "stderr", None) or ""
     log.warning(
-        "smddp: no close before free (%s%s); smddpd unmaps freed GPU memory at the "
-        "rank's next op instead",
+        "smddp: "
+        "no close before free (%s%s); "
+        "smddpd unmaps freed GPU memory at the rank's next op instead",
         exc,
         f": {detail.strip()[-500:]}" if detail else "",
     )
@@ -372,8 +372,9 @@ def _ensure_open(channel: FreeChannel, session: DaemonSession, look: bool) -> bo
             _no_hook(exc)
         else:
             log.warning(
-                "smddp: %s, and a new free channel could not be opened (%s); smddpd unmaps "
-                "freed GPU memory at the rank's next op instead",
+                "smddp: "
+                "%s, and a new free channel could not be opened (%s); "
+                "smddpd unmaps freed GPU memory at the rank's next op instead",
                 why,
                 exc,
             )

@@ -329,8 +329,8 @@ class SmddpProcessGroup(dist.ProcessGroup):
         buf = stage.out(output, what)
         if buf.numel() != input.numel() * self.size() or buf.dtype != input.dtype:
             raise UnsupportedError(
-                f"{what}: output has {buf.numel()} x {buf.dtype} but {self.size()} ranks x "
-                f"{input.numel()} x {input.dtype} are gathered"
+                f"{what}: "
+                f"output has {buf.numel()} x {buf.dtype} but {self.size()} ranks x {input.numel()} x {input.dtype} are gathered"  # noqa: E501
             )
         pieces = buf.reshape(self.size(), -1)  # concatenated [W*n] and stacked [W, n] alike
         return self._ops.all_gather([as_numpy(p, what) for p in pieces], as_numpy(input, what))
@@ -371,8 +371,8 @@ class SmddpProcessGroup(dist.ProcessGroup):
             len(lst) != len(input_list) for lst in output_lists
         ):
             raise UnsupportedError(
-                f"{what}: expected {self.size()} output lists (one per rank) of {len(input_list)} "
-                f"tensors each, got {[len(lst) for lst in output_lists]}"
+                f"{what}: "
+                f"expected {self.size()} output lists (one per rank) of {len(input_list)} tensors each, got {[len(lst) for lst in output_lists]}"  # noqa: E501
             )
         for i, src in enumerate(input_list):
             check(src, what)
@@ -381,8 +381,8 @@ class SmddpProcessGroup(dist.ProcessGroup):
                 check(o, what)
                 if o.numel() != src.numel() or o.dtype != src.dtype:
                     raise UnsupportedError(
-                        f"{what}: output [{r}][{i}] has {o.numel()} x {o.dtype} but input {i} has "
-                        f"{src.numel()} x {src.dtype}"
+                        f"{what}: "
+                        f"output [{r}][{i}] has {o.numel()} x {o.dtype} but input {i} has {src.numel()} x {src.dtype}"  # noqa: E501
                     )
         result = [o for lst in output_lists for o in lst]
         if on_cuda(output_lists, input_list):
@@ -444,8 +444,8 @@ class SmddpProcessGroup(dist.ProcessGroup):
         buf = stage.out(output, what)
         if input.numel() != buf.numel() * self.size() or buf.dtype != input.dtype:
             raise UnsupportedError(
-                f"{what}: input has {input.numel()} x {input.dtype} but {self.size()} ranks x "
-                f"{buf.numel()} x {buf.dtype} are expected"
+                f"{what}: "
+                f"input has {input.numel()} x {input.dtype} but {self.size()} ranks x {buf.numel()} x {buf.dtype} are expected"  # noqa: E501
             )
         pieces = input.contiguous().reshape(self.size(), -1)
         return self._ops.reduce_scatter(
@@ -555,8 +555,8 @@ class SmddpProcessGroup(dist.ProcessGroup):
             sizes = [t.shape[0] // w] * w
         if len(sizes) != w or sum(sizes) != t.shape[0]:
             raise UnsupportedError(
-                f"{what}: {which} split sizes {list(sizes)} do not split dim 0 of {tuple(t.shape)} "
-                f"into {w} parts"
+                f"{what}: "
+                f"{which} split sizes {list(sizes)} do not split dim 0 of {tuple(t.shape)} into {w} parts"  # noqa: E501
             )
         return list(torch.split(t, sizes, dim=0))
 
@@ -650,9 +650,9 @@ class SmddpProcessGroup(dist.ProcessGroup):
         t = _one(tensors, "recv")
         if on_cuda(t):
             raise UnsupportedError(
-                f"recv: rank {self.rank()} received from any source into a CUDA tensor, which "
-                "smddp supports for CPU tensors only (the GPU path matches a send and a recv "
-                "by their ranks); name the source (src=...) or receive into a CPU tensor"
+                "recv: "
+                f"rank {self.rank()} received from any source into a CUDA tensor, which smddp supports for CPU tensors only (the GPU path matches a send and a recv by their ranks); "  # noqa: E501
+                "name the source (src=...) or receive into a CPU tensor"
             )
         stage = _Staging()
         buf = stage.out(t, "recv")
@@ -671,6 +671,6 @@ class SmddpProcessGroup(dist.ProcessGroup):
             check(o, what)
             if o.numel() != ref.numel() or o.dtype != ref.dtype:
                 raise UnsupportedError(
-                    f"{what}: tensor {i} has {o.numel()} x {o.dtype} but {ref.numel()} x "
-                    f"{ref.dtype} was expected"
+                    f"{what}: "
+                    f"tensor {i} has {o.numel()} x {o.dtype} but {ref.numel()} x {ref.dtype} was expected"  # noqa: E501
                 )

@@ -47,8 +47,9 @@ def check(t: torch.Tensor, what: str) -> None:
         raise UnsupportedError(f"{what}: {t.layout} tensors are not supported, only dense ones")
     if t.device.type != "cpu":
         raise UnsupportedError(
-            f"{what}: tensors on {t.device} are not supported; smddp carries CPU and CUDA tensors, "
-            "all of one call's tensors on the same device"
+            f"{what}: "
+            f"tensors on {t.device} are not supported; "
+            "smddp carries CPU and CUDA tensors, all of one call's tensors on the same device"
         )
     if t.dtype not in SUPPORTED:
         names = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED)

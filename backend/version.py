@@ -74,9 +74,10 @@ def check_torch(version: str | None = None) -> None:
     release = _release(found)
     if not MIN_TORCH <= release < BELOW_TORCH:
         raise UnsupportedTorchError(
-            f"smddp's torch backend needs {SUPPORTED}; this process has torch {found}. Install a "
-            f"torch in that range (e.g. pip install torch==2.13.0), or run this job with another "
-            f"backend; smddpd itself needs no torch and serves jobs of any supported torch"
+            f"smddp's torch backend needs {SUPPORTED}; "
+            f"this process has torch {found}. "
+            "Install a torch in that range (e.g. pip install torch==2.13.0), or run this job with another backend; "  # noqa: E501
+            "smddpd itself needs no torch and serves jobs of any supported torch"
         )
     if version is None:
         missing = [
@@ -89,9 +90,9 @@ def check_torch(version: str | None = None) -> None:
             missing.append("Backend.register_backend(extended_api=..., devices=...)")
         if missing:
             raise UnsupportedTorchError(
-                f"smddp's torch backend needs {SUPPORTED}; this torch {found} lacks "
-                f"{', '.join(missing)} "
-                f"(a development build between releases?): install a released torch in that range"
+                f"smddp's torch backend needs {SUPPORTED}; "
+                f"this torch {found} lacks {', '.join(missing)} (a development build between releases?): "  # noqa: E501
+                "install a released torch in that range"
             )
 
 

@@ -183,8 +183,10 @@ class Communicator:
     def _check_open(self) -> None:
         if self._closed:
             raise SmddpError(
-                f"job {self.session.job_id} comm {self.session.comm_id}: rank {self.rank}: the "
-                "communicator has been destroyed (destroy_process_group); create a new group"
+                f"job {self.session.job_id} comm {self.session.comm_id}: "
+                f"rank {self.rank}: "
+                "the communicator has been destroyed (destroy_process_group); "
+                "create a new group"
             )
 
     def _next(self, what: str = "op") -> Handle:

@@ -156,8 +156,8 @@ class IpcExporter:
             ) from None
         if info.memory_type != cuda_driver.MEMORY_TYPE_DEVICE or info.device != device:
             raise UnsupportedError(
-                f"{what}: address 0x{ptr:x} is not memory of GPU {device} (CUDA memory type "
-                f"{info.memory_type}, device {info.device})"
+                f"{what}: "
+                f"address 0x{ptr:x} is not memory of GPU {device} (CUDA memory type {info.memory_type}, device {info.device})"  # noqa: E501
             )
         if not info.ipc_capable:
             raise UnsupportedError(
@@ -167,8 +167,8 @@ class IpcExporter:
         offset = ptr - info.base
         if offset < 0 or offset + nbytes > info.size:
             raise UnsupportedError(
-                f"{what}: {nbytes} bytes at 0x{ptr:x} overrun their allocation "
-                f"[0x{info.base:x}, +{info.size})"
+                f"{what}: "
+                f"{nbytes} bytes at 0x{ptr:x} overrun their allocation [0x{info.base:x}, +{info.size})"  # noqa: E501
             )
         with self._lock:
             cached = self._exports.get(info.base)

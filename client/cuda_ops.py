@@ -99,8 +99,8 @@ class CudaCollectives:
         for a in arrays:
             if a.dtype != dtype:
                 raise UnsupportedError(
-                    f"{what}: every tensor must be {dtype_name(dtype)}, got one of "
-                    f"{dtype_name(a.dtype)}"
+                    f"{what}: "
+                    f"every tensor must be {dtype_name(dtype)}, got one of {dtype_name(a.dtype)}"
                 )
         devices = {a.device for a in arrays}
         if len(devices) != 1:

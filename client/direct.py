@@ -382,8 +382,9 @@ class DirectOps:
         me = self.rank
         return shm.fail(
             pb.INVALID,
-            f"{shm.name}: all_to_all: rank {s} sends {sends} elements to rank {me} but rank "
-            f"{me} expects {expects} from rank {s} (input and output split sizes disagree)",
+            f"{shm.name}: "
+            "all_to_all: "
+            f"rank {s} sends {sends} elements to rank {me} but rank {me} expects {expects} from rank {s} (input and output split sizes disagree)",  # noqa: E501
         )
 
     def _read(
@@ -414,9 +415,8 @@ class DirectOps:
                 verb = "write" if into_peer else "read"
                 raise shm.fail(
                     pb.INVALID,
-                    f"{shm.name}: rank {self.rank} could not {verb} rank {s}'s {what} in "
-                    f"place in op #{seq} ({exc.strerror}), although every rank could read "
-                    "every other at the communicator's first op in place; "
+                    f"{shm.name}: "
+                    f"rank {self.rank} could not {verb} rank {s}'s {what} in place in op #{seq} ({exc.strerror}), although every rank could read every other at the communicator's first op in place; "  # noqa: E501
                     "SMDDP_SINGLE_COPY=0 keeps the ops in shared memory",
                 ) from None
             # It died: the daemon fails the communicator, the op's next wait raises that.

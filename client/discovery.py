@@ -32,8 +32,8 @@ def daemon_socket(socket_path: str | None, config: ClientConfig) -> str:
     path = next((p for p in paths if os.path.exists(p)), None)
     if path is None:
         raise ConnectError(
-            f"no smddpd socket found (looked at {', '.join(paths)}); start smddpd or set "
-            f"{ENV_SOCKET}"
+            f"no smddpd socket found (looked at {', '.join(paths)}); "
+            f"start smddpd or set {ENV_SOCKET}"
         )
     return path
 

@@ -70,15 +70,14 @@ def find_or_start_daemon(peer_host: str | None = None, config: ClientConfig | No
     for path in candidates:
         if daemon_answers(path):
             log.warning(
-                "smddp: using the smddpd that answers at %s (a daemon of this node, not started "
-                "by this job)",
+                "smddp: "
+                "using the smddpd that answers at %s (a daemon of this node, not started by this job)",  # noqa: E501
                 path,
             )
             return path
     if not config.embedded:
         raise ConnectError(
-            f"no smddpd answers at {', '.join(candidates)} and {ENV_EMBEDDED}=0 forbids "
-            "starting one"
+            f"no smddpd answers at {', '.join(candidates)} and {ENV_EMBEDDED}=0 forbids starting one"  # noqa: E501
         )
     return start_embedded_daemon(tried=candidates, peer_host=peer_host, config=config)
 

@@ -85,8 +85,8 @@ class DaemonSession:
             reply = self._stub.Register(register, timeout=REGISTER_TIMEOUT_S)
         except grpc.RpcError as exc:
             raise ConnectError(
-                f"smddpd at {socket_path} refused rank {register.rank} of job {register.job_id} "
-                f"comm {register.comm_id}: {exc.details() or exc.code()}"
+                f"smddpd at {socket_path} refused rank {register.rank} of job {register.job_id} comm {register.comm_id}: "  # noqa: E501
+                f"{exc.details() or exc.code()}"
             ) from None
         self.session_id = reply.session_id
         self._secret = reply.session_secret
@@ -209,8 +209,7 @@ class DaemonSession:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise DaemonLostError(
-                    f"smddpd at {self.socket_path} sent no reply within {timeout_s:.0f} s "
-                    "(the daemon is stuck or unreachable)"
+                    f"smddpd at {self.socket_path} sent no reply within {timeout_s:.0f} s (the daemon is stuck or unreachable)"  # noqa: E501
                 )
             reply = self._recv()
             if reply is not None:
@@ -262,8 +261,7 @@ class DaemonSession:
                 self._sock.settimeout(RECV_SLICE_S)
         if not n:
             raise DaemonLostError(
-                f"smddpd at {self.socket_path} closed the connection (the daemon stopped, "
-                "restarted or crashed)"
+                f"smddpd at {self.socket_path} closed the connection (the daemon stopped, restarted or crashed)"  # noqa: E501
             )
         kind = self._buf[0]
         if kind != MSG_OP_REPLY:

@@ -219,8 +219,8 @@ class ShmPath:
             kind = pb.INVALID
         if not message:
             message = (
-                f"{self.name}: the control region says the communicator failed, without a "
-                "message (a rank of the job wrote over the region's failure words)"
+                f"{self.name}: "
+                "the control region says the communicator failed, without a message (a rank of the job wrote over the region's failure words)"  # noqa: E501
             )
         if entry and kind == pb.SHUTDOWN and not self._alive():
             # A new op after the daemon went away: say so, as an op sent to it would. (An
@@ -337,10 +337,9 @@ class ShmPath:
         sig = self.view.signature(self.rank, seq) or (0,) * SIG_WORDS
         self.error = op_error(
             pb.TIMEOUT,
-            f"{self.name}: op #{seq} {describe(*sig[G_KIND : G_OP + 1])} timed out: "
-            f"{self._names(lagging) or 'no rank'} never arrived while {self._names(arrived)} "
-            f"waited {waited:.1f} s, past the group's timeout of {self.timeout_s:.1f} s "
-            "(smddpd did not answer in time)",
+            f"{self.name}: "
+            f"op #{seq} {describe(*sig[G_KIND : G_OP + 1])} timed out: "
+            f"{self._names(lagging) or 'no rank'} never arrived while {self._names(arrived)} waited {waited:.1f} s, past the group's timeout of {self.timeout_s:.1f} s (smddpd did not answer in time)",  # noqa: E501
         )
         raise self.error
 

@@ -69,8 +69,9 @@ def parse_pins(text: str) -> dict[str, str]:
             if not ops:
                 names = sorted({a for algos in ALGORITHMS.values() for a in algos})
                 raise ValueError(
-                    f"SMDDP_ALGO: {item!r} is no algorithm; choose one of {', '.join(names)}, "
-                    f"or op=name with op one of {', '.join(ALGORITHMS)}"
+                    "SMDDP_ALGO: "
+                    f"{item!r} is no algorithm; "
+                    f"choose one of {', '.join(names)}, or op=name with op one of {', '.join(ALGORITHMS)}"  # noqa: E501
                 )
             for op in ops:
                 pins[op] = item
@@ -78,13 +79,15 @@ def parse_pins(text: str) -> dict[str, str]:
         op, name = (x.strip() for x in item.split("=", 1))
         if op not in ALGORITHMS:
             raise ValueError(
-                f"SMDDP_ALGO: {op!r} is not an op with a choice of algorithm; choose one of "
-                f"{', '.join(ALGORITHMS)}"
+                "SMDDP_ALGO: "
+                f"{op!r} is not an op with a choice of algorithm; "
+                f"choose one of {', '.join(ALGORITHMS)}"
             )
         if name not in ALGORITHMS[op]:
             raise ValueError(
-                f"SMDDP_ALGO: {op} has no algorithm {name!r}; choose one of "
-                f"{', '.join(ALGORITHMS[op])}"
+                "SMDDP_ALGO: "
+                f"{op} has no algorithm {name!r}; "
+                f"choose one of {', '.join(ALGORITHMS[op])}"
             )
         pins[op] = name
     return pins

@@ -72,9 +72,10 @@ class Arena:
                 )
             if seals & WRITE_SEALS:
                 raise InvalidRequest(
-                    f"{owner}: the arena memfd is sealed against writing (F_SEAL_WRITE): the "
-                    "daemon writes "
-                    "results into it; seal it with F_SEAL_SHRINK only"
+                    f"{owner}: "
+                    "the arena memfd is sealed against writing (F_SEAL_WRITE): "
+                    "the daemon writes results into it; "
+                    "seal it with F_SEAL_SHRINK only"
                 )
             self.nbytes = size
             try:
@@ -97,13 +98,13 @@ class Arena:
         off, n = region.offset, region.nbytes
         if off + n > self.nbytes:
             raise InvalidRequest(
-                f"{self.owner}: region [{off}, {off + n}) lies outside its arena of {self.nbytes} "
-                "bytes"
+                f"{self.owner}: "
+                f"region [{off}, {off + n}) lies outside its arena of {self.nbytes} bytes"
             )
         if n % dtype.itemsize:
             raise InvalidRequest(
-                f"{self.owner}: region of {n} bytes is not a whole number of {dtype.itemsize}-byte "
-                "items"
+                f"{self.owner}: "
+                f"region of {n} bytes is not a whole number of {dtype.itemsize}-byte items"
             )
         return np.frombuffer(self._mm, dtype=dtype, count=n // dtype.itemsize, offset=off)
 

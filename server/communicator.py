@@ -357,8 +357,8 @@ class Communicator:
                     raise FailedPrecondition(f"{self.name()}: the communicator was closed")
                 if asker is not None and self.members.get(asker.rank) is not asker:
                     raise FailedPrecondition(
-                        f"{self.name()}: {asker.label()} left while waiting for the other "
-                        "ranks' arenas"
+                        f"{self.name()}: "
+                        f"{asker.label()} left while waiting for the other ranks' arenas"
                     )
                 ready = [self.members.get(r) for r in self.local_ranks]
                 if all(s is not None and s.arena is not None for s in ready):
@@ -371,8 +371,8 @@ class Communicator:
                         r for r, s in zip(self.local_ranks, ready) if s is None or s.arena is None
                     ]
                     raise FailedPrecondition(
-                        f"{self.name()}: {rank_list(missing)} did not attach within "
-                        f"{self.timeout_s:.0f} s"
+                        f"{self.name()}: "
+                        f"{rank_list(missing)} did not attach within {self.timeout_s:.0f} s"
                     )
                 self._attached.wait(min(remaining, ARENA_WAIT_POLL_S))
 
@@ -573,10 +573,9 @@ class Communicator:
         came = sorted(self._next_sends(wait.session))
         others = [f"rank {src}'s has tag {t}" for _, src, t in came]
         message = (
-            f"{self.name()}: {wait.session.label()}'s receive #{wait.req.seq} from any source "
-            f"{describe_request(wait.req)} (tag {tag}) timed out: no rank sent it a message "
-            f"with tag {tag} within the group's timeout of {self.timeout_s:.1f} s "
-            f"(it waited {now - wait.since:.1f} s)"
+            f"{self.name()}: "
+            f"{wait.session.label()}'s receive #{wait.req.seq} from any source {describe_request(wait.req)} (tag {tag}) timed out: "  # noqa: E501
+            f"no rank sent it a message with tag {tag} within the group's timeout of {self.timeout_s:.1f} s (it waited {now - wait.since:.1f} s)"  # noqa: E501
         )
         if others:
             message += f"; the next messages that came for it: {', '.join(others)}"
@@ -587,12 +586,15 @@ class Communicator:
         ``max_pending_ops`` already. Called with the lock held."""
         oldest = min(self._pending.values(), key=lambda p: (p.seq, p.part))
         behind = oldest.missing()
+        sent = f"{describe_request(req)} as op #{req.seq} chunk {req.part}"
+        who, n = session.label(), len(self._pending)
+        oldest_op = f"the oldest, op #{oldest.seq}, for {rank_list(behind)}"
+        limit = f"{self.max_pending_ops} pending op chunks per communicator"
         return (
-            f"{self.name()}: {session.label()} sent {describe_request(req)} as op #{req.seq} "
-            f"chunk {req.part} while {len(self._pending)} op chunks already wait for other "
-            f"ranks (the oldest, op #{oldest.seq}, for {rank_list(behind)}): past the limit "
-            f"of {self.max_pending_ops} pending op chunks per communicator "
-            f"(--max-pending-ops, SMDDP_MAX_PENDING_OPS); a rank runs too far ahead of the others"
+            f"{self.name()}: "
+            f"{who} sent {sent} while {n} op chunks already wait for other ranks ({oldest_op}): "
+            f"past the limit of {limit} (--max-pending-ops, SMDDP_MAX_PENDING_OPS); "
+            "a rank runs too far ahead of the others"
         )
 
     def _key(
@@ -640,10 +642,10 @@ class Communicator:
             or req.HasField("cuda")
             or session.rank != self.local_ranks[0]
         ):
+            lowest = f"the lowest rank of a node (rank {self.local_ranks[0]})"
             raise InvalidRequest(
-                f"{describe_request(req)}: only the lowest rank of a node "
-                f"(rank {self.local_ranks[0]}) sends an op its node combined, and only an "
-                "all_reduce, broadcast or barrier in host memory of a communicator spanning nodes"
+                f"{describe_request(req)}: "
+                f"only {lowest} sends an op its node combined, and only an all_reduce, broadcast or barrier in host memory of a communicator spanning nodes"  # noqa: E501
             )
         # Chunks come in order; anything else is a client bug that would desynchronise ranks.
         with session.lock:
@@ -662,8 +664,7 @@ class Communicator:
             )
             if (req.seq, req.part) != expected and not skipped:
                 raise InvalidRequest(
-                    f"{describe_request(req)} arrived as op #{req.seq} chunk {req.part}, "
-                    f"but op #{expected[0]} chunk {expected[1]} was next"
+                    f"{describe_request(req)} arrived as op #{req.seq} chunk {req.part}, but op #{expected[0]} chunk {expected[1]} was next"  # noqa: E501
                 )
             following = (req.seq, req.part + 1) if req.part + 1 < req.parts else (req.seq + 1, 0)
             if req.any_source:
@@ -677,8 +678,8 @@ class Communicator:
         """What a receive from any source must be (the chunk the client sends as one)."""
         if req.kind != pb.RECV or req.part != 0:
             raise InvalidRequest(
-                f"{describe_request(req)} chunk {req.part}: only the first chunk of a receive "
-                "comes from any source"
+                f"{describe_request(req)} chunk {req.part}: "
+                "only the first chunk of a receive comes from any source"
             )
         if req.HasField("cuda"):
             raise InvalidRequest(
@@ -686,8 +687,7 @@ class Communicator:
             )
         if session.rank in self._any_waiting:
             raise InvalidRequest(
-                f"{describe_request(req)} arrived as receive #{req.seq} from any source while "
-                "the one before it still waits for a send"
+                f"{describe_request(req)} arrived as receive #{req.seq} from any source while the one before it still waits for a send"  # noqa: E501
             )
 
     def attach_peers(self, peers: CommPeers) -> None:
@@ -760,11 +760,10 @@ class Communicator:
                     req.parts,
                     req.tag,
                 ):
-                    raise InvalidRequest(
-                        f"send of {frame.count} x {dtype_name(frame.dtype)} (tag {frame.tag}) "
-                        f"from rank {req.root} as message #{req.seq} meets "
-                        f"{describe_request(req)} (tag {req.tag}) on {session.label()}"
-                    )
+                    sent = f"{frame.count} x {dtype_name(frame.dtype)} (tag {frame.tag})"
+                    src = f"rank {req.root} as message #{req.seq}"
+                    ours = f"{describe_request(req)} (tag {req.tag}) on {session.label()}"
+                    raise InvalidRequest(f"send of {sent} from {src} meets {ours}")
                 out = session.arena.view(req.output, numpy_dtype(req.dtype))  # type: ignore[union-attr]
                 data = frame.payload.view(out.dtype)
                 if data.size != out.size:
@@ -937,10 +936,10 @@ class Communicator:
             recv.parts,
             recv.tag,
         ):
+            sender = f"{describe_request(send)} (tag {send.tag}) as message #{send.seq}"
+            receiver = f"{describe_request(recv)} (tag {recv.tag})"
             raise InvalidRequest(
-                f"{s_send.label()} called {describe_request(send)} (tag {send.tag}) as message "
-                f"#{send.seq} to rank {s_recv.rank}, which called {describe_request(recv)} "
-                f"(tag {recv.tag})"
+                f"{s_send.label()} called {sender} to rank {s_recv.rank}, which called {receiver}"
             )
         if send.HasField("cuda") or recv.HasField("cuda"):
             self._gpu.ops(s_send.node_id).execute_p2p(self, (s_send, send), (s_recv, recv))
@@ -951,8 +950,7 @@ class Communicator:
         out = s_recv.arena.view(recv.output, sent.dtype)  # type: ignore[union-attr]
         if out.size != sent.size:
             raise InvalidRequest(
-                f"send of {sent.size} elements from rank {s_send.rank} meets a recv of {out.size} "
-                "elements"
+                f"send of {sent.size} elements from rank {s_send.rank} meets a recv of {out.size} elements"  # noqa: E501
             )
         out[:] = sent
 
@@ -1090,11 +1088,12 @@ class Communicator:
             held_back = next((q.held_back for q in self._pending.values() if q.held_back), "")
         waited = now - p.first_arrival
         arrived = sorted(p.arrivals)
+        absent = f"{rank_list(missing)} never arrived ({', '.join(labels)})"
+        stayed = f"{rank_list(arrived)} waited {waited:.1f} s"
         message = (
-            f"{self.name()}: op #{p.seq} {describe_request(req)} timed out: "
-            f"{rank_list(missing)} never arrived ({', '.join(labels)}) while "
-            f"{rank_list(arrived)} waited {waited:.1f} s, "
-            f"past the group's timeout of {self.timeout_s:.1f} s"
+            f"{self.name()}: "
+            f"op #{p.seq} {describe_request(req)} timed out: "
+            f"{absent} while {stayed}, past the group's timeout of {self.timeout_s:.1f} s"
         )
         if held_back:
             # A rank that sends more than the daemon holds before receiving waits for its
@@ -1140,19 +1139,19 @@ class Communicator:
             ranks = sorted(elsewhere)
             self.fail(
                 pb.MISMATCH,
-                f"{self.name()}: {rank_list(ranks)} called "
-                f"{describe_request(elsewhere[ranks[0]])} as op #{p.seq} while "
-                f"{rank_list(arrived)} called {p.description}",
+                f"{self.name()}: "
+                f"{rank_list(ranks)} called {describe_request(elsewhere[ranks[0]])} as op #{p.seq} while {rank_list(arrived)} called {p.description}",  # noqa: E501
             )
             return
         if p.waited_s <= self.timeout_s:
             return
         where = " at a synchronisation inside it" if p.inside else ""
+        late = f"{rank_list(missing)} never arrived{where} ({', '.join(labels)})"
+        waited = f"{rank_list(arrived)} waited {p.waited_s:.1f} s"
         message = (
-            f"{self.name()}: op #{p.seq} {p.description} timed out: "
-            f"{rank_list(missing)} never arrived{where} ({', '.join(labels)}) while "
-            f"{rank_list(arrived)} waited {p.waited_s:.1f} s, "
-            f"past the group's timeout of {self.timeout_s:.1f} s"
+            f"{self.name()}: "
+            f"op #{p.seq} {p.description} timed out: "
+            f"{late} while {waited}, past the group's timeout of {self.timeout_s:.1f} s"
         )
         self.fail(pb.TIMEOUT, message, culprit=culprit)
 
@@ -1188,8 +1187,9 @@ class Communicator:
             who = culprit.label() if culprit is not None else f"rank {rank} (not registered)"
             self.fail(
                 pb.INVALID,
-                f"{self.name()}: rank {rank}'s metric counters in the control region "
-                f"{bad.problem}: the region was written by something other than smddp ({who})",
+                f"{self.name()}: "
+                f"rank {rank}'s metric counters in the control region {bad.problem}: "
+                f"the region was written by something other than smddp ({who})",
                 culprit=culprit,
             )
 
@@ -1241,8 +1241,9 @@ class Communicator:
         their channel (request id 0), which their next wait raises.
         """
         message = (
-            f"{self.name()}: internal error in smddpd while {what} "
-            f"({type(exc).__name__}: {exc}); the communicator cannot go on"
+            f"{self.name()}: "
+            f"internal error in smddpd while {what} ({type(exc).__name__}: {exc}); "
+            "the communicator cannot go on"
         )
         steps = supervise.Steps("failing the communicator", self.name(), self._log_fields())
         steps.run("failing its ops", lambda: self.fail(pb.INVALID, message))

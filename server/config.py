@@ -140,21 +140,16 @@ class DaemonConfig:
 
 
 _HELP = {
-    "socket": "unix socket of the local Node service (default /run/smddp/smddpd.sock, or a "
-    "per-user runtime folder when /run/smddp is not writable)",
+    "socket": "unix socket of the local Node service (default /run/smddp/smddpd.sock, or a per-user runtime folder when /run/smddp is not writable)",  # noqa: E501
     "socket_group": "group allowed to use the socket besides the daemon's user",
-    "grpc_bind": "HOST:PORT of a TCP gRPC listener serving grpc.health.v1 and reflection only, "
-    "for probes (status, metrics and jobs stay on the unix socket)",
+    "grpc_bind": "HOST:PORT of a TCP gRPC listener serving grpc.health.v1 and reflection only, for probes (status, metrics and jobs stay on the unix socket)",  # noqa: E501
     "http_bind": "HOST:PORT serving /healthz, /readyz and /metrics; 'off' disables",
-    "peer_bind": "HOST:PORT of the control service (gRPC) for other nodes' daemons; 'off' "
-    "serves one node only (the default, unless --data-port, --advertise, --peer-transport or "
-    "--ucx-port is set: then 0.0.0.0:7470)",
-    "data_port": "TCP port, on the --peer-bind host, of the data connections from other nodes' "
-    "daemons (0: any free port; other daemons learn it when they join)",
-    "peer_transport": "what carries a job's bytes between nodes: tcp, or ucx (UCX stream "
-    "endpoints: RDMA where the site's UCX has it; needs smddp's ucx extra, e.g. pip install "
-    "'.[ucx]' in a checkout); every "
-    "daemon of a job must use the same",
+    "peer_bind": "HOST:PORT of the control service (gRPC) for other nodes' daemons; "
+    "'off' serves one node only (the default, unless --data-port, --advertise, --peer-transport or --ucx-port is set: then 0.0.0.0:7470)",  # noqa: E501
+    "data_port": "TCP port, on the --peer-bind host, of the data connections from other nodes' daemons (0: any free port; other daemons learn it when they join)",  # noqa: E501
+    "peer_transport": "what carries a job's bytes between nodes: "
+    "tcp, or ucx (UCX stream endpoints: RDMA where the site's UCX has it; needs smddp's ucx extra, e.g. pip install '.[ucx]' in a checkout); "  # noqa: E501
+    "every daemon of a job must use the same",
     "ucx_port": "port of the UCX listener with --peer-transport ucx (0: any free port)",
     "advertise": "HOST:PORT other daemons use to reach this one",
     "node_id": "this node's identity (auto: the host name)",
@@ -162,48 +157,40 @@ _HELP = {
     "log_format": "text or json",
     "owner_pid": "embedded mode: exit when this pid is gone and no rank is registered",
     "chunk_bytes": "arena bytes of one op chunk (large ops are cut and pipelined)",
-    "gpu_chunk_bytes": "GPU ops: most bytes one reduction kernel launch covers (a larger op "
-    "is several launches, between which other jobs' GPU work can run)",
-    "gpu_warm": "when CuPy is imported and the common reduction kernels (float32, bfloat16 "
-    "all_reduce by 2, 4, 8 ranks) are compiled on every GPU: first-op, or start (in the "
-    "background once serving; every GPU then holds a CUDA context of the daemon)",
+    "gpu_chunk_bytes": "GPU ops: "
+    "most bytes one reduction kernel launch covers (a larger op is several launches, between which other jobs' GPU work can run)",  # noqa: E501
+    "gpu_warm": "when CuPy is imported and the common reduction kernels (float32, bfloat16 all_reduce by 2, 4, 8 ranks) are compiled on every GPU: "  # noqa: E501
+    "first-op, or start (in the background once serving; every GPU then holds a CUDA context of the daemon)",  # noqa: E501
     "default_timeout_s": "per-op timeout in seconds for clients that set none",
     "max_jobs": "most jobs served at once",
     "max_ranks_per_job": "largest world size of a communicator",
     "max_arena_bytes": "largest arena a rank may attach",
-    "attach_timeout_s": "seconds a registered rank has to attach its arena (a registration "
-    "not attached by then is dropped), and a data-socket connection to send its first message",
-    "max_unattached": "most registrations not attached yet, in all (the oldest is dropped to "
-    "make room: gRPC does not tell the caller's uid, so none may block another)",
+    "attach_timeout_s": "seconds a registered rank has to attach its arena (a registration not attached by then is dropped), and a data-socket connection to send its first message",  # noqa: E501
+    "max_unattached": "most registrations not attached yet, in all (the oldest is dropped to make room: gRPC does not tell the caller's uid, so none may block another)",  # noqa: E501
     "max_jobs_per_uid": "most jobs one uid runs at once",
     "max_ranks_per_uid": "most attached ranks of one uid",
     "max_connections_per_uid": "most data-socket connections of one uid",
     "max_handshakes_per_uid": "most data-socket connections of one uid that have not attached yet",
     "max_handshakes": "most data-socket connections that have not attached yet, in all",
-    "max_buffered_bytes_per_uid": "most bytes of one uid's sends the daemon holds until their "
-    "receives are posted (beyond it a send waits for its receive)",
+    "max_buffered_bytes_per_uid": "most bytes of one uid's sends the daemon holds until their receives are posted (beyond it a send waits for its receive)",  # noqa: E501
     "max_buffered_bytes": "the same, for all uids together",
-    "max_pending_rendezvous": "most Rendezvous calls waiting at once (each holds a gRPC "
-    "thread); the same again for Meet calls from other daemons",
-    "max_peer_rendezvous": "most rendezvous hosted here that only other daemons' ranks are "
-    "in (anyone who reaches --peer-bind can open them; this node's own ranks have --max-jobs "
-    "apart)",
+    "max_pending_rendezvous": "most Rendezvous calls waiting at once (each holds a gRPC thread); "
+    "the same again for Meet calls from other daemons",
+    "max_peer_rendezvous": "most rendezvous hosted here that only other daemons' ranks are in (anyone who reaches --peer-bind can open them; this node's own ranks have --max-jobs apart)",  # noqa: E501
     "max_rendezvous_wait_s": "the longest one Rendezvous call waits, whatever its timeout",
     "max_op_streams": "most gRPC Ops streams (SMDDP_OP_CHANNEL=grpc) at once",
-    "max_pending_ops": "most op chunks one communicator holds that some of its ranks have sent "
-    "and others not yet; a rank that runs further ahead fails the communicator",
-    "tls_cert": "PEM certificate for mutual TLS with other nodes' daemons (with --tls-key and "
-    "--tls-ca; every node must use TLS; the certificate must name this node's id as a DNS "
-    "subject alternative name, which the daemons that connect to it check)",
+    "max_pending_ops": "most op chunks one communicator holds that some of its ranks have sent and others not yet; "  # noqa: E501
+    "a rank that runs further ahead fails the communicator",
+    "tls_cert": "PEM certificate for mutual TLS with other nodes' daemons (with --tls-key and --tls-ca; every node must use TLS; the certificate must name this node's id as a DNS subject alternative name, which the daemons that connect to it check)",  # noqa: E501
     "tls_key": "PEM private key of --tls-cert",
     "tls_ca": "PEM CA certificates that other daemons' certificates must be signed by",
-    "admin_group": "group whose members see every job in smddpctl status and metrics, as root "
-    "and the daemon's own user do; the others see their own jobs only",
-    "metrics_job_labels": "per-job metric series (ops, bytes and stragglers, labelled job, "
-    "removed when the job ends), on /metrics too; without it no series names a job",
-    "algo": "algorithm between nodes per op, e.g. 'all_reduce=ring,broadcast=tree', or one name "
-    "for every op that has it ('direct'); unset, a cost model chooses per op and size; give "
-    "every daemon of a job the same",
+    "admin_group": "group whose members see every job in smddpctl status and metrics, as root and the daemon's own user do; "  # noqa: E501
+    "the others see their own jobs only",
+    "metrics_job_labels": "per-job metric series (ops, bytes and stragglers, labelled job, removed when the job ends), on /metrics too; "  # noqa: E501
+    "without it no series names a job",
+    "algo": "algorithm between nodes per op, e.g. 'all_reduce=ring,broadcast=tree', or one name for every op that has it ('direct'); "  # noqa: E501
+    "unset, a cost model chooses per op and size; "
+    "give every daemon of a job the same",
 }
 
 
@@ -211,12 +198,12 @@ def build_parser() -> argparse.ArgumentParser:
     """The argparse parser of smddpd; every default is None so that precedence can apply."""
     parser = argparse.ArgumentParser(
         prog="smddpd",
-        description="smddp's node daemon: carries out the collectives of the training ranks on "
-        "this node and exchanges with the daemons of other nodes. Every flag can also be set "
-        "as an SMDDP_<NAME> environment variable (e.g. SMDDP_SOCKET) or in the TOML file "
-        "given by --config / SMDDP_CONFIG; flags win over the environment, which wins over "
-        "the file. Sizes (the --*-bytes flags) take units: 4MiB, 1GiB (powers of 1024), 4MB "
-        "(powers of 1000), or a plain byte count.",
+        description="smddp's node daemon: "
+        "carries out the collectives of the training ranks on this node and exchanges with the daemons of other nodes. "  # noqa: E501
+        "Every flag can also be set as an SMDDP_<NAME> environment variable (e.g. SMDDP_SOCKET) or in the TOML file given by --config / SMDDP_CONFIG; "  # noqa: E501
+        "flags win over the environment, which wins over the file. "
+        "Sizes (the --*-bytes flags) take units: "
+        "4MiB, 1GiB (powers of 1024), 4MB (powers of 1000), or a plain byte count.",
     )
     parser.add_argument(
         "--config", help="TOML file with any of the settings below (env SMDDP_CONFIG)"
@@ -312,8 +299,8 @@ def load(argv: list[str] | None = None, environ: dict[str, str] | None = None) -
         parser.error(f"peer_transport: {transport!r} is not one of tcp, ucx")
     if transport == "ucx" and any(tls):
         parser.error(
-            "peer_transport ucx carries no TLS: use tcp with --tls-cert, or ucx on a trusted "
-            "network without it"
+            "peer_transport ucx carries no TLS: "
+            "use tcp with --tls-cert, or ucx on a trusted network without it"
         )
     for name in ("data_port", "ucx_port"):
         if not 0 <= values.get(name, 0) <= 65535:

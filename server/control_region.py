@@ -330,8 +330,7 @@ class ControlRegion:
                 row, col = (int(x) for x in back[0])
                 raise ImpossibleCounters(
                     0,
-                    f"went backwards ({name(row)} column {col}: {int(seen[row, col])} -> "
-                    f"{int(now[row, col])})",
+                    f"went backwards ({name(row)} column {col}: {int(seen[row, col])} -> {int(now[row, col])})",  # noqa: E501
                 )
         for slot in range(len(byts)):
             fell = np.flatnonzero(byts[slot] < self._seen_bytes[slot])
@@ -339,8 +338,7 @@ class ControlRegion:
                 row = int(fell[0])
                 raise ImpossibleCounters(
                     slot,
-                    f"went backwards ({_row_name(row)} bytes: {int(self._seen_bytes[slot, row])} "
-                    f"-> {int(byts[slot, row])})",
+                    f"went backwards ({_row_name(row)} bytes: {int(self._seen_bytes[slot, row])} -> {int(byts[slot, row])})",  # noqa: E501
                 )
             for what, now, seen in (
                 ("ops at which it arrived last", last, self._seen_last),
@@ -365,8 +363,7 @@ class ControlRegion:
             if total > max_ops:
                 raise ImpossibleCounters(
                     0,
-                    f"advanced impossibly ({total:.0f} {what} {since}, more than "
-                    f"{MAX_OPS_PER_S} a second)",
+                    f"advanced impossibly ({total:.0f} {what} {since}, more than {MAX_OPS_PER_S} a second)",  # noqa: E501
                 )
         times = (("op durations", ops[:, C_DUR_SUM]), ("arrival skews", skew[:, K_SUM]))
         for what, column in times:
@@ -374,23 +371,20 @@ class ControlRegion:
             if total > max_ns:
                 raise ImpossibleCounters(
                     0,
-                    f"advanced impossibly ({what} adding up to {total / 1e9:.0f} s {since}, more "
-                    f"than {MAX_OPS_IN_FLIGHT + len(byts)} ops in flight at every moment)",
+                    f"advanced impossibly ({what} adding up to {total / 1e9:.0f} s {since}, more than {MAX_OPS_IN_FLIGHT + len(byts)} ops in flight at every moment)",  # noqa: E501
                 )
         for slot in range(len(byts)):
             total = float(byts[slot].sum(dtype=np.float64))
             if total > max_bytes:
                 raise ImpossibleCounters(
                     slot,
-                    f"advanced impossibly ({total:.0f} bytes {since}, more than "
-                    f"{MAX_BYTES_PER_S} a second)",
+                    f"advanced impossibly ({total:.0f} bytes {since}, more than {MAX_BYTES_PER_S} a second)",  # noqa: E501
                 )
             for what, now in (("ops at which it arrived last", last), ("ops it completed", done)):
                 if now[slot] > max_ops:
                     raise ImpossibleCounters(
                         slot,
-                        f"advanced impossibly ({int(now[slot])} {what} {since}, more than "
-                        f"{MAX_OPS_PER_S} a second)",
+                        f"advanced impossibly ({int(now[slot])} {what} {since}, more than {MAX_OPS_PER_S} a second)",  # noqa: E501
                     )
 
     def close(self) -> None:

@@ -63,9 +63,10 @@ def _target(args: argparse.Namespace) -> str:
     if origin:
         # The user named the socket: suggesting --socket again would send them in a circle.
         raise SystemExit(
-            f"smddpctl: no smddpd socket at {paths[0]} (from {origin}): is smddpd running? Start "
-            f"it with `smddpd --socket {paths[0]}`, or give the socket a running smddpd serves on "
-            "(its startup line 'smddpd serving on ...' names it)"
+            "smddpctl: "
+            f"no smddpd socket at {paths[0]} (from {origin}): "
+            "is smddpd running? "
+            f"Start it with `smddpd --socket {paths[0]}`, or give the socket a running smddpd serves on (its startup line 'smddpd serving on ...' names it)"  # noqa: E501
         )
     raise SystemExit(
         f"smddpctl: no smddpd socket at {' or '.join(paths)}: is smddpd running? "
@@ -77,11 +78,7 @@ def _fail(target: str, exc: grpc.RpcError) -> SystemExit:
     """The exit message of a failed call; a socket nobody answers on says so."""
     hint = ""
     if exc.code() == grpc.StatusCode.UNAVAILABLE and target.startswith("unix:"):
-        hint = (
-            " (the socket exists but no daemon answers on it: a smddpd that stopped without "
-            "removing "
-            "it; a new smddpd on that socket replaces it)"
-        )
+        hint = " (the socket exists but no daemon answers on it: a smddpd that stopped without removing it; a new smddpd on that socket replaces it)"  # noqa: E501
     elif exc.code() == grpc.StatusCode.UNIMPLEMENTED and not target.startswith("unix:"):
         hint = (
             " (a --grpc-bind listener serves health only: run smddpctl on that node, with --socket)"
@@ -92,8 +89,9 @@ def _fail(target: str, exc: grpc.RpcError) -> SystemExit:
 def _node(args: argparse.Namespace) -> tuple[str, pb_grpc.NodeStub]:
     if args.address:
         raise SystemExit(
-            f"smddpctl {args.command}: --address reaches a --grpc-bind listener, which serves "
-            "health only; run smddpctl on the daemon's node, with --socket or SMDDP_SOCKET"
+            f"smddpctl {args.command}: "
+            "--address reaches a --grpc-bind listener, which serves health only; "
+            "run smddpctl on the daemon's node, with --socket or SMDDP_SOCKET"
         )
     target = _target(args)
     return target, pb_grpc.NodeStub(grpc.insecure_channel(target))
@@ -211,29 +209,27 @@ def cmd_status(args: argparse.Namespace) -> int:
         _print_json(st)
         return 0
     print(
-        f"node {st.node_id}  smddpd {st.version}  up {st.uptime_seconds:.0f} s  communicators "
-        f"{len(st.comms)}"
+        f"node {st.node_id}  smddpd {st.version}  up {st.uptime_seconds:.0f} s  communicators {len(st.comms)}"  # noqa: E501
     )
     for c in st.comms:
         state = f"FAILED: {c.failed}" if c.failed else "ok"
         print(
-            f"  job {c.job_id} comm {c.comm_id}: {len(c.ranks)}/{c.world_size} ranks, "
-            f"{c.ops_completed} ops, {state}"
+            f"  job {c.job_id} comm {c.comm_id}: "
+            f"{len(c.ranks)}/{c.world_size} ranks, {c.ops_completed} ops, {state}"
         )
         for r in c.ranks:
             print(
-                f"    rank {r.rank} (global {r.global_rank}) pid {r.pid} node {r.node_id} ops "
-                f"{r.ops_completed}"
-                f"{'' if r.attached else ' (not attached)'}"
+                f"    rank {r.rank} (global {r.global_rank}) pid {r.pid} node {r.node_id} ops {r.ops_completed}{'' if r.attached else ' (not attached)'}"  # noqa: E501
             )
         for line in c.algorithms:
             print(f"    between nodes: {line}")
         for p in c.pending:
             missing = ", ".join(map(str, p.missing_ranks)) or "-"
             print(
-                f"    waiting: op #{p.seq} chunk {p.part} {p.description} for "
-                f"{p.waited_seconds:.1f} s; "
-                f"arrived {', '.join(map(str, p.arrived_ranks))}; missing {missing}"
+                "    waiting: "
+                f"op #{p.seq} chunk {p.part} {p.description} for {p.waited_seconds:.1f} s; "
+                f"arrived {', '.join(map(str, p.arrived_ranks))}; "
+                f"missing {missing}"
             )
     return 0
 
@@ -259,8 +255,7 @@ def cmd_topology(args: argparse.Namespace) -> int:
         for n in job.nodes:
             here = "  (this node)" if set(n.ranks) == set(job.local_ranks) else ""
             print(
-                f"    {n.node_id}  {n.peer_address or '-'}  ranks "
-                f"{', '.join(map(str, n.ranks))}{here}"
+                f"    {n.node_id}  {n.peer_address or '-'}  ranks {', '.join(map(str, n.ranks))}{here}"  # noqa: E501
             )
     return 0
 
@@ -369,15 +364,14 @@ def _bytes(n: int) -> str:
 def print_summary(target: str, summary: dict[str, Any]) -> None:
     """Prints :func:`summarize`'s result as a few tables."""
     print(
-        f"smddpd at {target}: {summary['registered_ranks']} ranks registered, "
-        f"{summary['active_jobs']} jobs, {_bytes(summary['shm_bytes'])} of arenas mapped"
+        f"smddpd at {target}: "
+        f"{summary['registered_ranks']} ranks registered, {summary['active_jobs']} jobs, {_bytes(summary['shm_bytes'])} of arenas mapped"  # noqa: E501
     )
     if summary["ops"]:
         print(f"\n{'op':<16}{'dtype':<10}{'count':>10}{'bytes':>13}{'p50':>11}{'p99':>11}")
         for r in summary["ops"]:
             print(
-                f"{r['op']:<16}{r['dtype']:<10}{r['count']:>10}{_bytes(r['bytes']):>13}"
-                f"{_duration(r['p50_seconds']):>11}{_duration(r['p99_seconds']):>11}"
+                f"{r['op']:<16}{r['dtype']:<10}{r['count']:>10}{_bytes(r['bytes']):>13}{_duration(r['p50_seconds']):>11}{_duration(r['p99_seconds']):>11}"
             )
         print("(durations: first rank's arrival to completion, from the histogram's buckets)")
     else:
@@ -435,14 +429,12 @@ def _common(parser: argparse.ArgumentParser, suppress: bool) -> None:
     parser.add_argument(
         "--socket",
         default=default,
-        help="the daemon's unix socket (default: SMDDP_SOCKET, else /run/smddp/smddpd.sock or the "
-        "per-user path smddpd uses when it may not create /run/smddp)",
+        help="the daemon's unix socket (default: SMDDP_SOCKET, else /run/smddp/smddpd.sock or the per-user path smddpd uses when it may not create /run/smddp)",  # noqa: E501
     )
     parser.add_argument(
         "--address",
         default=default,
-        help="HOST:PORT of a daemon's --grpc-bind listener instead of the socket "
-        "(health only: that listener serves nothing else)",
+        help="HOST:PORT of a daemon's --grpc-bind listener instead of the socket (health only: that listener serves nothing else)",  # noqa: E501
     )
     parser.add_argument(
         "--json",
@@ -456,8 +448,9 @@ def build_parser() -> argparse.ArgumentParser:
     """smddpctl's argparse parser."""
     parser = argparse.ArgumentParser(
         prog="smddpctl",
-        description="Look at one node's smddpd: the one on --socket, SMDDP_SOCKET or the standard "
-        "socket paths. Options go before or after the command.",
+        description="Look at one node's smddpd: "
+        "the one on --socket, SMDDP_SOCKET or the standard socket paths. "
+        "Options go before or after the command.",
     )
     _common(parser, suppress=False)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

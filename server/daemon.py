@@ -209,8 +209,7 @@ class Daemon:
             cfg.socket,
             cfg.node_id,
             os.getpid(),
-            f"{self.registry.peer_address}, data over {cfg.peer_transport} port "
-            f"{self._peers.data_port}"
+            f"{self.registry.peer_address}, data over {cfg.peer_transport} port {self._peers.data_port}"  # noqa: E501
             if self._peers is not None
             else "off (--peer-bind off)",
             ", ".join(self.listeners),
@@ -227,8 +226,9 @@ class Daemon:
             log.warning("--gpu-warm start: no GPU ops at start: %s", exc)
             return
         log.info(
-            "--gpu-warm start: GPU ops ready in %.2f s; the common kernels compile in the "
-            "background",
+            "--gpu-warm start: "
+            "GPU ops ready in %.2f s; "
+            "the common kernels compile in the background",
             time.monotonic() - started,
         )
 

@@ -178,8 +178,7 @@ class DataSocketServer:
                     refusals.log(
                         log,
                         logging.WARNING,
-                        "data-socket accept failing "
-                        f"({errno.errorcode.get(exc.errno or 0, exc.errno)})",
+                        f"data-socket accept failing ({errno.errorcode.get(exc.errno or 0, exc.errno)})",  # noqa: E501
                         "the data socket cannot accept a connection: %s; retrying",
                         exc,
                     )
@@ -261,10 +260,7 @@ class DataSocketServer:
                     break
                 if buf[0] == MSG_PEER_ARENAS:
                     if asking.is_set():
-                        detail = (
-                            "a second peer-arenas request on the data socket before the first "
-                            "was answered (one at a time)"
-                        )
+                        detail = "a second peer-arenas request on the data socket before the first was answered (one at a time)"  # noqa: E501
                         break
                     # In a thread of its own: it waits for the other ranks to attach, while
                     # this one must keep reading (an EOF here is the rank's death, which
@@ -322,8 +318,8 @@ class DataSocketServer:
                 log,
                 logging.INFO,
                 "data-socket handshake timed out",
-                "closed a data-socket connection of uid %d (pid %d): no AttachRequest within %.0f "
-                "s (--attach-timeout-s)",
+                "closed a data-socket connection of uid %d (pid %d): "
+                "no AttachRequest within %.0f s (--attach-timeout-s)",
                 uid,
                 pid,
                 self._attach_timeout_s,
@@ -345,9 +341,8 @@ class DataSocketServer:
                 # The kernel could not pass the descriptors it was sent: out of them here, or
                 # more than the 4 a message may carry. Not the rank's fault in the first case.
                 raise ValueError(
-                    "the AttachRequest's memfd did not arrive (MSG_CTRUNC): the daemon may be "
-                    "out of file descriptors (RLIMIT_NOFILE), or the message carried more "
-                    "than 4"
+                    "the AttachRequest's memfd did not arrive (MSG_CTRUNC): "
+                    "the daemon may be out of file descriptors (RLIMIT_NOFILE), or the message carried more than 4"  # noqa: E501
                 )
             if len(fds) != 1:
                 raise ValueError(f"an AttachRequest carries exactly one memfd, not {len(fds)}")
@@ -395,8 +390,7 @@ class DataSocketServer:
         session = self._registry.authenticate(req.session_id, req.session_secret)
         if session.peer_pid != pid:
             raise ValueError(
-                f"a free channel must come from the process of an attached session "
-                f"(pid {pid}, the session's {session.peer_pid or 'not attached'})"
+                f"a free channel must come from the process of an attached session (pid {pid}, the session's {session.peer_pid or 'not attached'})"  # noqa: E501
             )
         self._send_attach_reply(conn, pb.AttachReply(ok=True))
         return _FreeChannel(session.label())
@@ -450,8 +444,8 @@ class DataSocketServer:
                 "answering a peer-arenas request", exc, session.comm.name(), session.log_fields()
             )
             error = (
-                f"{session.comm.name()}: internal error in smddpd while answering "
-                f"{session.label()}'s peer-arenas request ({type(exc).__name__}: {exc})"
+                f"{session.comm.name()}: "
+                f"internal error in smddpd while answering {session.label()}'s peer-arenas request ({type(exc).__name__}: {exc})"  # noqa: E501
             )
             reply, sent = pb.AttachReply(ok=False, error=error), []
         channel = session.channel

@@ -29,9 +29,10 @@ def check_node_id(where: str, field: str, value: str, optional: bool = False) ->
         return
     if not NODE_ID.match(value):
         raise InvalidRequest(
-            f"{where}: {field} {quote(value)} ({len(value)} characters) must be 1-253 characters "
-            "of "
-            "A-Z a-z 0-9 . _ : @ + -"
+            f"{where}: "
+            f"{field} {quote(value)} ({len(value)} characters) must be 1-253 characters of A-Z a-z 0-9 . "  # noqa: E501
+            "_ : "
+            "@ + -"
         )
 
 

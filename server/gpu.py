@@ -327,8 +327,7 @@ class GpuOps:
             except CudaCallError as exc:
                 raise FailedPrecondition(
                     f"{session.label()} has its tensors on a GPU smddpd cannot see ({exc}); "
-                    "give the daemon every GPU of the node (CUDA_VISIBLE_DEVICES, or "
-                    "NVIDIA_VISIBLE_DEVICES=all in a container)"
+                    "give the daemon every GPU of the node (CUDA_VISIBLE_DEVICES, or NVIDIA_VISIBLE_DEVICES=all in a container)"  # noqa: E501
                 ) from None
             self._devices[uuid] = device
         return device
@@ -367,8 +366,8 @@ class GpuOps:
             return 0
         if len(buf.ipc_handle) != 64:
             raise InvalidRequest(
-                f"{session.label()}: a CUDA IPC memory handle has {len(buf.ipc_handle)} bytes, not "
-                "64"
+                f"{session.label()}: "
+                f"a CUDA IPC memory handle has {len(buf.ipc_handle)} bytes, not 64"
             )
         key = (buf.alloc_base, buf.buffer_id, device)
         mapping = handles.mappings.get(key)
@@ -385,8 +384,9 @@ class GpuOps:
                     address = self.rt.open_memory(buf.ipc_handle, device)
                 except CudaCallError as exc:
                     raise InvalidRequest(
-                        f"{session.label()}: cannot open the CUDA IPC handle of its allocation "
-                        f"at 0x{buf.alloc_base:x}: {exc}"
+                        f"{session.label()}: "
+                        f"cannot open the CUDA IPC handle of its allocation at 0x{buf.alloc_base:x}: "  # noqa: E501
+                        f"{exc}"
                     ) from None
                 try:
                     size = self.rt.mapped_size(address)
@@ -395,9 +395,9 @@ class GpuOps:
                     # the kernels write past what was mapped.
                     self._quietly(lambda: self.rt.close_memory(address, device))
                     raise InvalidRequest(
-                        f"{session.label()}: the size of its allocation at 0x{buf.alloc_base:x} "
-                        f"cannot be read from the mapping ({exc}); smddpd refuses a GPU range "
-                        "it cannot bound"
+                        f"{session.label()}: "
+                        f"the size of its allocation at 0x{buf.alloc_base:x} cannot be read from the mapping ({exc}); "  # noqa: E501
+                        "smddpd refuses a GPU range it cannot bound"
                     ) from None
                 opened = _Opened(address, device, size)
                 self._memory[(buf.ipc_handle, buf.buffer_id, device)] = opened
@@ -411,9 +411,8 @@ class GpuOps:
             handles.mappings.move_to_end(key)
         if buf.offset + buf.nbytes > mapping.size:
             raise InvalidRequest(
-                f"{session.label()}: GPU range [{buf.offset}, {buf.offset + buf.nbytes}) lies "
-                "outside "
-                f"its allocation of {mapping.size} bytes at 0x{buf.alloc_base:x}"
+                f"{session.label()}: "
+                f"GPU range [{buf.offset}, {buf.offset + buf.nbytes}) lies outside its allocation of {mapping.size} bytes at 0x{buf.alloc_base:x}"  # noqa: E501
             )
         return mapping.address + buf.offset
 
@@ -782,8 +781,9 @@ class GpuOps:
             self.rt.enable_peer(device, peer)
         except CudaCallError as exc:
             raise FailedPrecondition(
-                f"{who}: GPU {device} cannot access the memory of GPU {peer} ({exc}); smddp "
-                "needs peer access (NVLink or PCIe P2P) between the GPUs of a communicator"
+                f"{who}: "
+                f"GPU {device} cannot access the memory of GPU {peer} ({exc}); "
+                "smddp needs peer access (NVLink or PCIe P2P) between the GPUs of a communicator"
             ) from None
         self._peers.add((device, peer))
 
@@ -858,8 +858,7 @@ class GpuOps:
                 raise InvalidRequest("a GPU send names one input and a GPU recv one output")
             if a.in_bytes[0] != b.out_bytes[0]:
                 raise InvalidRequest(
-                    f"send of {a.in_bytes[0]} bytes from rank {a.rank} meets a recv of "
-                    f"{b.out_bytes[0]} bytes"
+                    f"send of {a.in_bytes[0]} bytes from rank {a.rank} meets a recv of {b.out_bytes[0]} bytes"  # noqa: E501
                 )
             work = _Work(self, comm, [a, b])
             work.copy(b.device, b.outputs[0], work.inp(a, 0, b.device), a.in_bytes[0], a.device)
@@ -977,19 +976,19 @@ class GpuOps:
                     except queue.Empty:
                         if pool.closed or comm.failed() is not None:
                             raise PeerError(
-                                f"{describe_request(req)} from rank {req.root}: the communicator "
-                                "failed or closed before the data came"
+                                f"{describe_request(req)} from rank {req.root}: "
+                                "the communicator failed or closed before the data came"
                             ) from None
                         continue
                     frames[part] = frame
                 frame = frames.pop(p)
                 got = (frame.dtype, frame.count, frame.parts, frame.payload.nbytes)
                 if got != (req.dtype, req.count, len(ranges), (hi - lo) * s):
+                    sent = f"{frame.count} x {dtype_name(frame.dtype)} in {frame.parts} chunks"
+                    ours = f"{describe_request(req)} on {session.label()}"
+                    chunk = f"chunk {p} of {len(ranges)}: {frame.payload.nbytes} bytes"
                     raise InvalidRequest(
-                        f"send of {frame.count} x {dtype_name(frame.dtype)} in {frame.parts} "
-                        f"chunks from rank {req.root} meets {describe_request(req)} on "
-                        f"{session.label()} (chunk {p} of {len(ranges)}: "
-                        f"{frame.payload.nbytes} bytes)"
+                        f"send of {sent} from rank {req.root} meets {ours} ({chunk})"
                     )
                 buf = pool.take(frame.payload.nbytes, b.device)
                 marks: list[tuple[Any, int]] = []
@@ -1013,8 +1012,9 @@ class GpuOps:
         itemsize = gpu_kernels.SPECS[req.dtype].itemsize
         if len(sizes) != 1 or sizes[0] != req.count * itemsize:
             raise InvalidRequest(
-                f"{comm.name()}: {describe_request(req)}: a GPU {what} names one {which} of "
-                f"{req.count} x {itemsize} bytes, not {sizes}"
+                f"{comm.name()}: "
+                f"{describe_request(req)}: "
+                f"a GPU {what} names one {which} of {req.count} x {itemsize} bytes, not {sizes}"
             )
         return gpu_staging.p2p_ranges(req, comm.chunk_bytes)
 
@@ -1073,8 +1073,8 @@ class GpuOps:
                 raise PeerError(failure[1], kind=failure[0])
             if time.monotonic() > deadline:
                 raise PeerError(
-                    f"{who}: the GPU did not finish staging through host memory within "
-                    f"{timeout_s:.0f} s",
+                    f"{who}: "
+                    f"the GPU did not finish staging through host memory within {timeout_s:.0f} s",
                     kind=pb.TIMEOUT,
                 )
             time.sleep(_GATE_POLL_S[min(step, len(_GATE_POLL_S) - 1)])
@@ -1258,9 +1258,8 @@ def _check_all_gpu(ranks: Sequence[int], reqs: Sequence[pb.OpRequest]) -> None:
     if len(gpu) != len(reqs):
         host = [r for r in ranks if r not in gpu]
         raise InvalidRequest(
-            f"{describe_request(reqs[0])} mixes GPU and host tensors: {rank_list(gpu)} on GPUs, "
-            f"{rank_list(host)} in host memory (every rank must pass tensors on the same kind of "
-            "device)"
+            f"{describe_request(reqs[0])} mixes GPU and host tensors: "
+            f"{rank_list(gpu)} on GPUs, {rank_list(host)} in host memory (every rank must pass tensors on the same kind of device)"  # noqa: E501
         )
 
 
@@ -1312,15 +1311,15 @@ class _Work:
         )
         if got != want:
             raise InvalidRequest(
-                f"{self.who}: rank {r.rank} names {got[0]} input and {got[1]} output GPU buffers "
-                f"where {want[0]} and {want[1]} were expected"
+                f"{self.who}: "
+                f"rank {r.rank} names {got[0]} input and {got[1]} output GPU buffers where {want[0]} and {want[1]} were expected"  # noqa: E501
             )
 
     def _size(self, nbytes: int, want_elements: int, r: _Resolved, what: str) -> None:
         if nbytes != want_elements * self.itemsize:
             raise InvalidRequest(
-                f"{self.who}: rank {r.rank}'s {what} holds {nbytes} bytes where "
-                f"{want_elements} x {self.itemsize} were expected (tensors of mismatched sizes?)"
+                f"{self.who}: "
+                f"rank {r.rank}'s {what} holds {nbytes} bytes where {want_elements} x {self.itemsize} were expected (tensors of mismatched sizes?)"  # noqa: E501
             )
 
     def copy(self, device: int, dst: int, src: int, nbytes: int, peer: int | None = None) -> None:
@@ -1400,10 +1399,8 @@ class _Work:
                 for d in ranks:
                     if s.in_bytes[d.rank] != d.out_bytes[s.rank]:
                         raise InvalidRequest(
-                            f"{self.who}: rank {s.rank} sends {s.in_bytes[d.rank]} bytes to rank "
-                            f"{d.rank} "
-                            f"but rank {d.rank} expects {d.out_bytes[s.rank]} from rank {s.rank} "
-                            "(input and output split sizes disagree)"
+                            f"{self.who}: "
+                            f"rank {s.rank} sends {s.in_bytes[d.rank]} bytes to rank {d.rank} but rank {d.rank} expects {d.out_bytes[s.rank]} from rank {s.rank} (input and output split sizes disagree)"  # noqa: E501
                         )
         else:
             raise InvalidRequest(

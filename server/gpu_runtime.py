@@ -171,9 +171,8 @@ class CupyRuntime:
             import cupy
         except ImportError as exc:
             raise GpuUnavailable(
-                f"CuPy is not installed in the daemon's environment ({exc}); install the "
-                "'cuda' extra where smddpd runs (pip install '.[cuda]' in smddp's checkout, i.e. "
-                "cupy-cuda12x)"
+                f"CuPy is not installed in the daemon's environment ({exc}); "
+                "install the 'cuda' extra where smddpd runs (pip install '.[cuda]' in smddp's checkout, i.e. cupy-cuda12x)"  # noqa: E501
             ) from None
         self.cp = cupy
         self.rt = cupy.cuda.runtime
@@ -224,8 +223,7 @@ class CupyRuntime:
         device = self._uuids.get(uuid)
         if device is None:
             raise CudaCallError(
-                f"no GPU with UUID {cuda_driver.uuid_text(uuid)} among the daemon's "
-                f"{len(self._uuids)}"
+                f"no GPU with UUID {cuda_driver.uuid_text(uuid)} among the daemon's {len(self._uuids)}"  # noqa: E501
             )
         return device
 
@@ -495,8 +493,10 @@ class CupyRuntime:
         for key in wanted:
             self.prepare(device, key)
         log.info(
-            "reduction kernels on GPU %d (%s): %d ready; cubins so far: %d prepared, %d from "
-            "the disk cache, %d compiled",
+            "reduction kernels on GPU %d (%s): "
+            "%d ready; "
+            "cubins so far: "
+            "%d prepared, %d from the disk cache, %d compiled",
             device,
             arch,
             len(wanted),

@@ -153,8 +153,8 @@ class Shape:
         want = (got[0] if inputs is None else inputs, got[1] if outputs is None else outputs)
         if got != want:
             raise InvalidRequest(
-                f"{self.who}: rank {x.rank} names {got[0]} input and {got[1]} output GPU "
-                f"buffers where {want[0]} and {want[1]} were expected"
+                f"{self.who}: "
+                f"rank {x.rank} names {got[0]} input and {got[1]} output GPU buffers where {want[0]} and {want[1]} were expected"  # noqa: E501
             )
 
     def sized(self, x: Local, sizes: Sequence[int], elements: int, what: str) -> None:
@@ -162,8 +162,8 @@ class Shape:
         for nbytes in sizes:
             if nbytes != elements * self.itemsize:
                 raise InvalidRequest(
-                    f"{self.who}: rank {x.rank}'s {what} holds {nbytes} bytes where "
-                    f"{elements} x {self.itemsize} were expected (tensors of mismatched sizes?)"
+                    f"{self.who}: "
+                    f"rank {x.rank}'s {what} holds {nbytes} bytes where {elements} x {self.itemsize} were expected (tensors of mismatched sizes?)"  # noqa: E501
                 )
 
 
@@ -310,8 +310,8 @@ def a2a_footprint(shape: Shape) -> int:
         for nbytes in (*x.in_bytes, *x.out_bytes):
             if nbytes % shape.itemsize:
                 raise InvalidRequest(
-                    f"{shape.who}: rank {x.rank} names a block of {nbytes} bytes, not a whole "
-                    f"number of {shape.itemsize}-byte elements"
+                    f"{shape.who}: "
+                    f"rank {x.rank} names a block of {nbytes} bytes, not a whole number of {shape.itemsize}-byte elements"  # noqa: E501
                 )
             total += nbytes
     return total
@@ -398,8 +398,8 @@ class StagingArena(Arena):
         off, n = region.offset, region.nbytes
         if off + n > self.nbytes or n % dtype.itemsize:
             raise InvalidRequest(
-                f"{self.owner}: staging region [{off}, {off + n}) does not fit its "
-                f"{self.nbytes} bytes as {dtype}"
+                f"{self.owner}: "
+                f"staging region [{off}, {off + n}) does not fit its {self.nbytes} bytes as {dtype}"
             )
         return self._data[off : off + n].view(dtype)
 

@@ -92,8 +92,8 @@ class _NodeChunk:
         data = frame.payload.view(self.dtype)
         if expect is not None and data.size != expect:
             raise InvalidRequest(
-                f"{describe_request(self.req0)}: node {self.node_ids[node]} sent {data.size} "
-                f"elements where this node expected {expect} (tensors of mismatched sizes?)"
+                f"{describe_request(self.req0)}: "
+                f"node {self.node_ids[node]} sent {data.size} elements where this node expected {expect} (tensors of mismatched sizes?)"  # noqa: E501
             )
         return data
 
@@ -115,21 +115,20 @@ class _NodeChunk:
             return
         theirs = describe(frame.kind, frame.dtype, frame.count, frame.root, frame.reduce_op)
         node = frame.src_node
+        who = f"{rank_list(list(self.nodes[node]))} (node {self.node_ids[node]})"
+        ours = f"{rank_list(list(self.nodes[self.me]))} (node {self.node_ids[self.me]})"
+        mine = describe_request(self.req0)
         raise OpMismatch(
-            f"{self.layout.name()}: {rank_list(list(self.nodes[node]))} (node "
-            f"{self.node_ids[node]}) "
-            f"called {theirs} as op #{self.req0.seq} while {rank_list(list(self.nodes[self.me]))} "
-            "(node "
-            f"{self.node_ids[self.me]}) called {describe_request(self.req0)}"
+            f"{self.layout.name()}: "
+            f"{who} called {theirs} as op #{self.req0.seq} while {ours} called {mine}"
         )
 
     def same_sizes(self, arrays: Sequence[np.ndarray], n: int, what: str) -> None:
         for rank, a in zip(self.local, arrays):
             if a.size != n:
                 raise InvalidRequest(
-                    f"{describe_request(self.req0)}: rank {rank}'s {what} holds {a.size} elements "
-                    "of "
-                    f"this chunk where {n} were expected (tensors of mismatched sizes?)"
+                    f"{describe_request(self.req0)}: "
+                    f"rank {rank}'s {what} holds {a.size} elements of this chunk where {n} were expected (tensors of mismatched sizes?)"  # noqa: E501
                 )
 
 
@@ -219,8 +218,8 @@ def _gather(c: _NodeChunk) -> None:
     for out in outs:
         if out.size != n * c.world:
             raise InvalidRequest(
-                f"{describe_request(c.req0)}: an output holds {out.size} elements, not "
-                f"{n * c.world}"
+                f"{describe_request(c.req0)}: "
+                f"an output holds {out.size} elements, not {n * c.world}"
             )
     receivers = [root_node] if root_node != c.me else []
     for j in receivers:
@@ -241,8 +240,8 @@ def _all_gather(c: _NodeChunk) -> None:
     for out in outs:
         if out.size != n * c.world:
             raise InvalidRequest(
-                f"{describe_request(c.req0)}: an output holds {out.size} elements, not "
-                f"{n * c.world}"
+                f"{describe_request(c.req0)}: "
+                f"an output holds {out.size} elements, not {n * c.world}"
             )
     # The nodes' blocks in node order: the output itself when that is rank order.
     order = [r for ranks in c.nodes for r in ranks]
@@ -267,8 +266,8 @@ def _scatter(c: _NodeChunk) -> None:
         data = c.input(root)
         if data.size != n * c.world:
             raise InvalidRequest(
-                f"{describe_request(c.req0)}: the root's input holds {data.size} elements, not "
-                f"{n * c.world}"
+                f"{describe_request(c.req0)}: "
+                f"the root's input holds {data.size} elements, not {n * c.world}"
             )
         for j in c.others():
             c.send(j, 0, [data[r * n : (r + 1) * n] for r in c.nodes[j]])
@@ -322,9 +321,8 @@ def _all_to_all(c: _NodeChunk) -> None:
         for d in c.local:
             if sends[s][d].size != recvs[d][s].size:
                 raise InvalidRequest(
-                    f"all_to_all: rank {s} sends {sends[s][d].size} elements to rank {d} but rank "
-                    f"{d} "
-                    f"expects {recvs[d][s].size} (input and output split sizes disagree)"
+                    "all_to_all: "
+                    f"rank {s} sends {sends[s][d].size} elements to rank {d} but rank {d} expects {recvs[d][s].size} (input and output split sizes disagree)"  # noqa: E501
                 )
             copy_into([recvs[d][s]], sends[s][d])
     for i in c.others():
@@ -332,9 +330,8 @@ def _all_to_all(c: _NodeChunk) -> None:
         data = c.recv(i, 0)
         if data.size != expect:
             raise InvalidRequest(
-                f"all_to_all: {rank_list(c.nodes[i])} sent {data.size} elements to "
-                f"{rank_list(c.local)} "
-                f"which expect {expect} (input and output split sizes disagree)"
+                "all_to_all: "
+                f"{rank_list(c.nodes[i])} sent {data.size} elements to {rank_list(c.local)} which expect {expect} (input and output split sizes disagree)"  # noqa: E501
             )
         off = 0
         for s in c.nodes[i]:

@@ -38,8 +38,8 @@ def _expect(
     for rank, (v, n) in enumerate(zip(views, sizes)):
         if v.size != n:
             raise InvalidRequest(
-                f"{describe_request(req)}: rank {rank}'s {what} holds {v.size} elements of this "
-                f"chunk where {n} were expected (tensors of mismatched sizes?)"
+                f"{describe_request(req)}: "
+                f"rank {rank}'s {what} holds {v.size} elements of this chunk where {n} were expected (tensors of mismatched sizes?)"  # noqa: E501
             )
 
 
@@ -103,8 +103,8 @@ def _all_to_all(reqs: Sequence[pb.OpRequest], arenas: Sequence[Arena], dtype: np
     for r, req in enumerate(reqs):
         if len(req.send_blocks) != world or len(req.recv_blocks) != world:
             raise InvalidRequest(
-                f"all_to_all: rank {r} gave {len(req.send_blocks)} send and "
-                f"{len(req.recv_blocks)} receive blocks for a world of {world}"
+                "all_to_all: "
+                f"rank {r} gave {len(req.send_blocks)} send and {len(req.recv_blocks)} receive blocks for a world of {world}"  # noqa: E501
             )
     sends = [[arenas[s].view(b, dtype) for b in reqs[s].send_blocks] for s in range(world)]
     recvs = [[arenas[d].view(b, dtype) for b in reqs[d].recv_blocks] for d in range(world)]
@@ -112,9 +112,8 @@ def _all_to_all(reqs: Sequence[pb.OpRequest], arenas: Sequence[Arena], dtype: np
         for d in range(world):
             if sends[s][d].size != recvs[d][s].size:
                 raise InvalidRequest(
-                    f"all_to_all: rank {s} sends {sends[s][d].size} elements to rank {d} in this "
-                    f"chunk but rank {d} expects {recvs[d][s].size} from rank {s} "
-                    "(input and output split sizes disagree)"
+                    "all_to_all: "
+                    f"rank {s} sends {sends[s][d].size} elements to rank {d} in this chunk but rank {d} expects {recvs[d][s].size} from rank {s} (input and output split sizes disagree)"  # noqa: E501
                 )
     for s in range(world):
         for d in range(world):
@@ -132,7 +131,6 @@ def execute_p2p(send: pb.OpRequest, recv: pb.OpRequest, src: Arena, dst: Arena) 
     out = dst.view(recv.output, dtype)
     if data.size != out.size:
         raise InvalidRequest(
-            f"send of {data.size} elements from rank {recv.root} meets a recv of {out.size} "
-            "elements"
+            f"send of {data.size} elements from rank {recv.root} meets a recv of {out.size} elements"  # noqa: E501
         )
     copy_into([out], data)

@@ -54,13 +54,11 @@ class Counts:
         with self._lock:
             if self._held[uid] + n > self.per_uid:
                 raise LimitExceeded(
-                    f"{prefix}uid {uid} already holds {self._held[uid]} {self.what} "
-                    f"({self._flags[0]} {self.per_uid})"
+                    f"{prefix}uid {uid} already holds {self._held[uid]} {self.what} ({self._flags[0]} {self.per_uid})"  # noqa: E501
                 )
             if self.total is not None and self._held[ALL] + n > self.total:
                 raise LimitExceeded(
-                    f"{prefix}the daemon already holds {self._held[ALL]} {self.what} "
-                    f"({self._flags[1]} {self.total})"
+                    f"{prefix}the daemon already holds {self._held[ALL]} {self.what} ({self._flags[1]} {self.total})"  # noqa: E501
                 )
             self._held[uid] += n
             self._held[ALL] += n
@@ -111,14 +109,8 @@ class ByteBudget:
         """Which limit a refused ``try_take(uid, nbytes)`` hit, for messages."""
         c = self._counts
         if self.held(uid) + nbytes > c.per_uid:
-            return (
-                f"uid {uid} holds {self.held(uid)} bytes of sends waiting for their receives "
-                f"(--max-buffered-bytes-per-uid {c.per_uid})"
-            )
-        return (
-            f"the daemon holds {self.held()} bytes of sends waiting for their receives "
-            f"(--max-buffered-bytes {c.total})"
-        )
+            return f"uid {uid} holds {self.held(uid)} bytes of sends waiting for their receives (--max-buffered-bytes-per-uid {c.per_uid})"  # noqa: E501
+        return f"the daemon holds {self.held()} bytes of sends waiting for their receives (--max-buffered-bytes {c.total})"  # noqa: E501
 
 
 class BufferAccount:
@@ -178,8 +170,8 @@ class Slots:
         with self._lock:
             if self._held >= self.limit:
                 raise LimitExceeded(
-                    f"{where}: the daemon already has {self._held} {self.what} ({self.flag} "
-                    f"{self.limit})"
+                    f"{where}: "
+                    f"the daemon already has {self._held} {self.what} ({self.flag} {self.limit})"
                 )
             self._held += 1
         try:

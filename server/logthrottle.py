@@ -65,8 +65,9 @@ class Throttle:
             if seen == self.burst + 1:
                 logger.log(
                     level,
-                    "%s: more than %d lines in %.0f s; the rest of this minute's are counted, not "
-                    "written",
+                    "%s: "
+                    "more than %d lines in %.0f s; "
+                    "the rest of this minute's are counted, not written",
                     cause,
                     self.burst,
                     self.window_s,

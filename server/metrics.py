@@ -80,8 +80,7 @@ class Metrics:
         )
         self.straggler = Counter(
             "smddp_straggler",
-            "Ops at which this rank of this job arrived last, with more than one rank "
-            "(--metrics-job-labels only; removed when the job ends)",
+            "Ops at which this rank of this job arrived last, with more than one rank (--metrics-job-labels only; removed when the job ends)",  # noqa: E501
             ["job", "rank"],
             registry=r,
         )
@@ -93,8 +92,7 @@ class Metrics:
         )
         self.job_bytes = Counter(
             "smddp_job_op_bytes",
-            "Bytes contributed by this job's ranks, summed over ranks (--metrics-job-labels "
-            "only; removed when the job ends)",
+            "Bytes contributed by this job's ranks, summed over ranks (--metrics-job-labels only; removed when the job ends)",  # noqa: E501
             ["job", "op", "dtype"],
             registry=r,
         )

@@ -201,8 +201,8 @@ class Watchdog:
                     logger.warning("daemon healthy again: resuming the systemd watchdog ping")
             elif was_healthy:
                 logger.error(
-                    "daemon unhealthy: withholding the systemd watchdog ping "
-                    "(systemd restarts the service after %.1f s)",
+                    "daemon unhealthy: "
+                    "withholding the systemd watchdog ping (systemd restarts the service after %.1f s)",  # noqa: E501
                     self._interval,
                 )
             was_healthy = healthy

@@ -92,8 +92,7 @@ class PeerService(pb_grpc.PeerServicer, EdgeService):
         peers = comm.peers
         if not 0 <= req.node < len(peers.node_ids) or req.node == peers.my_node:
             raise InvalidRequest(
-                f"node index {req.node} is not a peer of this node in job {comm.job_id} comm "
-                f"{comm.comm_id}"
+                f"node index {req.node} is not a peer of this node in job {comm.job_id} comm {comm.comm_id}"  # noqa: E501
             )
         return comm, peers
 
@@ -103,15 +102,14 @@ class PeerService(pb_grpc.PeerServicer, EdgeService):
         caller, me = peers.node_ids[request.peer.node], peers.node_ids[peers.my_node]
         if list(request.node_ids) != peers.node_ids:
             raise FailedPrecondition(
-                f"{comm.name()}: node {caller} lists the nodes {list(request.node_ids)} where node "
-                f"{me} lists {peers.node_ids}"
+                f"{comm.name()}: "
+                f"node {caller} lists the nodes {list(request.node_ids)} where node {me} lists {peers.node_ids}"  # noqa: E501
             )
         if request.transport != self._network.transport:
             theirs = TRANSPORT_NAMES.get(request.transport, request.transport)
             raise FailedPrecondition(
-                f"node {caller} carries data over {theirs} and node {me} over "
-                f"{TRANSPORT_NAMES[self._network.transport]}: every daemon of a job must run the "
-                "same --peer-transport"
+                f"node {caller} carries data over {theirs} and node {me} over {TRANSPORT_NAMES[self._network.transport]}: "  # noqa: E501
+                "every daemon of a job must run the same --peer-transport"
             )
         if request.peer.node > peers.my_node:
             raise InvalidRequest(

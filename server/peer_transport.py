@@ -104,8 +104,9 @@ def _tls_refusal(details: str, tls: bool, node_id: str) -> str | None:
     low = details.lower()
     if "hostname verification" in low:
         return (
-            f"TLS: its certificate does not name node {node_id} (a daemon's certificate must carry "
-            f"its node id as a DNS subject alternative name): {details}"
+            "TLS: "
+            f"its certificate does not name node {node_id} (a daemon's certificate must carry its node id as a DNS subject alternative name): "  # noqa: E501
+            f"{details}"
         )
     if "handshake failed" in low:
         hint = "" if "certificate_verify_failed" in low else TLS_SETUP_HINT
@@ -114,12 +115,13 @@ def _tls_refusal(details: str, tls: bool, node_id: str) -> str | None:
         # A daemon closes a connection unanswered when the TLS handshake fails on its side.
         if tls:
             return (
-                "it closed the connection in the TLS handshake: does it trust our certificate's "
-                f"CA (--tls-ca)? ({details})"
+                "it closed the connection in the TLS handshake: "
+                "does it trust our certificate's CA (--tls-ca)? "
+                f"({details})"
             )
         return (
-            "it closed our connection unanswered: it takes peer connections over TLS only "
-            "(--tls-cert), and this daemon has no TLS"
+            "it closed our connection unanswered: "
+            "it takes peer connections over TLS only (--tls-cert), and this daemon has no TLS"
         )
     return None
 
@@ -304,8 +306,9 @@ class CommPeers:
         if self._metrics is not None:
             self._metrics.peer_errors.labels(self.node_ids[node]).inc()
         message = (
-            f"{self.layout.name()}: lost node {self.node_ids[node]} "
-            f"(daemon at {self.addresses[node]}): {detail}"
+            f"{self.layout.name()}: "
+            f"lost node {self.node_ids[node]} (daemon at {self.addresses[node]}): "
+            f"{detail}"
         )
         self._on_failure(pb.RANK_FAILED, message)
 
@@ -318,8 +321,7 @@ class CommPeers:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise PeerError(
-                        f"no connection to node {self.node_ids[node]} ({self.addresses[node]}) "
-                        f"within {self.timeout_s:.0f} s"
+                        f"no connection to node {self.node_ids[node]} ({self.addresses[node]}) within {self.timeout_s:.0f} s"  # noqa: E501
                     )
                 self._cond.wait(min(remaining, 0.5))
             socks = self._socks[node]
@@ -421,14 +423,9 @@ class CommPeers:
             return f"{name} says the communicator failed there: {status.failed}"
         if not status.pending:
             ranks = list(self.layout.nodes[node])
-            return (
-                f"{name} says {rank_list(ranks)} {'has' if len(ranks) == 1 else 'have'} not called "
-                "it "
-                f"({status.ops_completed} ops completed there)"
-            )
+            return f"{name} says {rank_list(ranks)} {'has' if len(ranks) == 1 else 'have'} not called it ({status.ops_completed} ops completed there)"  # noqa: E501
         waits = [
-            f"op #{p.seq} {p.description} waits for {rank_list(list(p.missing_ranks))} since "
-            f"{p.waited_seconds:.1f} s"
+            f"op #{p.seq} {p.description} waits for {rank_list(list(p.missing_ranks))} since {p.waited_seconds:.1f} s"  # noqa: E501
             for p in status.pending
         ]
         return f"{name} says " + "; ".join(waits)
@@ -506,8 +503,9 @@ class CommPeers:
         """Fails the communicator for an exception met delivering ``node``'s frame."""
         self._on_failure(
             pb.INVALID,
-            f"{self.layout.name()}: internal error in smddpd while delivering a frame from node "
-            f"{self.node_ids[node]} ({type(exc).__name__}: {exc}); the communicator cannot go on",
+            f"{self.layout.name()}: "
+            f"internal error in smddpd while delivering a frame from node {self.node_ids[node]} ({type(exc).__name__}: {exc}); "  # noqa: E501
+            "the communicator cannot go on",
         )
 
     def _deliver(self, frame: Frame) -> None:
@@ -533,11 +531,9 @@ class CommPeers:
         if over:
             self._on_failure(
                 pb.INVALID,
-                f"{self.layout.name()}: rank {frame.src_rank} on node "
-                f"{self.node_ids[frame.src_node]} sent "
-                f"{frame.payload.nbytes} bytes to rank {frame.dst_rank} before it posted the "
-                "receive, and "
-                f"this daemon may hold no more: {over}",
+                f"{self.layout.name()}: "
+                f"rank {frame.src_rank} on node {self.node_ids[frame.src_node]} sent {frame.payload.nbytes} bytes to rank {frame.dst_rank} before it posted the receive, and this daemon may hold no more: "  # noqa: E501
+                f"{over}",
             )
         if waiter is not None:
             waiter(frame)
@@ -559,8 +555,8 @@ class CommPeers:
                 self._check_open()
                 if node in self._gone:
                     raise PeerError(
-                        f"op #{seq}: the ranks of node {self.node_ids[node]} have all left the "
-                        "communicator"
+                        f"op #{seq}: "
+                        f"the ranks of node {self.node_ids[node]} have all left the communicator"
                     )
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:

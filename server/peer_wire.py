@@ -171,8 +171,8 @@ def read_hello(sock: Connection, deadline: float | None = None) -> Hello:
         raise ConnectionError(f"not an smddp peer{tls_hint}")
     if max(job_len, comm_len) > MAX_HELLO_NAME_BYTES:
         raise ConnectionError(
-            f"a HELLO naming a job or communicator of {max(job_len, comm_len)} bytes (at most "
-            f"{MAX_HELLO_NAME_BYTES}): not an smddp peer"
+            f"a HELLO naming a job or communicator of {max(job_len, comm_len)} bytes (at most {MAX_HELLO_NAME_BYTES}): "  # noqa: E501
+            "not an smddp peer"
         )
     job_id = recv_exact(sock, job_len, deadline).decode()
     comm_id = recv_exact(sock, comm_len, deadline).decode()

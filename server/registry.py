@@ -151,15 +151,15 @@ class Registry:
         _check_token(where, req.job_token)
         if not 1 <= req.world_size <= cfg.max_ranks_per_job:
             raise LimitExceeded(
-                f"{where}: world_size {req.world_size} is outside 1..{cfg.max_ranks_per_job} "
-                "(--max-ranks-per-job)"
+                f"{where}: "
+                f"world_size {req.world_size} is outside 1..{cfg.max_ranks_per_job} (--max-ranks-per-job)"  # noqa: E501
             )
         if req.rank >= req.world_size:
             raise InvalidRequest(f"{where}: rank {req.rank} is outside a world of {req.world_size}")
         if not MIN_ARENA_BYTES <= req.arena_bytes <= cfg.max_arena_bytes:
             raise LimitExceeded(
-                f"{where} rank {req.rank}: arena_bytes {req.arena_bytes} is outside "
-                f"{MIN_ARENA_BYTES}..{cfg.max_arena_bytes} (--max-arena-bytes)"
+                f"{where} rank {req.rank}: "
+                f"arena_bytes {req.arena_bytes} is outside {MIN_ARENA_BYTES}..{cfg.max_arena_bytes} (--max-arena-bytes)"  # noqa: E501
             )
         timeout_s = self._timeout_s(where, req.timeout_ms)
         nodes, my_node = self._layout(req, where)
@@ -220,16 +220,16 @@ class Registry:
             else:
                 if comm.world_size != req.world_size:
                     raise FailedPrecondition(
-                        f"{where}: rank {req.rank} registered with world_size {req.world_size} "
-                        f"but the communicator has {comm.world_size} ranks"
+                        f"{where}: "
+                        f"rank {req.rank} registered with world_size {req.world_size} but the communicator has {comm.world_size} ranks"  # noqa: E501
                     )
                 if (
                     comm.nodes != (nodes or [list(range(req.world_size))])
                     or comm.my_node != my_node
                 ):
                     raise FailedPrecondition(
-                        f"{where}: rank {req.rank} describes the job's nodes differently than the "
-                        "ranks registered before it"
+                        f"{where}: "
+                        f"rank {req.rank} describes the job's nodes differently than the ranks registered before it"  # noqa: E501
                     )
                 if req.rank in comm.members:
                     other = comm.members[req.rank]
@@ -238,9 +238,8 @@ class Registry:
                     )
                 if req.arena_bytes // 4 < comm.chunk_bytes:
                     raise InvalidRequest(
-                        f"{where} rank {req.rank}: arena of {req.arena_bytes} bytes is smaller "
-                        "than "
-                        f"4 x the communicator's chunk of {comm.chunk_bytes} bytes"
+                        f"{where} rank {req.rank}: "
+                        f"arena of {req.arena_bytes} bytes is smaller than 4 x the communicator's chunk of {comm.chunk_bytes} bytes"  # noqa: E501
                     )
             session = Session(
                 session_id=secrets.token_hex(16),
@@ -268,8 +267,8 @@ class Registry:
                 fail=self._others_attached(old),
             )
         log.info(
-            "%s: registered rank %d (node %s), which says it is pid %d (unverified until it "
-            "attaches)",
+            "%s: "
+            "registered rank %d (node %s), which says it is pid %d (unverified until it attaches)",
             where,
             session.rank,
             session.node_id,
@@ -303,9 +302,9 @@ class Registry:
                 or seen & set(ranks)
             ):
                 raise InvalidRequest(
-                    f"{where}: node {spec.node_id} lists ranks {ranks[:16]}: expected ascending, "
-                    "distinct "
-                    f"ranks below {req.world_size} that no other node lists"
+                    f"{where}: "
+                    f"node {spec.node_id} lists ranks {ranks[:16]}: "
+                    f"expected ascending, distinct ranks below {req.world_size} that no other node lists"  # noqa: E501
                 )
             seen |= set(ranks)
             nodes.append(ranks)
@@ -317,16 +316,16 @@ class Registry:
         if len(nodes) > 1:
             if not self.peer_address or self.network is None:
                 raise FailedPrecondition(
-                    f"{where}: the job spans {len(nodes)} nodes but this daemon accepts no peer "
-                    "connections (--peer-bind off)"
+                    f"{where}: "
+                    f"the job spans {len(nodes)} nodes but this daemon accepts no peer connections (--peer-bind off)"  # noqa: E501
                 )
             for spec in req.nodes:
                 try:
                     parse_address(spec.peer_address)
                 except ValueError:
                     raise InvalidRequest(
-                        f"{where}: node {spec.node_id} has no valid peer address "
-                        f"({quote(spec.peer_address)})"
+                        f"{where}: "
+                        f"node {spec.node_id} has no valid peer address ({quote(spec.peer_address)})"  # noqa: E501
                     ) from None
         return nodes, my_node
 
@@ -345,8 +344,10 @@ class Registry:
         where = f"rendezvous of job {req.job_id[:64]}"
         if not JOB_ID.match(req.job_id):
             raise InvalidRequest(
-                f"rendezvous of job {quote(req.job_id)}: job_id must be 1-128 characters of A-Z "
-                "a-z 0-9 . _ : -"
+                f"rendezvous of job {quote(req.job_id)}: "
+                "job_id must be 1-128 characters of A-Z a-z 0-9 . "
+                "_ : "
+                "-"
             )
         _check_token(where, req.job_token)
         if req.root:
@@ -362,8 +363,8 @@ class Registry:
                 )
         if self.network is None:
             raise FailedPrecondition(
-                f"{where}: the root is another daemon ({req.root}) but this one has no peers "
-                "(--peer-bind off)"
+                f"{where}: "
+                f"the root is another daemon ({req.root}) but this one has no peers (--peer-bind off)"  # noqa: E501
             )
         try:
             parse_address(req.root)
@@ -508,8 +509,8 @@ class Registry:
         if gone:
             arena.close()
             raise FailedPrecondition(
-                f"{comm.name()}: {session.label()} left the communicator while it attached its "
-                "arena"
+                f"{comm.name()}: "
+                f"{session.label()} left the communicator while it attached its arena"
             )
         comm.attached()
 
@@ -519,22 +520,22 @@ class Registry:
         with self._lock:
             if session.closed:
                 raise FailedPrecondition(
-                    f"{comm.name()}: {session.label()}'s registration has ended (it expired after "
-                    f"{self.config.attach_timeout_s:.0f} s, --attach-timeout-s, or was dropped)"
+                    f"{comm.name()}: "
+                    f"{session.label()}'s registration has ended (it expired after {self.config.attach_timeout_s:.0f} s, --attach-timeout-s, or was dropped)"  # noqa: E501
                 )
             job = self._job_of(comm)
             assert job is not None
             if job.owner is None:
                 if self._owned_jobs() >= self.config.max_jobs:
                     raise LimitExceeded(
-                        f"{comm.name()}: the daemon already serves {self.config.max_jobs} jobs "
-                        "(--max-jobs)"
+                        f"{comm.name()}: "
+                        f"the daemon already serves {self.config.max_jobs} jobs (--max-jobs)"
                     )
                 if any(j.owner == uid for j in self._jobs.get(comm.job_id, ()) if j is not job):
                     raise Unauthenticated(
-                        f"{comm.name()} {session.label()}: wrong job token: uid {uid} already runs "
-                        "job "
-                        f"{comm.job_id} here with another token"
+                        f"{comm.name()} {session.label()}: "
+                        "wrong job token: "
+                        f"uid {uid} already runs job {comm.job_id} here with another token"
                     )
                 self._ranks_per_uid.take(uid, where=comm.name())
                 try:
@@ -546,8 +547,8 @@ class Registry:
                 job.buffers.uid = uid
             elif job.owner != uid:
                 raise PermissionDenied(
-                    f"{comm.name()}: uid {uid} may not join job {comm.job_id}, which belongs to "
-                    f"uid {job.owner}"
+                    f"{comm.name()}: "
+                    f"uid {uid} may not join job {comm.job_id}, which belongs to uid {job.owner}"
                 )
             else:
                 self._ranks_per_uid.take(uid, where=comm.name())
@@ -563,8 +564,9 @@ class Registry:
                 del self._unattached[s.session_id]
         for s in late:
             why = (
-                f"{s.comm.name()}: {s.label()} registered but did not attach its arena within "
-                f"{limit:.0f} s (--attach-timeout-s): its process died or hung before attaching"
+                f"{s.comm.name()}: "
+                f"{s.label()} registered but did not attach its arena within {limit:.0f} s (--attach-timeout-s): "  # noqa: E501
+                "its process died or hung before attaching"
             )
             self._drop(s, why, pb.RANK_FAILED, logging.INFO, fail=self._others_attached(s))
 
@@ -580,16 +582,17 @@ class Registry:
     def deregister(self, session: Session) -> None:
         """Removes a rank that left cleanly (destroy_process_group)."""
         why = (
-            f"{session.comm.name()}: {session.label()} has left the communicator "
-            "(destroy_process_group)"
+            f"{session.comm.name()}: "
+            f"{session.label()} has left the communicator (destroy_process_group)"
         )
         self._drop(session, why, pb.RANK_FAILED, logging.INFO)
 
     def connection_lost(self, session: Session, detail: str) -> None:
         """Removes a rank whose connection broke; its communicator fails on the other ranks."""
         why = (
-            f"{session.comm.name()}: {session.label()} disconnected without leaving the "
-            f"communicator ({detail}); its process died or closed its connection"
+            f"{session.comm.name()}: "
+            f"{session.label()} disconnected without leaving the communicator ({detail}); "
+            "its process died or closed its connection"
         )
         self._drop(session, why, pb.RANK_FAILED)
 

@@ -116,9 +116,9 @@ class RendezvousTable:
         where = f"rendezvous of job {job_id[:64]}"
         if world_size > MAX_WORLD:
             raise InvalidRequest(
-                f"{where}: the daemons' rendezvous serves jobs of up to {MAX_WORLD} ranks; a "
-                "larger job "
-                "passes its node layout to Register itself (as torch jobs do from their store)"
+                f"{where}: "
+                f"the daemons' rendezvous serves jobs of up to {MAX_WORLD} ranks; "
+                "a larger job passes its node layout to Register itself (as torch jobs do from their store)"  # noqa: E501
             )
         if not job_id or not world_size > 0 or rank >= world_size:
             raise InvalidRequest(
@@ -157,8 +157,9 @@ class RendezvousTable:
             meeting.local = meeting.local or local
             if meeting.world_size != world_size:
                 meeting.failed = (
-                    f"{where}: rank {rank} says the world size is {world_size}, earlier ranks said "
-                    f"{meeting.world_size}: the ranks of one job must agree on it"
+                    f"{where}: "
+                    f"rank {rank} says the world size is {world_size}, earlier ranks said {meeting.world_size}: "  # noqa: E501
+                    "the ranks of one job must agree on it"
                 )
                 meeting.failed_until = now + timeout_s
                 self._cond.notify_all()  # the ranks already waiting cannot meet either
@@ -170,9 +171,10 @@ class RendezvousTable:
             for other, (other_node, other_address) in meeting.arrivals.items():
                 if other_node == node_id and other_address != peer_address:
                     raise FailedPrecondition(
-                        f"{where}: two daemons claim node id {node_id}: {other_address} (rank "
-                        f"{other}) and "
-                        f"{peer_address} (rank {rank}); give each node its own --node-id"
+                        f"{where}: "
+                        f"two daemons claim node id {node_id}: "
+                        f"{other_address} (rank {other}) and {peer_address} (rank {rank}); "
+                        "give each node its own --node-id"
                     )
             meeting.arrivals[rank] = (node_id, peer_address)
             if len(meeting.arrivals) == world_size:
@@ -202,8 +204,8 @@ class RendezvousTable:
                         r for r in range(world_size) if r not in meeting.arrivals and r != rank
                     ]
                     raise RendezvousTimeout(
-                        f"{where}: {rank_list(missing)} did not arrive within {timeout_s:.0f} s "
-                        f"({len(meeting.arrivals) + 1} of {world_size} ranks came)"
+                        f"{where}: "
+                        f"{rank_list(missing)} did not arrive within {timeout_s:.0f} s ({len(meeting.arrivals) + 1} of {world_size} ranks came)"  # noqa: E501
                     )
                 self._cond.wait(min(remaining, 0.5))
             meeting.answered += 1
@@ -222,25 +224,26 @@ class RendezvousTable:
             held = sum(1 for m in self._meetings.values() if m.local)
             if held >= self._max:
                 raise LimitExceeded(
-                    f"{where}: this daemon already hosts {held} rendezvous of its own ranks "
-                    f"(--max-jobs {self._max})"
+                    f"{where}: "
+                    f"this daemon already hosts {held} rendezvous of its own ranks (--max-jobs {self._max})"  # noqa: E501
                 )
             return
         held = sum(1 for m in self._meetings.values() if not m.local)
         if held >= peer_cap:
             raise LimitExceeded(
-                f"{where}: rank {rank} from node {node_id}: this daemon already hosts {held} "
-                "rendezvous that only other daemons' ranks are in (--max-peer-rendezvous "
-                f"{peer_cap}); its own ranks' rendezvous are not affected"
+                f"{where}: "
+                f"rank {rank} from node {node_id}: "
+                f"this daemon already hosts {held} rendezvous that only other daemons' ranks are in (--max-peer-rendezvous {peer_cap}); "  # noqa: E501
+                "its own ranks' rendezvous are not affected"
             )
 
     def _displace(self, job_id: str, meeting: _Meeting, where: str, rank: int, node: str) -> None:
         """Ends a meeting only other daemons' ranks are in, for a rank of this node's own that
         came with another proof (lock held): the ranks waiting in it are told why."""
         meeting.displaced = (
-            f"{where}: rank {rank} on the root's own node {node} came with another job token "
-            f"than {rank_list(sorted(meeting.arrivals))} from other nodes; the root's own ranks "
-            "win, so those have the wrong job token"
+            f"{where}: "
+            f"rank {rank} on the root's own node {node} came with another job token than {rank_list(sorted(meeting.arrivals))} from other nodes; "  # noqa: E501
+            "the root's own ranks win, so those have the wrong job token"
         )
         self._forget(job_id, meeting)
         self._cond.notify_all()

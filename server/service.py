@@ -131,10 +131,9 @@ class NodeService(pb_grpc.NodeServicer, EdgeService):
         config = self._registry.config
         if config.socket_group:
             raise PermissionDenied(
-                f"smddpd on node {config.node_id} answers Status over gRPC only when its socket "
-                f"is its own user's (no --socket-group; it is {config.socket_group}'s): gRPC does "
-                "not tell who calls, so it cannot show a user their own jobs only; smddpctl "
-                "status asks over the data socket, where the kernel names the caller"
+                f"smddpd on node {config.node_id} answers Status over gRPC only when its socket is its own user's (no --socket-group; it is {config.socket_group}'s): "  # noqa: E501
+                "gRPC does not tell who calls, so it cannot show a user their own jobs only; "
+                "smddpctl status asks over the data socket, where the kernel names the caller"
             )
         return self._registry.status(__version__)
 

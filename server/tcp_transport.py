@@ -131,8 +131,8 @@ class TcpNode:
         if not self._handshaking.acquire(blocking=False):
             refusals.log(
                 log, logging.WARNING, "peer handshakes at their limit",
-                "closed a peer data connection from %s at once: %d others are still in "
-                "their handshake", who, MAX_HANDSHAKING,
+                "closed a peer data connection from %s at once: "
+                "%d others are still in their handshake", who, MAX_HANDSHAKING,
             )  # fmt: skip
             sock.close()
             return

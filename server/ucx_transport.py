@@ -119,9 +119,9 @@ def unavailable_reason() -> str | None:
     if _IMPORT_ERROR is None:
         return None
     return (
-        f"UCX transport unavailable: importing ucxx failed ({type(_IMPORT_ERROR).__name__}: "
-        f"{_IMPORT_ERROR}); install smddp's ucx extra where smddpd runs (pip install '.[ucx]' in "
-        "smddp's checkout)"
+        "UCX transport unavailable: "
+        f"importing ucxx failed ({type(_IMPORT_ERROR).__name__}: {_IMPORT_ERROR}); "
+        "install smddp's ucx extra where smddpd runs (pip install '.[ucx]' in smddp's checkout)"
     )
 
 

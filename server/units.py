@@ -29,8 +29,8 @@ _UNITS = {**_BINARY, **_DECIMAL}
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*")
 
 SIZE_HELP = (
-    "bytes, with an optional unit: KiB, MiB, GiB, TiB (K, M, G, T mean the same), "
-    "or kB, MB, GB, TB (powers of 1000)"
+    "bytes, with an optional unit: "
+    "KiB, MiB, GiB, TiB (K, M, G, T mean the same), or kB, MB, GB, TB (powers of 1000)"
 )
 
 

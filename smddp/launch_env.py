@@ -46,8 +46,8 @@ PORT_SPAN = 12000
 DEFAULT_PORT = 29500
 
 HOW_TO_START = (
-    "start the script with a launcher: torchrun --nproc-per-node N script.py, "
-    "mpirun -np N python script.py, or srun -n N python script.py; "
+    "start the script with a launcher: "
+    "torchrun --nproc-per-node N script.py, mpirun -np N python script.py, or srun -n N python script.py; "  # noqa: E501
     "or set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT yourself"
 )
 
@@ -222,14 +222,9 @@ def fill(env: MutableMapping[str, str] | None = None) -> str | None:
         host = "127.0.0.1" if launch.single_node else _master_host(env)
         if host is None:
             return (
-                f"smddp: this job was started by {launch.launcher} across nodes "
-                f"({launch.world_size} "
-                f"ranks, {launch.local_world_size} on this node) and no rendezvous host is known: "
-                "set "
-                "MASTER_ADDR to the host name or address of rank 0's node (and MASTER_PORT to a "
-                "free "
-                "port there) for every rank, e.g. mpirun -x MASTER_ADDR=node1 -x MASTER_PORT=29500 "
-                "..."
+                "smddp: "
+                f"this job was started by {launch.launcher} across nodes ({launch.world_size} ranks, {launch.local_world_size} on this node) and no rendezvous host is known: "  # noqa: E501
+                "set MASTER_ADDR to the host name or address of rank 0's node (and MASTER_PORT to a free port there) for every rank, e.g. mpirun -x MASTER_ADDR=node1 -x MASTER_PORT=29500 ..."  # noqa: E501
             )
         env[ENV_MASTER_ADDR] = host
     if ENV_MASTER_PORT not in env:

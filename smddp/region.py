@@ -200,8 +200,7 @@ class RegionView:
             raise ValueError(f"no region has {world} slots of data buffers of {data_bytes} bytes")
         if buf.nbytes != region_bytes(world, data_bytes):
             raise ValueError(
-                f"a region of {world} slots of data buffers of {data_bytes} bytes has "
-                f"{region_bytes(world, data_bytes)} bytes, not {buf.nbytes}"
+                f"a region of {world} slots of data buffers of {data_bytes} bytes has {region_bytes(world, data_bytes)} bytes, not {buf.nbytes}"  # noqa: E501
             )
         self.buf = buf
         self.header = buf[:HEADER_BYTES].view(np.int64)
@@ -235,8 +234,7 @@ class RegionView:
         header = buf[:HEADER_BYTES].view(np.int64) if buf.nbytes >= HEADER_BYTES else None
         if header is None or int(header[H_MAGIC]) != MAGIC:
             raise RegionGeometryError(
-                "not an smddp control region of this version (the daemon and the job's smddp "
-                "must be the same release)"
+                "not an smddp control region of this version (the daemon and the job's smddp must be the same release)"  # noqa: E501
             )
         said = (int(header[H_WORLD]), int(header[H_SLOT_BYTES]), int(header[H_DATA_BYTES]))
         if world is None:
@@ -247,10 +245,11 @@ class RegionView:
             trusted = cls(buf, world, data_bytes)
             if said == (world, slot_bytes(data_bytes), data_bytes):
                 return trusted
+        says = f"{said[0]} ranks, slots of {said[1]} bytes and data buffers of {said[2]} bytes"
+        made = f"{world} ranks on this node in {buf.nbytes} bytes"
+        why = "a rank of the job wrote over its header"
         raise RegionGeometryError(
-            f"the control region's header says {said[0]} ranks, slots of {said[1]} bytes and "
-            f"data buffers of {said[2]} bytes, but smddpd made it for {world} ranks on this "
-            f"node in {buf.nbytes} bytes (a rank of the job wrote over its header)",
+            f"the control region's header says {says}, but smddpd made it for {made} ({why})",
             trusted,
         )
 

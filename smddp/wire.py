@@ -161,10 +161,7 @@ def reduce_op_check(dtype: int, reduce_op: int) -> str | None:
     if reduce_op not in REDUCE_NAMES:
         return f"unknown reduce op {reduce_op}"
     if reduce_op in (pb.BAND, pb.BOR, pb.BXOR) and dtype in FLOAT_DTYPES:
-        return (
-            f"{REDUCE_NAMES[reduce_op]} is only defined for integer and bool tensors, not "
-            f"{dtype_name(dtype)}"
-        )
+        return f"{REDUCE_NAMES[reduce_op]} is only defined for integer and bool tensors, not {dtype_name(dtype)}"  # noqa: E501
     if reduce_op == pb.AVG and dtype not in FLOAT_DTYPES:
         return f"AVG is only defined for floating-point tensors, not {dtype_name(dtype)}"
     return None
