@@ -74,8 +74,8 @@ class ExitGate:
             done = self._cond.wait_for(lambda: self._inside == 0, timeout_s)
         if not done:
             log.warning(
-                "smddp: at exit a thread of smddp was still inside torch after %.0f s; the "
-                "process may abort as the interpreter finalizes",
+                "smddp: at exit a thread of smddp was still inside torch after %.0f s; "
+                "the process may abort as the interpreter finalizes",
                 timeout_s,
             )
         return done
