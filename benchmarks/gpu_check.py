@@ -159,8 +159,7 @@ class Check:
                     f"missing, with no wheel in {REPO / '.whl'}: {', '.join(unmet)}; run "
                     "scripts/gpu_wheels.sh where PyPI is reachable and carry .whl"
                 )
-            pip = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
-            cmd = [*pip, "--no-index", "--no-deps", "--no-compile", "--no-cache-dir", "--upgrade", "--target", str(deps), *wheels]  # fmt: skip  # noqa: E501
+            cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir", "--upgrade", "--target", str(deps), *wheels]  # fmt: skip  # noqa: E501
             done = subprocess.run(
                 cmd, capture_output=True, text=True, timeout=self.caps["env"] - 10
             )
