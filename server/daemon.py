@@ -351,6 +351,8 @@ class Daemon:
         """The Node service's health follows ready(): NOT_SERVING while no job can start."""
         ok, why = self.ready()
         if ok != self._serving and not self.stopping:
+            # None before the first check: only a return from NOT_SERVING is a recovery.
+            recovered = self._serving is False
             self._serving = ok
             status = (
                 health_pb2.HealthCheckResponse.SERVING
@@ -358,8 +360,10 @@ class Daemon:
                 else health_pb2.HealthCheckResponse.NOT_SERVING
             )
             self.health.set(NODE_SERVICE, status)
-            if ok:
+            if ok and recovered:
                 log.info("ready for new jobs again")
+            elif ok:
+                log.info("ready for new jobs")
             else:
                 log.warning("cannot take new jobs: %s", why)
 

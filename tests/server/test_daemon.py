@@ -7,6 +7,7 @@ import os
 import secrets
 import signal
 import sys
+import time
 
 import grpc
 import numpy as np
@@ -92,6 +93,21 @@ def test_signal_stops_daemon_cleanly(sig, start_daemon, monkeypatch):
         with pytest.raises(SmddpError, match="smddpd"):
             comm.all_reduce(x).wait()
         comm.close()
+
+
+@pytest.mark.timeout(120)
+def test_the_first_start_is_not_called_a_recovery(start_daemon):
+    """A fresh daemon says it is "ready for new jobs"; "again" is only for a return from
+    NOT_SERVING (tests/failures/test_limits.py checks that one)."""
+    d = start_daemon()
+    d.serving_line()
+    deadline = time.monotonic() + 60
+    while "ready for new jobs" not in d.log() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    log = d.log()
+    assert "ready for new jobs" in log, log
+    assert "ready for new jobs again" not in log, log
+    assert d.stop(signal.SIGTERM) == 0, d.log()
 
 
 def job_worker(
