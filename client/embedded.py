@@ -3,7 +3,8 @@
 A system daemon (``/run/smddp/smddpd.sock``, or ``ClientConfig.socket``) is used whenever it
 answers its health check. Otherwise the job's local leader starts ``smddpd`` on a socket in
 a private temporary folder; it lives as long as the job: it exits once its owner process is
-gone and no rank is registered, and removes its folder on the way out. A daemon that could
+gone and no rank is registered, or at once when the job's launcher (torchrun, the parent of
+the rank that started it) is gone, and removes its folder on the way out. A daemon that could
 not (SIGKILL, OOM kill) leaves the folder behind; the next embedded start of the same user
 removes such folders once nothing listens on their socket.
 """
@@ -146,6 +147,19 @@ def _dead_socket(path: str, now: float) -> bool:
     )
 
 
+def _launcher_pid() -> int:
+    """The job's launcher for the embedded daemon to watch: this rank's parent when a launcher
+    started it (LOCAL_RANK set, as torchrun and its kin do) and the parent is not init (the
+    launcher already gone, or a process that daemonized itself); 0 otherwise. A rank started
+    from a shell (``nohup python train.py &``) must outlive that shell, so it is not watched.
+    The owner (this process) may outlive a SIGKILLed torchrun with the other ranks; the daemon
+    then exits and they fail with DaemonLostError instead of running on unsupervised."""
+    if os.environ.get("LOCAL_RANK") is None:
+        return 0
+    parent = os.getppid()
+    return parent if parent > 1 else 0
+
+
 def start_embedded_daemon(
     tried: list[str] | None = None,
     peer_host: str | None = None,
@@ -197,6 +211,9 @@ def start_embedded_daemon(
         "--log-level",
         config.embedded_log_level,
     ]
+    launcher = _launcher_pid()
+    if launcher:
+        cmd += ["--launcher-pid", str(launcher)]
     proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + START_TIMEOUT_S
     while not daemon_answers(path, timeout_s=1.0):

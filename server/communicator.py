@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Protocol, cast
 
 import numpy as np
 
+from smddp.region import S_DONE, S_SEQ
 from smddp.server import hierarchical, host_collectives, supervise
 from smddp.server.algorithms import Selector
 from smddp.server.arena import Arena
@@ -1023,7 +1024,7 @@ class Communicator:
             # GPU ops already queued, gated on ranks' ready events (a dead rank's never
             # fires), go ahead now: survivors whose hosts wait on their streams get free.
             gpu_ops.abort_comm(self)
-        in_region = region is not None and not region.all_done()
+        in_region = region is not None and self._region_waits_on(region, culprit)
         if region is not None:
             region.fail(kind, message)  # every rank waiting in the region wakes and raises it
         if self.peers is not None:
@@ -1051,6 +1052,24 @@ class Communicator:
                 self._reply_error(session, req, kind, message)
         for wait in waiting:
             self._reply_error(wait.session, wait.req, kind, message)
+
+    def _region_waits_on(self, region: ControlRegion, culprit: Session | None) -> bool:
+        """Whether a rank inside an op of the region waits for what ``culprit`` (the rank that
+        left or failed) has not given: True when it is itself inside an op, or another rank is
+        inside a later op than the last it entered. A rank still finishing an op that the
+        culprit finished (its done mark lags by a moment after a clean destroy_process_group)
+        waits for nothing of it. Without a culprit on this node: any rank inside an op."""
+        if culprit is None or culprit.rank not in self.local_ranks:
+            return not region.all_done()
+        slots = region.view.slots
+        mine = self.local_ranks.index(culprit.rank)
+        my_seq = int(slots[mine, S_SEQ])
+        if my_seq != int(slots[mine, S_DONE]):
+            return True
+        return any(
+            int(slots[r, S_SEQ]) != int(slots[r, S_DONE]) and int(slots[r, S_SEQ]) > my_seq
+            for r in range(len(self.local_ranks))
+        )
 
     def _count_op_failure(self) -> None:
         """Counts the communicator's failure for an op that failed outside ``_pending`` (while

@@ -88,6 +88,8 @@ class DaemonConfig:
     log_level: str = "INFO"
     log_format: str = "text"  # text | json
     owner_pid: int = 0  # embedded daemon: exit once this process is gone and no rank is left
+    # Embedded daemon: the job's launcher (torchrun), exit at once when it is gone; 0 = none.
+    launcher_pid: int = 0
     chunk_bytes: int = 4 << 20  # arena footprint of one op chunk (4 MiB: a chunk stays in cache)
     gpu_chunk_bytes: int = 256 << 20  # most bytes one GPU reduction kernel launch covers
     # When CuPy is imported and the common kernels compiled on every GPU: "first-op" (the
@@ -156,6 +158,8 @@ _HELP = {
     "log_level": "DEBUG, INFO, WARNING or ERROR",
     "log_format": "text or json",
     "owner_pid": "embedded mode: exit when this pid is gone and no rank is registered",
+    "launcher_pid": "embedded mode: exit at once when this pid (the job's launcher, such as "
+    "torchrun) is gone, even with ranks registered",
     "chunk_bytes": "arena bytes of one op chunk (large ops are cut and pipelined)",
     "gpu_chunk_bytes": "GPU ops: "
     "most bytes one reduction kernel launch covers (a larger op is several launches, between which other jobs' GPU work can run)",  # noqa: E501

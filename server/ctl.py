@@ -488,14 +488,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# What a shell reports for a command that SIGPIPE ended (128 + 13), as `yes | head -1` does.
+BROKEN_PIPE_STATUS = 141
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs one smddpctl command.
 
     Returns:
-        0 on success; 1 when the daemon is not healthy.
+        0 on success; 1 when the daemon is not healthy; 141 (BROKEN_PIPE_STATUS) when the
+        reader of stdout closed it before everything was written.
     """
-    args = build_parser().parse_args(argv)
-    status: int = args.func(args)
+    try:
+        try:
+            args = build_parser().parse_args(argv)
+            status: int = args.func(args)
+        except SystemExit:
+            # --help and usage errors exit from parse_args: their text is flushed here too.
+            sys.stdout.flush()
+            raise
+        # Flushed here, not at interpreter exit, so that a reader that has gone (`smddpctl
+        # status | head -1`) is seen below rather than as "Exception ignored" at shutdown.
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader has closed the pipe: stay quiet, as other command-line tools do. stdout
+        # now points at /dev/null so that the interpreter's own flush at exit cannot fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return BROKEN_PIPE_STATUS
     return status
 
 

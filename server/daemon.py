@@ -76,6 +76,23 @@ def _zombie(pid: int) -> bool:
     return stat[end + 2 : end + 3] == b"Z"
 
 
+def _start_time(pid: int) -> int | None:
+    """The start time of process ``pid`` (clock ticks after boot, /proc/PID/stat field 22), or
+    None when there is no such process: with the pid, it names one process, whereas a pid
+    alone may since have been given to another."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    end = stat.rfind(b")")  # the command name may contain spaces and parentheses
+    fields = stat[end + 2 :].split()
+    try:
+        return int(fields[19])  # field 22; fields[0] is field 3 (the state)
+    except (IndexError, ValueError):
+        return None
+
+
 def _answers(data_socket: str) -> bool:
     """True when a live daemon accepts connections on ``data_socket``."""
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -109,6 +126,11 @@ class Daemon:
         self._watchdog_pinger = notify.Watchdog(healthy=self.alive)
         self._data: DataSocketServer | None = None
         self._orphaned_at: float | None = None
+        # The launcher's start time, taken now while it runs: a later process given its pid
+        # has another (None: it was already gone, and the first tick says so).
+        self._launcher_start = (
+            _start_time(self.config.launcher_pid) if self.config.launcher_pid else None
+        )
         self._free_fds = 1 << 30
         self._fds_checked = 0.0
         self._serving: bool | None = None  # what health last said about the Node service
@@ -351,6 +373,8 @@ class Daemon:
         """The Node service's health follows ready(): NOT_SERVING while no job can start."""
         ok, why = self.ready()
         if ok != self._serving and not self.stopping:
+            # None before the first check: only a return from NOT_SERVING is a recovery.
+            recovered = self._serving is False
             self._serving = ok
             status = (
                 health_pb2.HealthCheckResponse.SERVING
@@ -358,8 +382,10 @@ class Daemon:
                 else health_pb2.HealthCheckResponse.NOT_SERVING
             )
             self.health.set(NODE_SERVICE, status)
-            if ok:
+            if ok and recovered:
                 log.info("ready for new jobs again")
+            elif ok:
+                log.info("ready for new jobs")
             else:
                 log.warning("cannot take new jobs: %s", why)
 
@@ -396,11 +422,28 @@ class Daemon:
                 self._free_fds = _free_fds()
         with supervise.unit("the watchdog updated health"):
             self._update_health()
+        if self.config.launcher_pid and self._launcher_gone():
+            log.warning(
+                "the launcher (pid %d) of the job that started this embedded smddpd has gone; "
+                "exiting",
+                self.config.launcher_pid,
+            )
+            threading.Thread(target=self.stop, daemon=True).start()
+            return True
         if self.config.owner_pid and self._owner_gone(now):
             log.info("the job that started this embedded smddpd has ended; exiting")
             threading.Thread(target=self.stop, daemon=True).start()
             return True
         return False
+
+    def _launcher_gone(self) -> bool:
+        """True once the job's launcher has exited (or is a zombie), or its pid now names
+        another process. Its ranks may live on (torchrun SIGKILLed leaves them running): they
+        lose this daemon and raise DaemonLostError rather than wait on a job nobody runs."""
+        pid = self.config.launcher_pid
+        if self._launcher_start is None or _zombie(pid):
+            return True
+        return _start_time(pid) != self._launcher_start
 
     def _owner_gone(self, now: float) -> bool:
         try:

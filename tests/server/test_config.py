@@ -39,6 +39,7 @@ def test_defaults_without_flags_env_or_file() -> None:
         "log_level": "INFO",
         "log_format": "text",
         "owner_pid": 0,
+        "launcher_pid": 0,
         "chunk_bytes": 4 << 20,
         "gpu_chunk_bytes": 256 << 20,
         "gpu_warm": "first-op",

@@ -143,3 +143,50 @@ def test_size_errors_and_the_config_file(tmp_path, capsys) -> None:
     assert "chunk_bytes: 'lots' is not a size" in capsys.readouterr().err
     help_text = config_mod.build_parser().format_help()
     assert "default 4MiB" in help_text and "default 16GiB" in help_text
+
+
+def _ctl_into_closed_pipe(*args: str, socket: str) -> subprocess.CompletedProcess[str]:
+    """smddpctl with a stdout whose reader has already gone, as in `smddpctl status | head -1`
+    once head has its line: every write fails with EPIPE, whatever the timing."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SMDDP_")}
+    env["SMDDP_SOCKET"] = socket
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "smddp.server.ctl", *args],
+            env=env,
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+    finally:
+        os.close(write_end)
+
+
+@pytest.mark.timeout(120)
+def test_a_reader_that_closed_the_pipe_gets_no_traceback(daemon) -> None:
+    for args in (("status",), ("metrics",), ("--help",)):
+        proc = _ctl_into_closed_pipe(*args, socket=daemon.socket)
+        assert "Traceback" not in proc.stderr and "BrokenPipeError" not in proc.stderr, (
+            args,
+            proc.stderr,
+        )
+        assert proc.stderr == "", (args, proc.stderr)
+        assert proc.returncode == 141, (args, proc.returncode, proc.stderr)
+
+    # And through a real `head -1`, which reads the first line and exits.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SMDDP_")}
+    env["SMDDP_SOCKET"] = daemon.socket
+    shell = subprocess.run(
+        ["bash", "-c", f"'{sys.executable}' -m smddp.server.ctl status | head -1"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert shell.returncode == 0 and shell.stdout.strip(), shell
+    assert "Traceback" not in shell.stderr and "BrokenPipeError" not in shell.stderr, shell.stderr

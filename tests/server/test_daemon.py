@@ -7,10 +7,12 @@ import os
 import secrets
 import signal
 import sys
+import time
 
 import grpc
 import numpy as np
 import pytest
+from ports import free_port
 
 from smddp.client import SmddpError, connect
 from smddp.v1 import smddp_pb2 as pb
@@ -92,6 +94,53 @@ def test_signal_stops_daemon_cleanly(sig, start_daemon, monkeypatch):
         with pytest.raises(SmddpError, match="smddpd"):
             comm.all_reduce(x).wait()
         comm.close()
+
+
+@pytest.mark.timeout(120)
+def test_the_first_start_is_not_called_a_recovery(start_daemon):
+    """A fresh daemon says it is "ready for new jobs"; "again" is only for a return from
+    NOT_SERVING (tests/failures/test_limits.py checks that one)."""
+    d = start_daemon()
+    d.serving_line()
+    deadline = time.monotonic() + 60
+    while "ready for new jobs" not in d.log() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    log = d.log()
+    assert "ready for new jobs" in log, log
+    assert "ready for new jobs again" not in log, log
+    assert d.stop(signal.SIGTERM) == 0, d.log()
+
+
+def torch_leave_worker(rank: int, world: int, socket_path: str, port: int) -> None:
+    """One torch rank: a few all_reduces and a barrier through the control region, then a
+    clean destroy_process_group at once (the other rank may still be marking its done)."""
+    os.environ.update(SMDDP_SOCKET=socket_path, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch
+    import torch.distributed as dist
+
+    import smddp  # noqa: F401  (registers the backend)
+
+    torch.set_num_threads(1)
+    dist.init_process_group("smddp", rank=rank, world_size=world)
+    for _ in range(20):
+        t = torch.ones(1000)
+        dist.all_reduce(t)
+        assert t[0].item() == world
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(240)
+def test_a_clean_torch_run_leaves_without_a_warning(daemon, spawn_ranks):
+    """Both ranks call destroy_process_group: the leaves are INFO, as nothing failed. (The
+    lag that made one of them a WARNING is timing-dependent; test_in_process.py pins it.)"""
+    spawn_ranks(torch_leave_worker, 2, 2, daemon.socket, free_port()).join()
+    deadline = time.monotonic() + 30
+    while daemon.log().count("has left the communicator") < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    lines = [line for line in daemon.log().splitlines() if "has left the communicator" in line]
+    assert len(lines) == 2, daemon.log()
+    assert not [line for line in lines if " WARNING " in line], daemon.log()
 
 
 def job_worker(

@@ -9,6 +9,7 @@ tests/multinode and tests/failures.
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import threading
 from collections.abc import Sequence
@@ -16,6 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
+from smddp.region import S_DONE, S_SEQ
 from smddp.server import hierarchical
 from smddp.server.arena import Arena
 from smddp.server.communicator import Communicator, Session
@@ -406,3 +408,34 @@ def test_hello_and_header_round_trip():
     with pytest.raises(ConnectionError, match="not an smddp peer"):
         read_hello(_Pipe(b"\x16\x03" + bytes(30)))
     assert parse_address("[::1]:5000") == ("::1", 5000)
+
+
+@pytest.mark.parametrize(
+    ("other_seq", "other_done", "level"),
+    [
+        # Rank 1 is still marking done the op that rank 0 finished before it left: it waits for
+        # nothing of rank 0, so the clean leave stays at INFO.
+        (6, 5, logging.INFO),
+        # Rank 1 is inside op 7, which rank 0 never entered: the leave fails it mid-op.
+        (7, 6, logging.WARNING),
+    ],
+    ids=["finishing-the-same-op", "waiting-in-a-later-op"],
+)
+def test_a_clean_leave_warns_only_when_a_rank_in_the_region_waits_for_it(
+    other_seq, other_done, level, caplog
+):
+    comm = Communicator("j", "c", 2, TOKEN, 10.0, 4096)
+    (s0, _), _ = _session(comm, 0), _session(comm, 1)
+    assert len(comm.arena_fds()) == 3  # both attached: the control region now exists
+    region = comm.region
+    assert region is not None
+    region.view.slots[0, S_SEQ] = region.view.slots[0, S_DONE] = 6
+    region.view.slots[1, S_SEQ] = other_seq
+    region.view.slots[1, S_DONE] = other_done
+    why = (
+        "job j comm c: rank 0 (pid 100, node n0) has left the communicator (destroy_process_group)"
+    )
+    with caplog.at_level(logging.INFO, logger="smddp.server.communicator"):
+        comm.remove(s0, why, pb.RANK_FAILED, logging.INFO)
+    (record,) = [r for r in caplog.records if r.getMessage() == why]
+    assert record.levelno == level, record.levelname
