@@ -158,8 +158,8 @@ _HELP = {
     "log_level": "DEBUG, INFO, WARNING or ERROR",
     "log_format": "text or json",
     "owner_pid": "embedded mode: exit when this pid is gone and no rank is registered",
-    "launcher_pid": "embedded mode: exit at once when this pid (the job's launcher, such as "
-    "torchrun) is gone, even with ranks registered",
+    "launcher_pid": "embedded mode: the job's launcher, such as torchrun; "
+    "exit at once when it is gone, even with ranks registered",
     "chunk_bytes": "arena bytes of one op chunk (large ops are cut and pipelined)",
     "gpu_chunk_bytes": "GPU ops: "
     "most bytes one reduction kernel launch covers (a larger op is several launches, between which other jobs' GPU work can run)",  # noqa: E501
