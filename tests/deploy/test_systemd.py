@@ -41,7 +41,10 @@ needs_systemd_analyze = pytest.mark.skipif(
 )
 
 # Variables smddpd reads that have no place in a system service's settings.
-NOT_FOR_SERVICES = {"SMDDP_OWNER_PID"}  # the embedded daemon a training job starts itself
+NOT_FOR_SERVICES = {
+    "SMDDP_OWNER_PID",
+    "SMDDP_LAUNCHER_PID",
+}  # the embedded daemon a training job starts itself
 
 
 def _smddpd_path(tmp_path: Path) -> Path:
