@@ -13,6 +13,7 @@ import multiprocessing as mp
 import secrets
 import socket
 import struct
+import threading
 import urllib.request
 
 import grpc
@@ -22,6 +23,7 @@ import pytest
 from smddp.client.communicator import daemon_info
 from smddp.server.peer_wire import (
     FRAME_DATA,
+    FRAME_HEARTBEAT,
     HELLO_OK,
     HELLO_REFUSED,
     pack_header,
@@ -140,7 +142,10 @@ def test_peer_without_token_garbage_and_wrong_size_are_refused(start_daemon) -> 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         http = f"127.0.0.1:{probe.getsockname()[1]}"
-    daemon = start_daemon(args=("--http-bind", http))
+    # Node b is played by hand as the ring algorithm's first step: pinned, so that the cost
+    # model's choice for 32 bytes (recursive doubling, whose first exchange is round 1 of the
+    # whole buffer) does not leave the hand-made frame unread.
+    daemon = start_daemon(args=("--http-bind", http, "--algo", "ring"))
     info = daemon_info(daemon.socket)
     assert info.peer_transport == pb.TCP
     port = info.data_port
@@ -188,30 +193,48 @@ def test_peer_without_token_garbage_and_wrong_size_are_refused(start_daemon) -> 
         # With the token, but a chunk of the wrong size for the op: the job fails, naming it.
         sock, status, message = _hello(port, token_proof(TOKEN, JOB, COMM))
         assert (status, message) == (HELLO_OK, "")
+        # Node b beats as a real daemon does, so that a slow machine cannot turn the wrong-size
+        # error into "silent for 5 s" before the rank's op reads the chunk.
+        sending = threading.Lock()
+        stop = threading.Event()
+
+        def beat() -> None:
+            while not stop.wait(1.0):
+                with sending:
+                    try:
+                        sock.sendall(pack_header(FRAME_HEARTBEAT, 1))
+                    except OSError:
+                        return
+
+        beater = threading.Thread(target=beat, daemon=True)
+        beater.start()
         req = pb.OpRequest(
             seq=1, part=0, parts=1, kind=pb.ALL_REDUCE, dtype=pb.FLOAT32, count=8, reduce_op=pb.SUM
         )
         wrong = np.full(3, 100.0, dtype=np.float32)  # node a expects its 4-element segment
-        sock.sendall(
-            pack_header(
-                FRAME_DATA,
-                1,
-                wrong.nbytes,
-                kind=req.kind,
-                dtype=req.dtype,
-                seq=req.seq,
-                part=req.part,
-                parts=req.parts,
-                count=req.count,
-                reduce_op=req.reduce_op,
+        with sending:
+            sock.sendall(
+                pack_header(
+                    FRAME_DATA,
+                    1,
+                    wrong.nbytes,
+                    kind=req.kind,
+                    dtype=req.dtype,
+                    seq=req.seq,
+                    part=req.part,
+                    parts=req.parts,
+                    count=req.count,
+                    reduce_op=req.reduce_op,
+                )
+                + wrong.tobytes()
             )
-            + wrong.tobytes()
-        )
         result = queue.get(timeout=30)
         assert result[0] == "error", result
         assert "node b sent 3 elements where this node expected 4" in result[1]
         # Nothing of the bad chunk reached the rank's tensor.
         assert result[2] == list(range(8))
+        stop.set()
+        beater.join(10)
         sock.close()
     finally:
         proc.join(30)
