@@ -1190,7 +1190,11 @@ class Communicator:
             try:
                 counts = region.new_counts()
             except ImpossibleCounters as exc:
-                bad: ImpossibleCounters | None = exc
+                # Its slot and text, not the exception: kept past the except, the exception's
+                # traceback would hold this frame, which holds it, a cycle that keeps the
+                # region's views, its mapping and the mapping's descriptor until the garbage
+                # collector runs, long after the job ended.
+                bad: tuple[int, str] | None = (exc.slot, exc.problem)
             else:
                 bad = None
                 if counts is not None:
@@ -1201,13 +1205,14 @@ class Communicator:
                         self.job_id, self.world_size, ops, nbytes, skew, by_rank
                     )
         if bad is not None:
-            rank = self.local_ranks[bad.slot]
+            slot, problem = bad
+            rank = self.local_ranks[slot]
             culprit = self.members.get(rank)
             who = culprit.label() if culprit is not None else f"rank {rank} (not registered)"
             self.fail(
                 pb.INVALID,
                 f"{self.name()}: "
-                f"rank {rank}'s metric counters in the control region {bad.problem}: "
+                f"rank {rank}'s metric counters in the control region {problem}: "
                 f"the region was written by something other than smddp ({who})",
                 culprit=culprit,
             )

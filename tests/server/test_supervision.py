@@ -9,6 +9,7 @@ job's missing rank is still timed out on time, health stays SERVING, the watchdo
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import secrets
@@ -30,6 +31,7 @@ from smddp.client import connect
 from smddp.client.arena import ClientArena
 from smddp.client.communicator import Communicator as ClientComm
 from smddp.client.errors import OpError, OpTimeoutError
+from smddp.region import C_OPS
 from smddp.server import supervise
 from smddp.server.communicator import Communicator, Session
 from smddp.server.config import DaemonConfig
@@ -241,6 +243,39 @@ def test_close_releases_everything_when_reading_the_metrics_raises(
         assert "smddp" not in target, f"fd {fd} still open: {target}"
     assert comm.region is None
     assert daemon.registry.session_count() == 0 and daemon.registry.job_count() == 0
+
+
+def test_counters_gone_backwards_leave_no_mapping_behind(daemon: Daemon) -> None:
+    """The communicator that refused a rank's counters unmaps its region when it closes.
+
+    The refusal once kept its exception past the except, in a cycle with its own frame (which
+    held the region's views): the region's mapping, and the descriptor Python's mmap keeps of
+    it, stayed until the garbage collector ran, in practice for good (50 hostile jobs left the
+    daemon holding two regions). The collector is off here, so a cycle would keep it.
+    """
+    path = daemon.config.socket
+    comms = pair(path, "backwards")
+    ops = [Op(c) for c in comms]
+    for op in ops:
+        op.join(30)
+        assert op.error is None, op.error
+    comm = comm_of(daemon, "backwards")
+    region = comm.region
+    assert region is not None
+    mapping = region._mm
+    view = comms[0]._region.shm.view
+    view.op_table(0)[:, C_OPS] = -7  # rank 0's op counters go backwards
+    gc.disable()
+    try:
+        comm.drain_metrics()  # what a scrape does
+        failed = comm.failed()
+        assert failed is not None and "went backwards" in failed[1], failed
+        for c in comms:
+            c.close()
+        wait_for("the job is forgotten", lambda: not daemon.registry.comms(), 10)
+        assert mapping.closed, "the region's mapping outlived its communicator"
+    finally:
+        gc.enable()
 
 
 def _refuse() -> None:
