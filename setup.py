@@ -1,4 +1,4 @@
-"""The one compiled piece of smddp: smddp._fastregion (the region path's per-op bookkeeping).
+"""The one compiled piece of smddp: smddp.core._fastregion (the region path's per-op bookkeeping).
 
 Everything else is in pyproject.toml. The extension is optional: where it does not build (no
 C compiler or Python headers) smddp installs without it and client/shm.py runs the same
@@ -13,8 +13,8 @@ ext_modules = []
 if os.environ.get("SMDDP_PURE", "") != "1":
     ext_modules.append(
         Extension(
-            "smddp._fastregion",
-            ["smddp/_fastregion.c"],
+            "smddp.core._fastregion",
+            ["core/_fastregion.c"],
             optional=True,
             # Results must be bitwise numpy's: IEEE arithmetic as written, no -ffast-math and
             # no fused multiply-adds; -O3 vectorises the reductions.

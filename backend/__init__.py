@@ -18,7 +18,7 @@ from smddp.backend.job import Job, rendezvous
 from smddp.backend.process_group import BACKEND_NAME, SmddpProcessGroup
 from smddp.client.communicator import Communicator, connect
 from smddp.client.errors import SmddpError
-from smddp.wire import node_layout
+from smddp.core.wire import node_layout
 
 __all__ = ["BACKEND_NAME", "SmddpProcessGroup", "register"]
 

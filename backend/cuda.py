@@ -63,7 +63,7 @@ class TorchCuda:
     ``wait_event``, ``wait_stream``); a fake device returns objects with the same methods.
     """
 
-    driver = None  # the CUDA driver bindings for CUDA IPC (None: smddp.cuda_driver's)
+    driver = None  # the CUDA driver bindings for CUDA IPC (None: smddp.core.cuda_driver's)
 
     def is_device(self, t: torch.Tensor) -> bool:
         return t.device.type == "cuda"

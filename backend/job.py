@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 from smddp.client.communicator import daemon_info
 from smddp.client.embedded import find_or_start_daemon
 from smddp.client.errors import ConnectError
-from smddp.wire import outward_ip
+from smddp.core.wire import outward_ip
 
 ENV_NODE_ID = "SMDDP_NODE_ID"
 ENV_ADVERTISE = "SMDDP_ADVERTISE"

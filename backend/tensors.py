@@ -105,7 +105,7 @@ def as_numpy(t: torch.Tensor, what: str) -> np.ndarray:
     else:
         arr = np.asarray(_TensorMemory(t.detach()))
     if t.dtype == torch.bfloat16:
-        import ml_dtypes  # here, not at the top: its import costs ~1 s (see smddp.wire)
+        import ml_dtypes  # here, not at the top: its import costs ~1 s (see smddp.core.wire)
 
         return arr.view(ml_dtypes.bfloat16)
     return arr

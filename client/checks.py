@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from smddp.client.errors import UnsupportedError
-from smddp.wire import WIRE_CODES, dtype_name, reduce_op_check, wire_dtype
+from smddp.core.wire import WIRE_CODES, dtype_name, reduce_op_check, wire_dtype
 
 
 def flat(array: np.ndarray, what: str, writable: bool = False) -> np.ndarray:

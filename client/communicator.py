@@ -54,8 +54,8 @@ from smddp.client.progress import ProgressThread
 from smddp.client.region_ops import RegionOps, Steps
 from smddp.client.session import DaemonSession
 from smddp.client.shm import ShmPath
+from smddp.core.wire import P2P_KINDS
 from smddp.v1 import smddp_pb2 as pb
-from smddp.wire import P2P_KINDS
 
 if TYPE_CHECKING:
     from smddp.client.cuda_ops import CudaCollectives

@@ -16,7 +16,7 @@ given) and logs the ones that are gone; each communicator sends the daemon what 
 since its previous op (``CudaOp.freed``), and the daemon closes those mappings once its
 streams have passed them.
 
-This uses the CUDA driver directly (``smddp.cuda_driver``) rather than torch's
+This uses the CUDA driver directly (``smddp.core.cuda_driver``) rather than torch's
 ``storage._share_cuda_()``: that call moves the storage behind torch's inter-process
 reference counting, whose counter only a torch consumer releases; the daemon has no torch,
 and every storage shared that way would stay allocated forever.
@@ -29,8 +29,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from smddp import cuda_driver
 from smddp.client.errors import UnsupportedError
+from smddp.core import cuda_driver
 from smddp.v1 import smddp_pb2 as pb
 
 

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Protocol, cast
 from smddp.client.checks import check_reduce, check_root
 from smddp.client.cuda_ipc import IpcExporter
 from smddp.client.errors import UnsupportedError
+from smddp.core.wire import dtype_name, numpy_dtype
 from smddp.v1 import smddp_pb2 as pb
-from smddp.wire import dtype_name, numpy_dtype
 
 if TYPE_CHECKING:
     from smddp.client.inflight import GpuSubmitter as Communicator

@@ -12,9 +12,9 @@ import grpc
 from smddp.client.config import ENV_SOCKET, ClientConfig
 from smddp.client.errors import ConnectError
 from smddp.client.session import grpc_channel
+from smddp.core.wire import SYSTEM_SOCKET, user_socket_path
 from smddp.v1 import smddp_pb2 as pb
 from smddp.v1 import smddp_pb2_grpc as pb_grpc
-from smddp.wire import SYSTEM_SOCKET, user_socket_path
 
 
 def candidates(config: ClientConfig) -> list[str]:

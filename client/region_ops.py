@@ -18,8 +18,8 @@ import numpy as np
 from smddp.client.errors import DaemonLostError, SmddpError
 from smddp.client.inflight import InFlight, RegionWait
 from smddp.client.shm import ShmPath, native_reduce
-from smddp.reduce import _BOOL_UFUNCS, _UFUNCS, reduce_into
-from smddp.region import G_KIND, G_OP, G_SEQ, H_ALARM, data_bytes_for
+from smddp.core.reduce import _BOOL_UFUNCS, _UFUNCS, reduce_into
+from smddp.core.region import G_KIND, G_OP, G_SEQ, H_ALARM, data_bytes_for
 from smddp.v1 import smddp_pb2 as pb
 
 # How long the second synchronisation of an op spanning nodes goes on waiting for the node's

@@ -22,9 +22,7 @@ import numpy as np
 from smddp.client.arena import ClientArena
 from smddp.client.config import ENV_OP_CHANNEL, OP_CHANNELS
 from smddp.client.errors import ConnectError, DaemonLostError, OpError, op_error
-from smddp.v1 import smddp_pb2 as pb
-from smddp.v1 import smddp_pb2_grpc as pb_grpc
-from smddp.wire import (
+from smddp.core.wire import (
     DATA_SOCKET_SUFFIX,
     MAX_MESSAGE_BYTES,
     MSG_ATTACH,
@@ -37,6 +35,8 @@ from smddp.wire import (
     pack,
     unpack,
 )
+from smddp.v1 import smddp_pb2 as pb
+from smddp.v1 import smddp_pb2_grpc as pb_grpc
 
 REGISTER_TIMEOUT_S = 30.0
 RECV_SLICE_S = 1.0  # how often a waiting rank checks its own deadline

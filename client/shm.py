@@ -1,6 +1,6 @@
 """The shared-memory path: a communicator's collectives run between its ranks on one node.
 
-Through the communicator's control region (``smddp.region``), with no message to the daemon:
+Through the communicator's control region (``smddp.core.region``), with no message to the daemon:
 a rank copies its input into its slot's data buffer (or, for large ops, its arena), writes
 the op's signature and bumps its step; once every rank's step has reached its own, it
 checks that all signatures agree, then reduces or copies what it needs from the others'
@@ -25,7 +25,7 @@ import numpy as np
 
 from smddp.client.errors import DaemonLostError, MismatchError, OpError, op_error
 from smddp.client.peer_memory import Probe, reaches
-from smddp.region import (
+from smddp.core.region import (
     C_BYTES,
     C_DUR_BUCKET,
     C_DUR_SUM,
@@ -72,11 +72,11 @@ from smddp.region import (
     futex_wake,
     usable_cores,
 )
+from smddp.core.wire import describe, rank_list
 from smddp.v1 import smddp_pb2 as pb
-from smddp.wire import describe, rank_list
 
 try:  # the per-op bookkeeping in C (setup.py builds it where a compiler is found)
-    from smddp import _fastregion
+    from smddp.core import _fastregion
 except ImportError:  # pragma: no cover - an install without it runs the same in Python
     _fastregion = None  # type: ignore[assignment]
 
@@ -529,7 +529,7 @@ def _native_slot(
     """The C side of this rank's slot, or None (not built, or SMDDP_NATIVE=0)."""
     if not _native():
         return None
-    from smddp import region as layout
+    from smddp.core import region as layout
 
     return _fastregion.Slot(
         region,

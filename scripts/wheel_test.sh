@@ -21,7 +21,7 @@ step() { echo "wheel_test [${SECONDS} s]: $*"; }
 
 step "building (python -m build)"
 .venv/bin/python -m build --outdir "$WORK/dist" . >"$WORK/build.log" 2>&1 || { cat "$WORK/build.log"; exit 1; }
-WHEEL=$(ls "$WORK"/dist/smddp-*.whl)  # cp3x-linux: it carries smddp._fastregion
+WHEEL=$(ls "$WORK"/dist/smddp-*.whl)  # cp3x-linux: it carries smddp.core._fastregion
 step "built $(basename "$WHEEL") and $(basename "$(ls "$WORK"/dist/smddp-*.tar.gz)")"
 
 # A clean venv, used from a folder outside the checkout so that nothing of it is importable.
@@ -34,7 +34,7 @@ PIP=("$ROOT/.venv/bin/python" -m pip --python "$V/python" install -qq --no-compi
 cd "$WORK"
 "$V/python" - "$ROOT" <<'PY'
 import sys, smddp, smddp.server, smddp.client, smddp.v1.smddp_pb2
-import smddp._fastregion  # the region path's C part, built into the wheel
+import smddp.core._fastregion  # the region path's C part, built into the wheel
 root = sys.argv[1]
 assert not smddp.__file__.startswith(root), f"smddp imported from the checkout: {smddp.__file__}"
 import importlib.util, pathlib
@@ -49,6 +49,17 @@ else:
     raise SystemExit("the daemon's install pulled in torch")
 print("wheel_test: smddp", smddp.__version__, "from", smddp.__file__.rsplit("/smddp/", 1)[0], "(no torch)")
 PY
+# From the checkout's root too, where a user runs the README's commands: the folders there
+# (server/, client/, core/, compat/...) must not shadow the installed package (a root folder
+# called smddp once did: "No module named 'smddp.server'").
+(cd "$ROOT" && "$V/python" -c '
+import importlib.util, sys, smddp, smddp.server.main, smddp.client, smddp.core.region
+root = sys.argv[1]
+backend = importlib.util.find_spec("smddp.backend").origin  # it imports torch, not here
+for name, path in [(m.__name__, m.__file__) for m in (smddp, smddp.server.main, smddp.core.region)] + [("smddp.backend", backend)]:
+    assert not path.startswith(root + "/"), f"{name} imported from the checkout: {path}"
+print("wheel_test: from the checkout root, smddp is the installed one:", smddp.__file__)
+' "$ROOT")
 "$V/smddpd" --help | grep -q -- "--chunk-bytes"
 "$V/smddpctl" --help | grep -q "metrics"
 step "smddpd --help and smddpctl --help ok"

@@ -20,7 +20,7 @@ from typing import NamedTuple, Protocol
 
 import numpy as np
 
-from smddp.reduce import reduce_into
+from smddp.core.reduce import reduce_into
 
 SEND = 0  # send buf[lo:hi] to ``peer``
 RECV = 1  # buf[lo:hi] = what ``peer`` sent

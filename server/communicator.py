@@ -19,7 +19,20 @@ from typing import TYPE_CHECKING, Protocol, cast
 
 import numpy as np
 
-from smddp.region import S_DONE, S_SEQ
+from smddp.core.region import S_DONE, S_SEQ
+from smddp.core.wire import (
+    COMBINED_KINDS,
+    KIND_NAMES,
+    P2P_KINDS,
+    REDUCING_KINDS,
+    ROOTED_KINDS,
+    WIRE_CODES,
+    describe_request,
+    dtype_name,
+    numpy_dtype,
+    rank_list,
+    reduce_op_check,
+)
 from smddp.server import hierarchical, host_collectives, supervise
 from smddp.server.algorithms import Selector
 from smddp.server.arena import Arena
@@ -36,19 +49,6 @@ from smddp.server.errors import (
 from smddp.server.logthrottle import refusals
 from smddp.server.peer_wire import FRAME_DATA, Frame
 from smddp.v1 import smddp_pb2 as pb
-from smddp.wire import (
-    COMBINED_KINDS,
-    KIND_NAMES,
-    P2P_KINDS,
-    REDUCING_KINDS,
-    ROOTED_KINDS,
-    WIRE_CODES,
-    describe_request,
-    dtype_name,
-    numpy_dtype,
-    rank_list,
-    reduce_op_check,
-)
 
 log = logging.getLogger(__name__)
 

@@ -20,9 +20,9 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.10: the same parser, as a package (pyproject's dependency on it)
     import tomli as tomllib
 
+from smddp.core.wire import default_socket_path
 from smddp.server import units
 from smddp.server.algorithms import parse_pins
-from smddp.wire import default_socket_path
 
 ENV_PREFIX = "SMDDP_"
 # Settings whose empty default means "worked out at start", not "off".

@@ -1,7 +1,7 @@
 """The daemon's side of a communicator's control region: it creates it and supervises.
 
 The communicator's ranks on this node run their collectives through the region (see
-``smddp.region``); the daemon takes no part in them, beyond the exchange with other nodes
+``smddp.core.region``); the daemon takes no part in them, beyond the exchange with other nodes
 that a communicator spanning nodes asks of it (``OpRequest.node_combined``). Slot i is the
 communicator's ``local_ranks[i]``. It marks the communicator failed there (every waiting rank
 wakes and raises the same error), finds ops that waited past the timeout, shows in-flight
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from smddp.region import (
+from smddp.core.region import (
     C_BYTES,
     C_DUR_BUCKET,
     C_DUR_SUM,
@@ -52,9 +52,9 @@ from smddp.region import (
     init_header,
     region_bytes,
 )
+from smddp.core.wire import KIND_NAMES, describe, dtype_name
 from smddp.server.arena import sealed_memfd
 from smddp.v1 import smddp_pb2 as pb
-from smddp.wire import KIND_NAMES, describe, dtype_name
 
 # What a communicator's counters can have reached since its region was made: its ranks count
 # only what they did, so a value beyond these was written by something else (a process of

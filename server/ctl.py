@@ -24,9 +24,7 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from smddp.v1 import smddp_pb2 as pb
-from smddp.v1 import smddp_pb2_grpc as pb_grpc
-from smddp.wire import (
+from smddp.core.wire import (
     DATA_SOCKET_SUFFIX,
     MAX_MESSAGE_BYTES,
     MSG_METRICS,
@@ -37,6 +35,8 @@ from smddp.wire import (
     socket_candidates,
     unpack,
 )
+from smddp.v1 import smddp_pb2 as pb
+from smddp.v1 import smddp_pb2_grpc as pb_grpc
 
 TIMEOUT_S = 5.0
 SOCKET_ENV = "SMDDP_SOCKET"
@@ -113,7 +113,7 @@ def _ask(
 
 def _query(target: str, msg_type: int, request: bytes) -> bytes:
     """Asks the daemon at gRPC ``target`` (``unix:PATH``) over its data socket: the serialized
-    reply (see ``smddp.wire.MSG_QUERY_REPLY``).
+    reply (see ``smddp.core.wire.MSG_QUERY_REPLY``).
 
     Raises:
         SystemExit: the daemon cannot be reached or refused, saying why.

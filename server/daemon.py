@@ -16,6 +16,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from smddp.core.wire import DATA_SOCKET_SUFFIX
 from smddp.server import notify, supervise, tls
 from smddp.server.config import DaemonConfig
 from smddp.server.data_socket import DataSocketServer
@@ -33,7 +34,6 @@ from smddp.server.topology import advertise_address
 from smddp.server.undecodable import RefuseUndecodable
 from smddp.v1 import smddp_pb2 as pb
 from smddp.v1 import smddp_pb2_grpc as pb_grpc
-from smddp.wire import DATA_SOCKET_SUFFIX
 
 log = logging.getLogger(__name__)
 

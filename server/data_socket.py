@@ -26,14 +26,7 @@ import time
 
 from google.protobuf.message import DecodeError
 
-from smddp.server import __version__, gpu_free, supervise
-from smddp.server.communicator import Session
-from smddp.server.errors import LimitExceeded, SmddpError
-from smddp.server.limits import Counts
-from smddp.server.logthrottle import refusals
-from smddp.server.registry import Registry
-from smddp.v1 import smddp_pb2 as pb
-from smddp.wire import (
+from smddp.core.wire import (
     MAX_MESSAGE_BYTES,
     MSG_ATTACH,
     MSG_ATTACH_REPLY,
@@ -49,6 +42,13 @@ from smddp.wire import (
     pack,
     unpack,
 )
+from smddp.server import __version__, gpu_free, supervise
+from smddp.server.communicator import Session
+from smddp.server.errors import LimitExceeded, SmddpError
+from smddp.server.limits import Counts
+from smddp.server.logthrottle import refusals
+from smddp.server.registry import Registry
+from smddp.v1 import smddp_pb2 as pb
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from smddp.core.wire import REDUCING_KINDS, ROOTED_KINDS
 from smddp.v1 import smddp_pb2 as pb
-from smddp.wire import REDUCING_KINDS, ROOTED_KINDS
 
 
 def op_signature(

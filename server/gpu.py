@@ -42,6 +42,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from smddp.core.wire import (
+    KIND_NAMES,
+    REDUCING_KINDS,
+    ROOTED_KINDS,
+    describe_request,
+    dtype_name,
+    rank_list,
+)
 from smddp.server import gpu_kernels, gpu_staging, supervise
 from smddp.server.arena import Arena
 from smddp.server.errors import (
@@ -53,14 +61,6 @@ from smddp.server.errors import (
 )
 from smddp.server.peer_wire import Frame
 from smddp.v1 import smddp_pb2 as pb
-from smddp.wire import (
-    KIND_NAMES,
-    REDUCING_KINDS,
-    ROOTED_KINDS,
-    describe_request,
-    dtype_name,
-    rank_list,
-)
 
 if TYPE_CHECKING:
     from smddp.server.communicator import Communicator, Session

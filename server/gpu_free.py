@@ -19,9 +19,9 @@ import socket
 
 from google.protobuf.message import DecodeError
 
+from smddp.core.wire import MSG_FREE, MSG_FREE_REPLY, pack
 from smddp.server import gpu
 from smddp.v1 import smddp_pb2 as pb
-from smddp.wire import MSG_FREE, MSG_FREE_REPLY, pack
 
 log = logging.getLogger(__name__)
 

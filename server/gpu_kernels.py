@@ -3,7 +3,7 @@
 Pure text generation, no CuPy: the daemon compiles what ``reduce_module`` returns (NVRTC
 through CuPy, see ``server/gpu.py``) and tests check it on machines without a GPU.
 
-The kernels produce exactly the bits of the host path (``smddp.reduce.reduce_into``, numpy):
+The kernels produce exactly the bits of the host path (``smddp.core.reduce.reduce_into``, numpy):
 
 - the order is fixed by rank, ``((x0 op x1) op x2) ...``, one thread per element;
 - every step is rounded to the element type, as numpy computes float16 and bfloat16 in
@@ -30,8 +30,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from smddp.core.wire import REDUCE_NAMES, dtype_name, reduce_op_check
 from smddp.v1 import smddp_pb2 as pb
-from smddp.wire import REDUCE_NAMES, dtype_name, reduce_op_check
 
 # One vectorised access: 16 bytes per input per thread.
 VECTOR_BYTES = 16

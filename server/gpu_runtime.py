@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from smddp import cuda_driver
+from smddp.core import cuda_driver
 from smddp.server import gpu_kernels
 from smddp.server.errors import CudaCallError
 from smddp.v1 import smddp_pb2 as pb

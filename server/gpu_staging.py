@@ -31,10 +31,10 @@ from typing import Any
 
 import numpy as np
 
+from smddp.core.wire import describe_request, numpy_dtype
 from smddp.server.arena import Arena
 from smddp.server.errors import FailedPrecondition, InvalidRequest
 from smddp.v1 import smddp_pb2 as pb
-from smddp.wire import describe_request, numpy_dtype
 
 # Regions of a staging buffer start on this boundary: the copies and the vectorised kernels
 # (16-byte accesses) stay aligned.

@@ -21,7 +21,8 @@ from typing import Protocol
 
 import numpy as np
 
-from smddp.reduce import copy_into, reduce_into
+from smddp.core.reduce import copy_into, reduce_into
+from smddp.core.wire import WIRE_CODES, describe, describe_request, numpy_dtype, rank_list
 from smddp.server.algo_schedule import Shape, run
 from smddp.server.algorithms import ALGORITHMS, Selector
 from smddp.server.arena import Arena
@@ -29,7 +30,6 @@ from smddp.server.domain import Layout, op_signature
 from smddp.server.errors import InvalidRequest, OpMismatch
 from smddp.server.peer_wire import FRAME_DATA, Frame
 from smddp.v1 import smddp_pb2 as pb
-from smddp.wire import WIRE_CODES, describe, describe_request, numpy_dtype, rank_list
 
 
 class Peers(Protocol):

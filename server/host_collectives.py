@@ -19,11 +19,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from smddp.reduce import copy_into, reduce_into
+from smddp.core.reduce import copy_into, reduce_into
+from smddp.core.wire import describe_request, numpy_dtype
 from smddp.server.arena import Arena
 from smddp.server.errors import InvalidRequest
 from smddp.v1 import smddp_pb2 as pb
-from smddp.wire import describe_request, numpy_dtype
 
 
 def _views(

@@ -25,17 +25,17 @@ from prometheus_client import (
 )
 from prometheus_client.metrics_core import Metric
 
-from smddp import region as rg
+from smddp.core import region as rg
+from smddp.core.wire import KIND_NAMES, WIRE_CODES, dtype_name
 from smddp.server.logthrottle import refusals
 from smddp.v1 import smddp_pb2 as pb
-from smddp.wire import KIND_NAMES, WIRE_CODES, dtype_name
 
 log = logging.getLogger(__name__)
 
 # The *_created series double the output and say nothing a scrape's timestamps don't.
 disable_created_metrics()  # type: ignore[no-untyped-call]  # prometheus_client leaves it bare
 
-# The ranks count region ops into the same buckets (smddp.region), so both paths add up.
+# The ranks count region ops into the same buckets (smddp.core.region), so both paths add up.
 _LATENCY_BUCKETS = rg.LATENCY_BUCKETS
 ERROR_NAMES = {v.number: v.name.lower() for v in pb.ErrorKind.DESCRIPTOR.values}
 

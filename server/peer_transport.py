@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Protocol
 import grpc
 import numpy as np
 
+from smddp.core.wire import rank_list
 from smddp.server import supervise
 from smddp.server.domain import Layout
 from smddp.server.errors import PeerError
@@ -61,7 +62,6 @@ from smddp.server.peer_wire import (
 )
 from smddp.server.tcp_transport import TcpNode
 from smddp.v1 import smddp_pb2 as pb
-from smddp.wire import rank_list
 
 if TYPE_CHECKING:
     from smddp.server.limits import BufferAccount

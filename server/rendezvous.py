@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from smddp.core.wire import node_layout, rank_list
 from smddp.server.errors import (
     FailedPrecondition,
     InvalidRequest,
@@ -29,7 +30,6 @@ from smddp.server.errors import (
 )
 from smddp.server.fields import check_node_id, check_peer_address
 from smddp.v1 import smddp_pb2 as pb
-from smddp.wire import node_layout, rank_list
 
 # Every rank of a rendezvous holds a gRPC thread of the root's daemon until all arrived (its
 # Node and Peer services have 256 each), so the rendezvous serves jobs below that; larger jobs

@@ -5,8 +5,8 @@ from __future__ import annotations
 import glob
 import os
 
+from smddp.core.wire import outward_ip
 from smddp.v1 import smddp_pb2 as pb
-from smddp.wire import outward_ip
 
 
 def local_devices() -> list[pb.Device]:

@@ -32,7 +32,7 @@
 
 namespace {
 
-// smddp/wire.py: MSG_FREE, MSG_FREE_REPLY.
+// core/wire.py: MSG_FREE, MSG_FREE_REPLY.
 constexpr unsigned char kMsgFree = 8;
 constexpr unsigned char kMsgFreeReply = 9;
 

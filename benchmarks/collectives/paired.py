@@ -34,7 +34,7 @@ import time
 from typing import Any
 
 from benchmarks.collectives.plot import require_matplotlib
-from smddp.region import usable_cores
+from smddp.core.region import usable_cores
 
 # (op, bytes): bytes are the tensor's, as in the table (all_gather and gather: the
 # output's; all_to_all, reduce_scatter: each rank's input; scatter: the root's inputs).

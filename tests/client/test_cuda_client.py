@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from smddp import cuda_driver
 from smddp.client.communicator import Communicator
 from smddp.client.cuda_ipc import IpcExporter
 from smddp.client.cuda_ops import CudaCollectives, DeviceArray
 from smddp.client.errors import OpError, UnsupportedError
+from smddp.core import cuda_driver
 from smddp.v1 import smddp_pb2 as pb
 
 # -- a fake driver ------------------------------------------------------------------------------

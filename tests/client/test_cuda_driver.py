@@ -1,4 +1,4 @@
-"""smddp/cuda_driver.py's ctypes marshalling, against a stand-in libcuda built here with gcc.
+"""core/cuda_driver.py's ctypes marshalling, against a stand-in libcuda built here with gcc.
 
 The stand-in implements the few driver entry points smddp calls with the real signatures
 and writes known values, so the tests check what ctypes bugs would silently get wrong: the
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from smddp import cuda_driver
+from smddp.core import cuda_driver
 
 FAKE_LIBCUDA = r"""
 #include <string.h>

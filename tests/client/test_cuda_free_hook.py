@@ -25,8 +25,8 @@ import pytest
 
 from smddp.backend import cuda_free_hook
 from smddp.backend.cuda_free_hook import FreeChannel
+from smddp.core.wire import MSG_FREE, MSG_FREE_REPLY, pack
 from smddp.v1 import smddp_pb2 as pb
-from smddp.wire import MSG_FREE, MSG_FREE_REPLY, pack
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -469,7 +469,7 @@ def test_a_build_lock_held_too_long_is_an_error(
 _FOREIGN_ATTACH = """
 import socket, sys
 from smddp.v1 import smddp_pb2 as pb
-from smddp.wire import MSG_FREE_ATTACH, pack, unpack
+from smddp.core.wire import MSG_FREE_ATTACH, pack, unpack
 s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
 s.connect(sys.argv[1])
 s.sendall(pack(MSG_FREE_ATTACH, pb.AttachRequest(session_id=sys.argv[2],
@@ -489,7 +489,7 @@ def test_the_free_channel_belongs_to_its_process_and_its_loss_fails_nothing(daem
     import numpy as np
 
     from smddp.client import connect
-    from smddp.wire import DATA_SOCKET_SUFFIX, unpack
+    from smddp.core.wire import DATA_SOCKET_SUFFIX, unpack
 
     comm = connect("free-channel", b"t" * 16, 0, 1, socket_path=daemon.socket, timeout_s=30)
     try:

@@ -1,4 +1,4 @@
-"""The region path's C part (``smddp/_fastregion.c``) against its Python reference.
+"""The region path's C part (``core/_fastregion.c``) against its Python reference.
 
 ``client/shm.py`` keeps the protocol in Python and hands its hot methods to the C part when
 it is built (CI builds it: a missing build fails here). These tests hold the two to the same
@@ -14,11 +14,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from smddp import _fastregion, region
 from smddp.client.errors import DaemonLostError
 from smddp.client.region_ops import numpy_rank_order, reduce_rank_order
 from smddp.client.shm import ShmPath
-from smddp.region import (
+from smddp.core import _fastregion, region
+from smddp.core.region import (
     C_BYTES,
     C_DUR_BUCKET,
     C_OPS,

@@ -2,7 +2,7 @@
 
 No daemon process here: ``ControlRegion`` is the daemon's own object, and each rank is a
 ``ShmPath`` over the same mapping, driven from its own thread, as the engine drives it.
-Every test runs twice: with the C part (``smddp._fastregion``, which CI builds, so its absence
+Every test runs twice: with the C part (``smddp.core._fastregion``, which CI builds, so its absence
 fails here) and with the Python reference (``SMDDP_NATIVE=0``).
 """
 
@@ -17,7 +17,7 @@ import pytest
 
 from smddp.client.errors import DaemonLostError, MismatchError, OpTimeoutError, RankFailedError
 from smddp.client.shm import ShmPath
-from smddp.region import C_BYTES, C_OPS, DTYPES, K_COUNT
+from smddp.core.region import C_BYTES, C_OPS, DTYPES, K_COUNT
 from smddp.server.control_region import ControlRegion
 from smddp.v1 import smddp_pb2 as pb
 
@@ -40,7 +40,7 @@ def _ranks(region: ControlRegion, timeout_s: float = 60.0, alive=lambda: True) -
     ]
     native = os.environ["SMDDP_NATIVE"] == "1"
     assert all((shm.native is not None) == native for shm in ranks), (
-        "smddp._fastregion is not built (setup.py builds it: pip install -e .)"
+        "smddp.core._fastregion is not built (setup.py builds it: pip install -e .)"
     )
     return ranks
 

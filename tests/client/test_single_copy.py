@@ -25,7 +25,7 @@ from smddp.client import connect
 from smddp.client.config import ClientConfig
 from smddp.client.errors import OpError, RankFailedError
 from smddp.client.peer_memory import Probe, reaches, read
-from smddp.region import S_PID
+from smddp.core.region import S_PID
 from smddp.v1 import smddp_pb2 as pb
 
 WORLD = 3

@@ -32,10 +32,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from smddp.client.arena import ClientArena
-from smddp.server.registry import _uid_of
-from smddp.v1 import smddp_pb2 as pb
-from smddp.v1 import smddp_pb2_grpc as pb_grpc
-from smddp.wire import (
+from smddp.core.wire import (
     DATA_SOCKET_SUFFIX,
     MAX_MESSAGE_BYTES,
     MSG_ATTACH,
@@ -48,6 +45,9 @@ from smddp.wire import (
     pack,
     unpack,
 )
+from smddp.server.registry import _uid_of
+from smddp.v1 import smddp_pb2 as pb
+from smddp.v1 import smddp_pb2_grpc as pb_grpc
 
 NODE = "/smddp.v1.Node/"
 PEER = "/smddp.v1.Peer/"

@@ -44,10 +44,10 @@ from smddp.client import connect
 from smddp.client.arena import ClientArena
 from smddp.client.config import ClientConfig
 from smddp.client.errors import SmddpError
-from smddp.region import C_OPS
+from smddp.core.region import C_OPS
 from smddp.v1 import smddp_pb2 as pb
 from smddp.v1 import smddp_pb2_grpc as pb_grpc
-from smddp.wire import DATA_SOCKET_SUFFIX, MSG_ATTACH, pack
+from smddp.core.wire import DATA_SOCKET_SUFFIX, MSG_ATTACH, pack
 
 PATH = sys.argv[1]
 ARENA = 1 << 20

@@ -35,7 +35,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from smddp.client import SmddpError, connect
 from smddp.client.communicator import Communicator
-from smddp.region import C_OPS, DTYPES, S_OPS
+from smddp.core.region import C_OPS, DTYPES, S_OPS
 from smddp.v1 import smddp_pb2 as pb
 
 VICTIM_OPS = 20

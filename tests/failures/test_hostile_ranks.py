@@ -27,9 +27,9 @@ import pytest
 from test_limits import _attach, pair_all_reduce, register, rss_mb, stub
 
 from smddp.client.arena import ClientArena
+from smddp.core.wire import MAX_MESSAGE_BYTES, MSG_OP, MSG_OP_REPLY, MSG_PEER_ARENAS, pack, unpack
 from smddp.server import config
 from smddp.v1 import smddp_pb2 as pb
-from smddp.wire import MAX_MESSAGE_BYTES, MSG_OP, MSG_OP_REPLY, MSG_PEER_ARENAS, pack, unpack
 
 HOUR_MS = 3_600_000  # the job timeout the attacker picks: nothing may wait on it
 

@@ -49,7 +49,7 @@ from test_limits import SERVING, _attach, node_health, pair_all_reduce, register
 from smddp.client.arena import ClientArena
 from smddp.client.errors import DaemonLostError, OpError
 from smddp.client.shm import ShmPath
-from smddp.region import (
+from smddp.core.region import (
     DATA_OFFSET,
     ERR_MSG_MAX,
     ERR_MSG_OFFSET,
@@ -76,9 +76,7 @@ from smddp.region import (
     STATE_FAILED,
     futex_wake,
 )
-from smddp.server.control_region import ControlRegion
-from smddp.v1 import smddp_pb2 as pb
-from smddp.wire import (
+from smddp.core.wire import (
     MAX_MESSAGE_BYTES,
     MSG_OP,
     MSG_OP_REPLY,
@@ -87,6 +85,8 @@ from smddp.wire import (
     pack,
     unpack,
 )
+from smddp.server.control_region import ControlRegion
+from smddp.v1 import smddp_pb2 as pb
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -162,9 +162,9 @@ from smddp.client.arena import ClientArena
 from smddp.client.errors import DaemonLostError, OpError
 from smddp.client.shm import ShmPath
 from smddp.server.control_region import ControlRegion
-from smddp.region import DATA_OFFSET, H_FAILED, HEADER_BYTES, S_SEQ
+from smddp.core.region import DATA_OFFSET, H_FAILED, HEADER_BYTES, S_SEQ
 from smddp.v1 import smddp_pb2 as pb, smddp_pb2_grpc as pb_grpc
-from smddp.wire import (DATA_SOCKET_SUFFIX, MAX_MESSAGE_BYTES, MSG_ATTACH, MSG_PEER_ARENAS,
+from smddp.core.wire import (DATA_SOCKET_SUFFIX, MAX_MESSAGE_BYTES, MSG_ATTACH, MSG_PEER_ARENAS,
                         pack, unpack)
 path, job, token = sys.argv[1], sys.argv[2], bytes.fromhex(sys.argv[3])
 timeout_ms = int(sys.argv[4])

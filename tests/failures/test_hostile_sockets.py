@@ -28,11 +28,11 @@ import pytest
 from grpc_health.v1 import health_pb2
 from test_limits import SERVING, node_health, pair_all_reduce, register, stub
 
+from smddp.core.wire import DATA_SOCKET_SUFFIX, MAX_MESSAGE_BYTES, MSG_ATTACH, pack, unpack
 from smddp.server.peer_wire import HELLO
 from smddp.server.tcp_transport import MAX_HANDSHAKING
 from smddp.v1 import smddp_pb2 as pb
 from smddp.v1 import smddp_pb2_grpc as pb_grpc
-from smddp.wire import DATA_SOCKET_SUFFIX, MAX_MESSAGE_BYTES, MSG_ATTACH, pack, unpack
 
 
 def threads(pid: int) -> int:

@@ -45,11 +45,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from smddp.client import connect
 from smddp.client.arena import ClientArena
 from smddp.client.errors import DaemonStoppingError
-from smddp.server import config
-from smddp.server.ctl import ask_status
-from smddp.v1 import smddp_pb2 as pb
-from smddp.v1 import smddp_pb2_grpc as pb_grpc
-from smddp.wire import (
+from smddp.core.wire import (
     DATA_SOCKET_SUFFIX,
     MAX_MESSAGE_BYTES,
     MSG_ATTACH,
@@ -57,6 +53,10 @@ from smddp.wire import (
     pack,
     unpack,
 )
+from smddp.server import config
+from smddp.server.ctl import ask_status
+from smddp.v1 import smddp_pb2 as pb
+from smddp.v1 import smddp_pb2_grpc as pb_grpc
 
 NOBODY = 65534
 GROUP = "nogroup"

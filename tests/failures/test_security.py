@@ -33,10 +33,7 @@ import pytest
 from smddp.client import connect
 from smddp.client.arena import ClientArena
 from smddp.client.errors import ConnectError
-from smddp.server.ctl import ask_status
-from smddp.v1 import smddp_pb2 as pb
-from smddp.v1 import smddp_pb2_grpc as pb_grpc
-from smddp.wire import (
+from smddp.core.wire import (
     DATA_SOCKET_SUFFIX,
     MAX_MESSAGE_BYTES,
     MSG_ATTACH,
@@ -45,6 +42,9 @@ from smddp.wire import (
     pack,
     unpack,
 )
+from smddp.server.ctl import ask_status
+from smddp.v1 import smddp_pb2 as pb
+from smddp.v1 import smddp_pb2_grpc as pb_grpc
 
 REPO = Path(__file__).resolve().parents[2]
 NOBODY = 65534
@@ -163,7 +163,7 @@ ATTACH = r"""
 import socket, sys
 from smddp.client.arena import ClientArena
 from smddp.v1 import smddp_pb2 as pb
-from smddp.wire import MSG_ATTACH, MAX_MESSAGE_BYTES, pack, unpack
+from smddp.core.wire import MSG_ATTACH, MAX_MESSAGE_BYTES, pack, unpack
 arena = ClientArena(1 << 20)
 s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
 s.settimeout(10)

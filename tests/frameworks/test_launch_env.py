@@ -1,11 +1,11 @@
-"""smddp.launch_env: torchrun's variables from Open MPI, MPICH/PMI and Slurm's."""
+"""smddp.core.launch_env: torchrun's variables from Open MPI, MPICH/PMI and Slurm's."""
 
 from __future__ import annotations
 
 import pytest
 
-from smddp import launch_env
-from smddp.launch_env import expand_nodelist, expand_tasks_per_node, fill, port_for
+from smddp.core import launch_env
+from smddp.core.launch_env import expand_nodelist, expand_tasks_per_node, fill, port_for
 
 
 def test_open_mpi_one_node() -> None:

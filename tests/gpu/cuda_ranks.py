@@ -1,7 +1,7 @@
 """What the ranks of the GPU tests run (each in its own process, started by ``spawn_ranks``).
 
 Every rank can rebuild every other rank's inputs (seeded by rank), so each checks its own
-results bitwise against the host path (``smddp.reduce``, numpy) without exchanging them.
+results bitwise against the host path (``smddp.core.reduce``, numpy) without exchanging them.
 Functions return a list of failures (empty when all is well) or a dict of measurements.
 """
 
@@ -16,9 +16,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from smddp.reduce import reduce_into
+from smddp.core.reduce import reduce_into
+from smddp.core.wire import reduce_op_check
 from smddp.v1 import smddp_pb2 as pb
-from smddp.wire import reduce_op_check
 
 DTYPES = {
     torch.float16: pb.FLOAT16,

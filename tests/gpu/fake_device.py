@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from smddp import cuda_driver
+from smddp.core import cuda_driver
 
 UUID0 = bytes([0xA0]) * 16  # gpu_fakes.uuid(0): the daemon's fake sees the same GPU
 MEM_PREFIX = b"fakeipc:"

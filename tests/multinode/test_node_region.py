@@ -36,9 +36,9 @@ from smddp.client import SmddpError, connect
 from smddp.client.communicator import Communicator, daemon_info
 from smddp.client.config import ClientConfig
 from smddp.client.errors import MismatchError, OpTimeoutError, RankFailedError
+from smddp.core.wire import node_layout
 from smddp.v1 import smddp_pb2 as pb
 from smddp.v1 import smddp_pb2_grpc as pb_grpc
-from smddp.wire import node_layout
 
 REPO = Path(__file__).resolve().parents[2]
 # node0: ranks 0, 1, 4; node1: ranks 2, 3 (nodes are ordered by their lowest rank)

@@ -28,10 +28,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import c_subset
 
+from smddp.core.wire import numpy_dtype
 from smddp.server import gpu_kernels
 from smddp.server.gpu import CudaCallError
 from smddp.v1 import smddp_pb2 as pb
-from smddp.wire import numpy_dtype
 
 CLIENT_BASE = 0x7F00_0000_0000  # where fake ranks' allocations start (their address space)
 DAEMON_BASE = 0x1000_0000_0000  # where the daemon's fake mappings start

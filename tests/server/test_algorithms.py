@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import pytest
 
-from smddp.reduce import reduce_into
+from smddp.core.reduce import reduce_into
 from smddp.server import config, hierarchical
 from smddp.server.algo_cost import PREDICTIONS, CostModel, choose, predict
 from smddp.server.algo_schedule import Shape, bounds, run

@@ -14,9 +14,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from smddp.client.arena import ClientArena
-from smddp.v1 import smddp_pb2 as pb
-from smddp.v1 import smddp_pb2_grpc as pb_grpc
-from smddp.wire import (
+from smddp.core.wire import (
     DATA_SOCKET_SUFFIX,
     MAX_MESSAGE_BYTES,
     MSG_ATTACH,
@@ -26,6 +24,8 @@ from smddp.wire import (
     pack,
     unpack,
 )
+from smddp.v1 import smddp_pb2 as pb
+from smddp.v1 import smddp_pb2_grpc as pb_grpc
 
 NODE = "/smddp.v1.Node/"
 RECV_TIMEOUT_S = 10.0

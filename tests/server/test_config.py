@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from smddp.core.wire import default_socket_path
 from smddp.server import config
 from smddp.server.config import DaemonConfig
-from smddp.wire import default_socket_path
 
 
 def _toml(tmp_path: Path, text: str) -> str:

@@ -15,9 +15,9 @@ import pytest
 from ports import free_port
 
 from smddp.client import SmddpError, connect
+from smddp.core.wire import DATA_SOCKET_SUFFIX
 from smddp.v1 import smddp_pb2 as pb
 from smddp.v1 import smddp_pb2_grpc as pb_grpc
-from smddp.wire import DATA_SOCKET_SUFFIX
 
 
 def status(socket_path: str) -> pb.StatusReply:

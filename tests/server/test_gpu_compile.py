@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
+from smddp.core.wire import REDUCE_NAMES, dtype_name, reduce_op_check
 from smddp.server import gpu_kernels
 from smddp.v1 import smddp_pb2 as pb
-from smddp.wire import REDUCE_NAMES, dtype_name, reduce_op_check
 
 DTYPES = list(gpu_kernels.SPECS)
 COMBOS = [(d, op) for d in DTYPES for op in REDUCE_NAMES if reduce_op_check(d, op) is None]

@@ -1,7 +1,7 @@
 """The generated CUDA reduction kernels, checked without a GPU.
 
 For every dtype x reduce op x fan-in the generated source must be well formed, read its
-inputs in rank order, and compute exactly the host path's bits (``smddp.reduce``, numpy):
+inputs in rank order, and compute exactly the host path's bits (``smddp.core.reduce``, numpy):
 
 - by evaluating the generated C text with a small interpreter of its C subset
   (``c_subset``), for both the scalar and the vectorised kernel;
@@ -28,10 +28,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import c_subset
 
-from smddp.reduce import reduce_into
+from smddp.core.reduce import reduce_into
+from smddp.core.wire import REDUCE_NAMES, dtype_name, numpy_dtype, reduce_op_check, wire_dtype
 from smddp.server import gpu_kernels
 from smddp.v1 import smddp_pb2 as pb
-from smddp.wire import REDUCE_NAMES, dtype_name, numpy_dtype, reduce_op_check, wire_dtype
 
 DTYPES = list(gpu_kernels.SPECS)
 COMBOS = [(d, op) for d in DTYPES for op in REDUCE_NAMES if reduce_op_check(d, op) is None]

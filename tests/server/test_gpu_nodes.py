@@ -28,13 +28,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from gpu_fakes import Buffer, FakeRuntime, FakeSession, QueuedFakeRuntime, request
 
+from smddp.core.wire import numpy_dtype, reduce_op_check
 from smddp.server import gpu, hierarchical
 from smddp.server.arena import Arena
 from smddp.server.domain import Layout, NodeSpec
 from smddp.server.errors import InvalidRequest, PeerError
 from smddp.server.peer_wire import Frame, pack_header, unpack_header
 from smddp.v1 import smddp_pb2 as pb
-from smddp.wire import numpy_dtype, reduce_op_check
 
 pytestmark = pytest.mark.timeout(120)
 

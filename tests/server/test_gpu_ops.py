@@ -29,11 +29,11 @@ from gpu_fakes import (
     uuid,
 )
 
-from smddp.reduce import reduce_into
+from smddp.core.reduce import reduce_into
+from smddp.core.wire import dtype_name, numpy_dtype
 from smddp.server import gpu
 from smddp.server.errors import FailedPrecondition, InvalidRequest
 from smddp.v1 import smddp_pb2 as pb
-from smddp.wire import dtype_name, numpy_dtype
 
 
 def fill(buf: Buffer, seed: int) -> np.ndarray:

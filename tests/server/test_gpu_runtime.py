@@ -19,7 +19,7 @@ import types
 import numpy as np
 import pytest
 
-from smddp import cuda_driver
+from smddp.core import cuda_driver
 from smddp.server import gpu_kernels
 from smddp.server.gpu import CudaCallError
 from smddp.v1 import smddp_pb2 as pb

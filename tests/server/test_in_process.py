@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from smddp.region import S_DONE, S_SEQ
+from smddp.core.region import S_DONE, S_SEQ
 from smddp.server import hierarchical
 from smddp.server.arena import Arena
 from smddp.server.communicator import Communicator, Session

@@ -19,6 +19,7 @@ import pytest
 import smddp
 import smddp.backend
 import smddp.client
+import smddp.core
 import smddp.server
 
 pytestmark = pytest.mark.timeout(60)
@@ -89,6 +90,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 # left out: they import nothing of ours).
 PACKAGES = {
     "smddp": smddp,
+    "smddp.core": smddp.core,
     "smddp.client": smddp.client,
     "smddp.backend": smddp.backend,
     "smddp.server": smddp.server,
@@ -108,7 +110,7 @@ def _tree_modules() -> dict[str, Path]:
 
 
 def _source(root: Path, name: str) -> Path:
-    """A module's source: its .py, or for the C extension (smddp._fastregion) its stub, which
+    """A module's source: its .py, or for the C extension (smddp.core._fastregion) its stub, which
     imports what its source would."""
     path = root / f"{name}.py"
     return path if path.exists() else root / f"{name}.pyi"
@@ -163,7 +165,7 @@ def test_no_import_cycle():
 
 
 def test_no_import_cycle_in_the_whole_tree():
-    # client/, backend/ and smddp/ too, and across them: the client never leans on the
+    # client/, backend/ and core/ too, and across them: the client never leans on the
     # backend, nor the shared modules on either (TYPE_CHECKING and lazy imports included).
     cycle = _cycle(_tree_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
@@ -176,6 +178,9 @@ def test_the_layers_point_one_way():
             assert not {i for i in imports if i.startswith(("smddp.backend", "smddp.server"))}, name
         if name.startswith("smddp.server"):
             assert not {i for i in imports if i.startswith(("smddp.backend", "smddp.client"))}, name
+        if name.startswith("smddp.core"):
+            # What every side shares leans on none of them, nor on the root package.
+            assert all(i.startswith("smddp.core") for i in imports), (name, imports)
 
 
 def test_the_tree_reader_sees_every_kind_of_import():
@@ -184,8 +189,8 @@ def test_the_tree_reader_sees_every_kind_of_import():
     assert "smddp.client.cuda_ops" in graph["smddp.client.communicator"]  # TYPE_CHECKING
     assert "smddp.client.communicator" in graph["smddp.client"]  # from a package's __init__
     assert "smddp.client" in graph["smddp.backend.process_group"]  # from smddp.client import X
-    assert "smddp.launch_env" in graph["smddp"]  # from smddp import module
-    assert "smddp.wire" in graph["smddp.server.communicator"]  # across packages
+    assert "smddp.core.launch_env" in graph["smddp"]  # from smddp import module
+    assert "smddp.core.wire" in graph["smddp.server.communicator"]  # across packages
 
 
 def test_the_checker_sees_a_cycle():

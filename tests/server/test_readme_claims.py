@@ -44,13 +44,13 @@ from smddp.client import SmddpError, connect, rendezvous
 from smddp.client import communicator as client_communicator
 from smddp.client.communicator import daemon_info
 from smddp.client.errors import ConnectError
+from smddp.core.wire import SYSTEM_SOCKET
 from smddp.server import config, peer_transport
 from smddp.server import rendezvous as server_rendezvous
 from smddp.server.config import DaemonConfig
 from smddp.server.peer_wire import token_proof
 from smddp.v1 import smddp_pb2 as pb
 from smddp.v1 import smddp_pb2_grpc as pb_grpc
-from smddp.wire import SYSTEM_SOCKET
 
 REPO = Path(__file__).resolve().parents[2]
 README = (REPO / "README.md").read_text()
@@ -705,7 +705,7 @@ def main():
     NOBODY = '''
     import json, os, signal, subprocess, sys, time
     from smddp.client.embedded import daemon_answers, find_or_start_daemon
-    from smddp.wire import default_socket_path
+    from smddp.core.wire import default_socket_path
     path = default_socket_path()
     d = subprocess.Popen([sys.executable, "-m", "smddp.server", "--http-bind", "off", "--peer-bind", "off"], stdout=subprocess.DEVNULL)
     deadline = time.monotonic() + 60

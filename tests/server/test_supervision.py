@@ -31,7 +31,8 @@ from smddp.client import connect
 from smddp.client.arena import ClientArena
 from smddp.client.communicator import Communicator as ClientComm
 from smddp.client.errors import OpError, OpTimeoutError
-from smddp.region import C_OPS
+from smddp.core.region import C_OPS
+from smddp.core.wire import DATA_SOCKET_SUFFIX, MAX_MESSAGE_BYTES, MSG_ATTACH, pack, unpack
 from smddp.server import supervise
 from smddp.server.communicator import Communicator, Session
 from smddp.server.config import DaemonConfig
@@ -41,7 +42,6 @@ from smddp.server.errors import FailedPrecondition
 from smddp.server.registry import Registry
 from smddp.v1 import smddp_pb2 as pb
 from smddp.v1 import smddp_pb2_grpc as pb_grpc
-from smddp.wire import DATA_SOCKET_SUFFIX, MAX_MESSAGE_BYTES, MSG_ATTACH, pack, unpack
 
 pytestmark = pytest.mark.timeout(120)
 

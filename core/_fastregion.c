@@ -1,6 +1,6 @@
 /* The region path's per-op bookkeeping in C: smddp.client.shm.ShmPath's hot methods.
 
-   A rank's side of a communicator's control region (smddp/region.py has the layout, the
+   A rank's side of a communicator's control region (core/region.py has the layout, the
    protocol is client/shm.py's): publishing an op's signature and arriving, spinning until the
    others have, comparing the signatures, counting the completed op, and the all_reduce's
    copy in and reduction for the common dtypes. Each is a few dozen loads and stores, which
@@ -9,7 +9,7 @@
    alarm's error, the mismatch message, dtypes and reductions other than SUM and AVG of
    float32, float64, int32 and int64.
 
-   The layout's numbers come from smddp/region.py at construction (LAYOUT names them in the
+   The layout's numbers come from core/region.py at construction (LAYOUT names them in the
    order expected), so the layout is written down once. Results are bitwise numpy's: the same
    IEEE additions in the same rank order (no -ffast-math; integers wrap as numpy's do). */
 
@@ -592,7 +592,7 @@ static PyGetSetDef Slot_getset[] = {
 };
 
 static PyTypeObject SlotType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "smddp._fastregion.Slot",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "smddp.core._fastregion.Slot",
     .tp_doc = "Slot(region, rank, world, slot_bytes, data_bytes, spin_ns, layout, bounds_ns, "
               "sum_op, avg_op): a rank's side of a mapped control region (a writable buffer, "
               "which the Slot holds for its lifetime; the layout is checked to fit it).",
@@ -612,7 +612,7 @@ static PyMethodDef module_methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "smddp._fastregion",
+    PyModuleDef_HEAD_INIT, "smddp.core._fastregion",
     "The region path's per-op bookkeeping in C (see client/shm.py).", -1, module_methods,
 };
 

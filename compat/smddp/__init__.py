@@ -11,9 +11,14 @@ Installed as a distribution, smddp also names ``smddp:_torch_autoload`` in torch
 a creator that imports the backend when a process group is first made, so importing torch
 costs next to nothing more.
 
-Importing smddp also fills torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
-...) from an MPI or Slurm launcher's where they are missing (``smddp.launch_env``), and makes
-the ``env://`` rendezvous say how to start the script when they are missing still.
+When the backend registers (torch imported), smddp also fills torchrun's variables (RANK,
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ...) from an MPI or Slurm launcher's where they are
+missing (``smddp.core.launch_env``), and makes the ``env://`` rendezvous say how to start the
+script when they are missing still. The daemon and ``smddpctl`` import ``smddp.*`` too, and
+never torch: for them this package only waits for a torch import that never comes.
+
+This folder is ``compat/smddp`` (pyproject.toml's package-dir): no folder at the checkout's
+root is called smddp, so running from the root imports the installed package.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from collections.abc import Iterator, Sequence
 from types import ModuleType
 from typing import Any
 
-from smddp import launch_env
+from smddp.core import launch_env
 
 __version__ = "0.1.0"
 
@@ -34,7 +39,7 @@ _BACKEND_NAME = "smddp"
 
 # Set when the launcher's environment could not be completed (a job across nodes with no
 # known rendezvous host): the env:// rendezvous raises it instead of torch's bare message.
-_launch_problem: str | None = launch_env.fill()
+_launch_problem: str | None = None
 
 
 def _create(dist_opts: Any, pg_options: Any) -> Any:
@@ -49,7 +54,12 @@ def _create(dist_opts: Any, pg_options: Any) -> Any:
 
 
 def _register() -> None:
+    global _launch_problem
     import torch.distributed as dist
+
+    # Here, not at import: a process that never imports torch (the daemon) keeps its
+    # environment as it was given.
+    _launch_problem = launch_env.fill()
 
     if not dist.is_available():
         return

@@ -1,4 +1,4 @@
-# Types of smddp/_fastregion.c (the region path's per-op bookkeeping in C).
+# Types of core/_fastregion.c (the region path's per-op bookkeeping in C).
 from typing import Any
 
 LAYOUT: tuple[str, ...]
