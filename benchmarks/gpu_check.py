@@ -103,6 +103,24 @@ def _release(v: str) -> tuple[int, ...]:
     return tuple(int(x) for x in re.findall(r"\d+", v)[:3])
 
 
+def link_packages(site: Path) -> None:
+    """Under ``site``, a package tree of links that mirrors pyproject.toml's package-dir."""
+    import tomllib
+
+    package_dir = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-dir"
+    ]
+    for package, source in package_dir.items():
+        target = site.joinpath(*package.split("."))
+        target.mkdir(parents=True, exist_ok=True)
+        for entry in sorted((REPO / source).iterdir()):
+            # A sub-folder that package-dir maps itself gets its own links.
+            if entry.name == "__pycache__" or f"{package}.{entry.name}" in package_dir:
+                continue
+            if entry.is_dir() or entry.suffix in (".py", ".pyi", ".so"):
+                (target / entry.name).symlink_to(entry)
+
+
 class Check:
     """One run of the check: its folders, log, stages and verdicts."""
 
@@ -166,19 +184,10 @@ class Check:
             self.log.write(done.stdout + done.stderr)
             if done.returncode != 0:
                 return f"the wheels in .whl/ did not install: {done.stderr.strip()[-300:]}"
-        # smddp from this checkout without installing it: links that map package-dir.
+        # smddp from this checkout without installing it: links that mirror pyproject.toml's
+        # package-dir, as scripts/typecheck.sh builds them.
         site = self.scratch / "site"
-        (site / "smddp").mkdir(parents=True)
-        for f in (REPO / "smddp").glob("*.py"):
-            (site / "smddp" / f.name).symlink_to(f)
-        for name, target in (
-            ("server", REPO / "server"),
-            ("client", REPO / "client"),
-            ("backend", REPO / "backend"),
-            ("v1", REPO / "protos" / "smddp" / "v1"),
-        ):
-            (site / "smddp" / name).symlink_to(target)
-        (site / "smdistributed").symlink_to(REPO / "compat" / "smdistributed")
+        link_packages(site)
         env = self.env
         path = [str(site), str(deps), str(REPO), env.get("PYTHONPATH", "")]
         env["PYTHONPATH"] = os.pathsep.join(p for p in path if p)

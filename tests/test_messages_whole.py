@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PRODUCT = ("server", "client", "backend", "smddp", "compat")
+PRODUCT = ("server", "client", "backend", "core", "compat")
 # CUDA C source, not messages (see the module docstring).
 NOT_MESSAGES = {Path("server/gpu_kernels.py")}
 GENERATED = re.compile(r"_pb2(_grpc)?\.pyi?$")
