@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import collections
-import fcntl
 import mmap
 import os
 
 import numpy as np
+
+from smddp.core.memfd import sealed_memfd
 
 ALIGN = 64
 
@@ -17,12 +18,8 @@ class ClientArena:
 
     def __init__(self, nbytes: int) -> None:
         self.nbytes = nbytes
-        self.fd = os.memfd_create("smddp-arena", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        os.ftruncate(self.fd, nbytes)
         # Sealed so that nobody can shrink it under the daemon (which would SIGBUS it).
-        fcntl.fcntl(
-            self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
-        )
+        self.fd = sealed_memfd("smddp-arena", nbytes)
         self._mm = mmap.mmap(self.fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         self._buf = np.frombuffer(self._mm, dtype=np.uint8)
 

@@ -14,30 +14,8 @@ from smddp.v1 import smddp_pb2 as pb
 # The client must seal its memfd against shrinking: a shrunk file would turn the daemon's
 # next access into SIGBUS and kill every job on the node.
 REQUIRED_SEALS = fcntl.F_SEAL_SHRINK
-# What the daemon's own memfds (the control regions) are sealed with once sized: nobody
-# who holds the fd (every rank of the communicator) can shrink it, grow it, or change the seals.
-SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 # Seals that forbid the daemon's writes (F_SEAL_FUTURE_WRITE is 0x10; Python lacks its name).
 WRITE_SEALS = fcntl.F_SEAL_WRITE | getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x10)
-
-
-def sealed_memfd(name: str, nbytes: int) -> int:
-    """A new memfd of ``nbytes`` sealed with ``SIZE_SEALS``, which the daemon may hand to
-    ranks and keep mapped: a rank that shrinks it (``ftruncate``) is refused (EPERM), where
-    it would otherwise make the daemon's next read of it a SIGBUS that kills every job on
-    the node.
-
-    Raises:
-        OSError: the memfd cannot be made, sized or sealed (closed again).
-    """
-    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    try:
-        os.ftruncate(fd, nbytes)
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SIZE_SEALS)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
 
 
 class Arena:

@@ -232,6 +232,22 @@ def _gpu_bytes(req: pb.OpRequest) -> int:
     return sum(b.nbytes for b in req.cuda.inputs)
 
 
+class _P2PMessage(Protocol):
+    @property
+    def dtype(self) -> int: ...
+    @property
+    def count(self) -> int: ...
+    @property
+    def parts(self) -> int: ...
+    @property
+    def tag(self) -> int: ...
+
+
+def p2p_signature(message: _P2PMessage) -> tuple[int, int, int, int]:
+    """What a send and the receive it meets must agree on (a request, or a peer's frame)."""
+    return (message.dtype, message.count, message.parts, message.tag)
+
+
 class Communicator:
     """The ranks of one process group of one job, as registered with this daemon."""
 
@@ -755,12 +771,7 @@ class Communicator:
 
         def arrived(frame: Frame) -> None:
             try:
-                if (frame.dtype, frame.count, frame.parts, frame.tag) != (
-                    req.dtype,
-                    req.count,
-                    req.parts,
-                    req.tag,
-                ):
+                if p2p_signature(frame) != p2p_signature(req):
                     sent = f"{frame.count} x {dtype_name(frame.dtype)} (tag {frame.tag})"
                     src = f"rank {req.root} as message #{req.seq}"
                     ours = f"{describe_request(req)} (tag {req.tag}) on {session.label()}"
@@ -931,12 +942,7 @@ class Communicator:
         )
         if recv.kind != pb.RECV or send.kind != pb.SEND:
             raise InvalidRequest("a send must meet a recv")
-        if (send.dtype, send.count, send.parts, send.tag) != (
-            recv.dtype,
-            recv.count,
-            recv.parts,
-            recv.tag,
-        ):
+        if p2p_signature(send) != p2p_signature(recv):
             sender = f"{describe_request(send)} (tag {send.tag}) as message #{send.seq}"
             receiver = f"{describe_request(recv)} (tag {recv.tag})"
             raise InvalidRequest(

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from smddp.core.memfd import sealed_memfd
 from smddp.core.region import (
     C_BYTES,
     C_DUR_BUCKET,
@@ -53,7 +54,6 @@ from smddp.core.region import (
     region_bytes,
 )
 from smddp.core.wire import KIND_NAMES, describe, dtype_name
-from smddp.server.arena import sealed_memfd
 from smddp.v1 import smddp_pb2 as pb
 
 # What a communicator's counters can have reached since its region was made: its ranks count

@@ -20,12 +20,13 @@ UNIT = SYSTEMD_DIR / "smddpd.service"
 SYSUSERS = SYSTEMD_DIR / "smddp.sysusers"
 DEFAULTS = SYSTEMD_DIR / "smddp.default"
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+# The README's Operations section, a page of its own.
+README = Path(__file__).resolve().parents[2] / "docs" / "operations.md"
 
 
 def readme_exposure() -> float:
-    """The exposure level the README states for the unit ("... --offline=yes` on it (exposure
-    1.9)")."""
+    """The exposure level the README's operations page states for the unit ("...
+    --offline=yes` on it (exposure 1.9)")."""
     found = re.findall(
         r"systemd-analyze\s+security\s+--offline=yes`\s+on\s+it\s+\(exposure\s+(\d+\.\d)\)",
         README.read_text(),

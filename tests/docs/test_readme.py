@@ -1,4 +1,4 @@
-"""The README's commands run as written.
+"""The README's commands, and those of the pages under docs/, run as written.
 
 Shell blocks that a reader is meant to run carry a marker on the line before them:
 ``<!-- test: run -->`` (any user) or ``<!-- test: run as root -->``. Each is run here with bash
@@ -8,7 +8,8 @@ checkout that shares its ``.venv``, since they write files (the example's checkp
 for root runs in a private mount and network namespace with a tmpfs on /run, so that its
 ``/run/smddp`` socket and default ports are its own. Every shell block, marked or not, must
 name the venv's programs (``.venv/bin/...``) or another explicit path, never a bare
-``python``/``torchrun``/``pip``/``smddpd``/``smddpctl``.
+``python``/``torchrun``/``pip``/``smddpd``/``smddpctl``. The README's sections that grew long
+live as pages under docs/ (linked from it): their blocks are read, checked and run the same way.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
+# The README and the pages it links to: where a reader finds commands to run.
+PAGES = [README, *sorted((REPO / "docs").glob("*.md"))]
 MARKER = re.compile(r"^(?P<indent>\s*)<!-- test: (?P<how>run|run as root) -->\s*$")
 FENCE = re.compile(r"^(?P<indent>\s*)```(?P<lang>\S*)\s*$")
 # python3 is the system's (it makes the venvs); python, pip and the rest exist only in a venv.
@@ -31,23 +34,26 @@ BARE = {"python", "torchrun", "pip", "smddpd", "smddpctl"}
 RUN_TIMEOUT_S = 900
 
 
-def shell_blocks() -> list[tuple[str | None, int, str]]:
-    """Every ```sh block of the README: (marker or None, line number, dedented text)."""
-    lines = README.read_text().splitlines()
+def shell_blocks() -> list[tuple[str | None, tuple[Path, int], str]]:
+    """Every ```sh block of the README and of the pages under docs/: (marker or None,
+    (page, line number), dedented text)."""
     blocks = []
-    i = 0
-    while i < len(lines):
-        fence = FENCE.match(lines[i])
-        if fence and fence.group("lang") == "sh":
-            marker = MARKER.match(lines[i - 1]) if i else None
-            start = i + 1
-            j = start
-            while not FENCE.match(lines[j]):
-                j += 1
-            text = textwrap.dedent("\n".join(lines[start:j])) + "\n"
-            blocks.append((marker.group("how") if marker else None, start, text))
-            i = j
-        i += 1
+    for page in PAGES:
+        lines = page.read_text().splitlines()
+        where = page.relative_to(REPO)
+        i = 0
+        while i < len(lines):
+            fence = FENCE.match(lines[i])
+            if fence and fence.group("lang") == "sh":
+                marker = MARKER.match(lines[i - 1]) if i else None
+                start = i + 1
+                j = start
+                while not FENCE.match(lines[j]):
+                    j += 1
+                text = textwrap.dedent("\n".join(lines[start:j])) + "\n"
+                blocks.append((marker.group("how") if marker else None, (where, start), text))
+                i = j
+            i += 1
     return blocks
 
 
@@ -78,12 +84,58 @@ def test_the_marked_blocks_are_there() -> None:
 
 def test_no_block_runs_a_bare_program() -> None:
     bare = [
-        f"README.md:{start + n}: {line.strip()}"
-        for _, start, text in shell_blocks()
+        f"{where}:{start + n}: {line.strip()}"
+        for _, (where, start), text in shell_blocks()
         for n, line in enumerate(text.splitlines())
         if line.strip() and not line.lstrip().startswith("#") and BARE & set(_commands(line))
     ]
     assert bare == [], "commands that need an active venv:\n" + "\n".join(bare)
+
+
+LINK = re.compile(r"\]\((?P<target>[^)\s]+)\)")
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _headings(page: Path) -> list[str]:
+    """The Markdown headings of a page, outside its fenced blocks (whose "#" lines are comments)."""
+    headings, fenced = [], False
+    for line in page.read_text().splitlines():
+        if FENCE.match(line):
+            fenced = not fenced
+        elif not fenced and line.startswith("#"):
+            headings.append(line.lstrip("#"))
+    return headings
+
+
+def test_every_docs_page_is_linked_from_the_readme() -> None:
+    text = README.read_text()
+    unlinked = [p.name for p in PAGES[1:] if f"](docs/{p.name})" not in text]
+    assert unlinked == [], f"pages under docs/ that the README does not link to: {unlinked}"
+
+
+def test_links_between_the_pages_resolve() -> None:
+    # A section moved to another page keeps its links working: every relative link names a
+    # file that exists and, with a #fragment, a heading of it.
+    broken = []
+    for page in PAGES:
+        for m in LINK.finditer(page.read_text()):
+            target = m.group("target")
+            if re.match(r"^[a-z]+:", target):
+                continue  # http(s), mailto: not checked here
+            path, _, fragment = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            if not dest.exists():
+                broken.append(f"{page.relative_to(REPO)}: {target} (no such file)")
+                continue
+            if fragment and dest.suffix == ".md":
+                anchors = {_anchor(h) for h in _headings(dest)}
+                if fragment not in anchors:
+                    broken.append(f"{page.relative_to(REPO)}: {target} (no such heading)")
+    assert broken == [], "links that lead nowhere:\n" + "\n".join(broken)
 
 
 def _run(script: str, cwd: Path, env: dict[str, str], prefix: list[str] | None = None) -> str:

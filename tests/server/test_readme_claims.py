@@ -1,7 +1,7 @@
 """What the README states, checked against the code that runs.
 
-The stated defaults are read out of README.md itself (so that the text and the code cannot drift
-apart unnoticed) and compared with the code's configuration objects and with what a running
+The stated defaults are read out of README.md itself and the pages under docs/ that hold its
+longer sections (so that the text and the code cannot drift apart unnoticed) and compared with the code's configuration objects and with what a running
 daemon does. The rest are behaviours the README promises that no other test covered:
 ``smddp_errors_total`` for each kind, the peer byte and connection-error metrics, UCX with TLS
 refused at start, ``/readyz`` 503 while the daemon is full, the daemons' rendezvous limit of
@@ -53,7 +53,19 @@ from smddp.v1 import smddp_pb2 as pb
 from smddp.v1 import smddp_pb2_grpc as pb_grpc
 
 REPO = Path(__file__).resolve().parents[2]
-README = (REPO / "README.md").read_text()
+# The README and the pages its sections on many nodes, configuration, operations, failures and
+# GPU tensors moved to: the claims below are read from them together.
+README = "\n".join(
+    (REPO / page).read_text()
+    for page in (
+        "README.md",
+        "docs/multinode.md",
+        "docs/configuration.md",
+        "docs/operations.md",
+        "docs/failures.md",
+        "docs/gpu.md",
+    )
+)
 DAEMONSET = REPO / "deploy" / "kubernetes" / "base" / "daemonset.yaml"
 UNIT = REPO / "deploy" / "systemd" / "smddpd.service"
 MIB = 1 << 20
@@ -69,8 +81,8 @@ ERROR_KINDS = (
 
 
 def stated(pattern: str) -> list[tuple[str, ...]]:
-    """Every match of ``pattern`` in the README (whitespace in it matches any line break);
-    fails when the README no longer says it."""
+    """Every match of ``pattern`` in the README and its pages (whitespace in it matches any line
+    break); fails when they no longer say it."""
     found = [m.groups() for m in re.finditer(pattern.replace(" ", r"\s+"), README)]
     assert found, f"the README no longer states {pattern!r}"
     return found
