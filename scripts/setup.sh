@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Creates .venv with smddp installed (editable) and its torch, test and ucx extras (ucx: the optional UCX transport, so that its tests run).
+# Creates .venv with smddp installed (editable) and what the quick start's example needs: the
+# torch and examples extras. scripts/setup_dev.sh adds what the tests need.
 # torch is pinned to 2.13.0 and installed first: an unpinned torch would pull a multi-GB
 # CUDA build on a CPU-only machine.
 set -euo pipefail
@@ -11,39 +12,5 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet "torch==2.13.0"
-# nvrtc-check: CuPy and NVRTC (no GPU needed) compile the daemon's kernels in the tests.
-.venv/bin/python -m pip install --quiet -e ".[torch,test,ucx,nvrtc-check]"
-# --- frameworks (tests/frameworks/): Open MPI for the mpirun tests; Lightning, transformers,
-# DeepSpeed and torch's test utilities, with torch held at its pin (constraints.txt) so that
-# none of them pulls another torch. DeepSpeed builds nothing at install (DS_BUILD_OPS=0) and
-# needs the installed torch (--no-build-isolation); its own dependencies are listed in
-# requirements.txt (--no-deps keeps it from resolving torch).
-if ! command -v mpirun >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin >/dev/null
-fi
-.venv/bin/python -m pip install --quiet -c tests/frameworks/constraints.txt -r tests/frameworks/requirements.txt
-DS_BUILD_OPS=0 .venv/bin/python -m pip install --quiet --no-build-isolation --no-deps "deepspeed==0.19.8"
-# --- end frameworks
-# -- What the tests need, so that none of them skips in CI (tests/ci_skips.py fails a skip
-# under CI=true). Python packages the tests import plainly, pinned (they are also in the test
-# extra): the deploy tests parse the manifests with PyYAML and check them with jsonschema.
-.venv/bin/python -m pip install --quiet "PyYAML==6.0.4" "jsonschema==4.26.0"
-# Tools the tests run; as root on Debian (CI), the packages of any that is missing.
-missing=()
-for need in systemd-analyze:systemd systemd-sysusers:systemd setpriv:util-linux ip:iproute2 \
-    tc:iproute2 gcc:gcc g++:g++; do
-    command -v "${need%%:*}" >/dev/null || missing+=("${need#*:}")
-done
-if [ ${#missing[@]} -gt 0 ]; then
-    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-        apt-get update -qq
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-            $(printf '%s\n' "${missing[@]}" | sort -u)
-    else
-        echo "setup.sh: the tests need the Debian packages ${missing[*]}; without them CI fails" >&2
-    fi
-fi
-# tests/failures/test_security.py runs smddp's client as uid 65534 with this venv's Python.
-chmod -R a+rX .venv
-# -- end of what the tests need.
+.venv/bin/python -m pip install --quiet -e ".[torch,examples]"
 echo "smddp is installed in $(pwd)/.venv"

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Sets up .venv (scripts/setup.sh) and runs the test suite. Extra arguments go to pytest.
+# Sets up .venv with what the tests need (scripts/setup_dev.sh) and runs the test suite. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+bash scripts/setup_dev.sh
 .venv/bin/python scripts/gen_protos.py --check
 .venv/bin/ruff check .
 # Every file keeps to ruff's format (the generated protos excepted, pyproject.toml).

@@ -80,6 +80,7 @@ def test_the_marked_blocks_are_there() -> None:
     assert any("scripts/setup.sh" in t and "train_digits.py" in t for t in marked), "quick start"
     assert any("/run/smddp/smddpd.sock" in t for t in marked), "system daemon"
     assert any("numpy_allreduce.py" in t for t in marked), "numpy example"
+    assert any("~/smddp-env" in t for t in marked), "install"
 
 
 def test_no_block_runs_a_bare_program() -> None:
@@ -196,6 +197,30 @@ def test_quick_start(tmp_path: Path) -> None:
     accuracy = [float(a) for a in re.findall(r"final accuracy: (\d\.\d+)", out)]  # rank 0 tests
     assert len(accuracy) == 1 and accuracy[0] > 0.9, out[-3000:]
     assert "rank 0 saved checkpoint to" in out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(RUN_TIMEOUT_S + 60)
+def test_install_block(copy: Path, tmp_path: Path) -> None:
+    # Top to bottom in one new venv, as a user runs it from a checkout: torch, then smddp with
+    # the torch and examples extras (built from the checkout, not editable), then the example.
+    # HOME is the test's folder, so ~/smddp-env is made (and removed) there.
+    env = _env(tmp_path)
+    env["HOME"] = str(tmp_path)
+    out = _run(_marked("~/smddp-env/bin/pip install '.[torch,examples]'"), copy, env)
+    assert "started an embedded daemon for this job" in out, out[-3000:]
+    accuracy = [float(a) for a in re.findall(r"final accuracy: (\d\.\d+)", out)]
+    assert len(accuracy) == 1 and accuracy[0] > 0.9, out[-3000:]
+    venv = tmp_path / "smddp-env"
+    installed = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", "import smddp, sklearn; print(smddp.__file__)"],
+        cwd=copy,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    # The installed package, even from the checkout's root (nothing there is called smddp).
+    assert installed.startswith(str(venv)), installed
 
 
 @pytest.mark.slow
