@@ -278,7 +278,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 def _report(found: list[str]) -> str:
     entries = "1 entry" if len(found) == 1 else f"{len(found)} entries"
     head = (
-        f"This run left {entries} in /tmp or /dev/shm that were not there when it started: "
+        f"This run left {entries} in /tmp or /dev/shm that it did not find there when it started: "
         f"a test must remove what it creates (try/finally, tmp_path)."
     )
     return "\n".join([head, *(f"  {line}" for line in found)])
