@@ -356,6 +356,8 @@ def _torchrun(
         f"--nproc-per-node={nproc}",
         "--master-addr=127.0.0.1",
         f"--master-port={port}",
+        # Else torchrun makes /tmp/torchelastic_* for its logs and never removes it.
+        f"--log-dir={scratch() / f'torchrun-logs-{node_rank}'}",
         str(REPO / "benchmarks" / "gpu_seed.py"),
         "--epochs",
         "2" if fake_gpu() or quick() else "3",

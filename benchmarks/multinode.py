@@ -40,6 +40,7 @@ from pathlib import Path
 from benchmarks.collectives.cli import build_parser, resolve, run_all
 from benchmarks.collectives.errors import BenchmarkError
 from benchmarks.collectives.launch import RunResult
+from benchmarks.collectives.outdir import OutFolder
 from benchmarks.collectives.report import format_table
 from benchmarks.collectives.results import Row
 from benchmarks.collectives.worker import Measurement, Plan, run_rank
@@ -292,15 +293,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         peer_transport=args.peer_transport,
     )
     rows = [Row(**r) for r in doc["rows"]]
-    sys.stdout.write(
+    table = (
         f"# {args.nodes} nodes x {args.ranks_per_node} ranks per node, link rate {args.rate}, "
         f"smddp data over {args.peer_transport}\n"
-    )
-    sys.stdout.write(format_table(rows, config.plan.ops, config.backends))
-    if config.json_path:
-        with open(config.json_path, "w") as f:
-            json.dump(doc, f, indent=1)
-        print(f"wrote {config.json_path}", file=sys.stderr)
+    ) + format_table(rows, config.plan.ops, config.backends)
+    sys.stdout.write(table)
+    # docs/benchmarks/multinode-{tcp,ucx}.{json,txt} when run with --out docs/benchmarks.
+    out = OutFolder(config.out, "smddp-bench-multinode-")
+    name = f"multinode-{args.peer_transport}"
+    with open(out.path(f"{name}.json", config.json_path), "w") as f:
+        json.dump(doc, f, indent=1)
+    with open(out.path(f"{name}.txt"), "w") as f:
+        f.write(table)
+    out.announce()
     for error in doc["errors"]:
         print(f"error: {error['message']}", file=sys.stderr)
     return 1 if doc["errors"] else 0

@@ -12,6 +12,8 @@
   when a rank does not finish cleanly.
 - Under ``CI=true``, a skip outside ``tests/gpu`` fails the test (``ci_skips``: the hooks
   imported below).
+- A run that leaves files in /tmp or /dev/shm fails, naming each one and the test it appeared
+  during (``leftovers``: the hooks imported below).
 """
 
 from __future__ import annotations
@@ -37,20 +39,12 @@ import pytest
 from ci_skips import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401
 from daemon_log import http_port, serving_line
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Removes the fake GPU's folders (tests/gpu/fake_device.py) of rank processes that were
-    killed before their exit handler ran: /dev/shm is memory, and nothing else frees it."""
-    shm = Path("/dev/shm")
-    if not shm.is_dir():
-        return
-    for folder in shm.glob("sfg*-*"):
-        pid = folder.name[3:].split("-", 1)[0]
-        if not pid.isdigit() or Path(f"/proc/{pid}").exists():
-            continue
-        shutil.rmtree(folder, ignore_errors=True)
-
+from leftovers import (  # noqa: F401
+    pytest_runtest_protocol,
+    pytest_sessionfinish,
+    pytest_sessionstart,
+    pytest_terminal_summary,
+)
 
 DAEMON_COMMAND = (sys.executable, "-m", "smddp.server")
 START_TIMEOUT_S = 60.0

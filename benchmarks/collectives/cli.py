@@ -1,4 +1,9 @@
-"""Command line of the collectives benchmark and the loop over world sizes and backends."""
+"""Command line of the collectives benchmark and the loop over world sizes and backends.
+
+The results go to ``--out`` (collectives.json, collectives.txt and, with matplotlib,
+collectives.png), by default a new temporary folder, printed; ``--out docs/benchmarks``
+refreshes the figures kept in the repository.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ from benchmarks.collectives.errors import BenchmarkError
 from benchmarks.collectives.launch import RunResult, run_single_node
 from benchmarks.collectives.memcpy import copy_bandwidth
 from benchmarks.collectives.ops import COLLECTIVES
+from benchmarks.collectives.outdir import OUT_HELP, OutFolder, matplotlib_installed
 from benchmarks.collectives.plot import require_matplotlib, write_plot
 from benchmarks.collectives.report import format_table
 from benchmarks.collectives.results import Row, add_ratios, rows_from_run
@@ -37,8 +43,9 @@ class BenchConfig:
         baseline: backend the others are compared against.
         world_sizes: world sizes to run.
         plan: what every run measures.
-        json_path: where to write the JSON results, if anywhere.
-        plot_path: where to write the PNG plot, if anywhere.
+        json_path: where to write the JSON results, if not into ``out``.
+        plot_path: where to write the PNG plot, if not into ``out``.
+        out: the folder for the result files (None: a new temporary folder).
     """
 
     backends: tuple[str, ...]
@@ -47,6 +54,7 @@ class BenchConfig:
     plan: Plan
     json_path: str | None
     plot_path: str | None
+    out: str | None = None
 
 
 def _csv(text: str) -> list[str]:
@@ -86,8 +94,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-check", action="store_true", help="skip the result check per size")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per backend run")
-    p.add_argument("--json", dest="json_path", metavar="PATH", help="write results as JSON")
-    p.add_argument("--plot", dest="plot_path", metavar="PATH", help="write busbw vs size PNG")
+    p.add_argument("--out", metavar="DIR", help=OUT_HELP)
+    p.add_argument(
+        "--json",
+        dest="json_path",
+        metavar="PATH",
+        help="write results as JSON here (default: collectives.json in --out)",
+    )
+    p.add_argument(
+        "--plot",
+        dest="plot_path",
+        metavar="PATH",
+        help="write busbw vs size PNG here (needs matplotlib; default: collectives.png in --out "
+        "where matplotlib is installed)",
+    )
     p.add_argument(
         "--quick",
         action="store_true",
@@ -132,7 +152,9 @@ def resolve(args: argparse.Namespace) -> BenchConfig:
         timeout_s=args.timeout,
         max_seconds=args.max_seconds,
     )
-    return BenchConfig(backends, args.baseline, world_sizes, plan, args.json_path, args.plot_path)
+    return BenchConfig(
+        backends, args.baseline, world_sizes, plan, args.json_path, args.plot_path, args.out
+    )
 
 
 def _log(message: str) -> None:
@@ -226,14 +248,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(exc))
     doc = run_all(config)
     rows = [Row(**r) for r in doc["rows"]]
-    sys.stdout.write(format_table(rows, config.plan.ops, config.backends))
-    if config.json_path:
-        with open(config.json_path, "w") as f:
-            json.dump(doc, f, indent=1)
-        _log(f"wrote {config.json_path}")
-    if config.plot_path:
-        write_plot(config.plot_path, rows, {m["size"]: m["gbps"] for m in doc["memcpy"]})
-        _log(f"wrote {config.plot_path}")
+    table = format_table(rows, config.plan.ops, config.backends)
+    sys.stdout.write(table)
+    out = OutFolder(config.out, "smddp-bench-collectives-")
+    with open(out.path("collectives.json", config.json_path), "w") as f:
+        json.dump(doc, f, indent=1)
+    with open(out.path("collectives.txt"), "w") as f:
+        f.write(table)
+    if config.plot_path or matplotlib_installed():
+        memcpy = {m["size"]: m["gbps"] for m in doc["memcpy"]}
+        write_plot(out.path("collectives.png", config.plot_path), rows, memcpy)
+    else:
+        _log("no collectives.png: matplotlib is not installed")
+    out.announce()
     for error in doc["errors"]:
         _log(f"error: {error['message']}")
     return 1 if doc["errors"] else 0

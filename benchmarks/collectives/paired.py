@@ -1,7 +1,11 @@
 """smddp against gloo as a user times them: blocking ``dist.*`` calls, both groups in the same
 processes, alternating rounds, the worst rank's median.
 
-    python -m benchmarks.collectives.paired [--world-sizes 2,4] [--json PATH] [--markdown PATH]
+    python -m benchmarks.collectives.paired [--world-sizes 2,4] [--out DIR]
+
+It writes paired.json, paired.md and (with matplotlib) paired.png into ``--out``, by default a
+new temporary folder (printed): ``--out docs/benchmarks`` refreshes the figures kept in the
+repository. ``--json``, ``--markdown`` and ``--plot`` send one file elsewhere.
 
 Every rank joins a gloo default group and an smddp group (``new_group(backend="smddp")``);
 for each op and size it runs rounds of ``--per-round`` calls on one backend then the other,
@@ -33,6 +37,7 @@ import tempfile
 import time
 from typing import Any
 
+from benchmarks.collectives.outdir import OUT_HELP, OutFolder, matplotlib_installed
 from benchmarks.collectives.plot import require_matplotlib
 from smddp.core.region import usable_cores
 
@@ -488,11 +493,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--cases", help="only these cases, e.g. all_reduce:4,broadcast:16777216 (default: all)"
     )
-    p.add_argument("--json", help="write the results here")
-    p.add_argument("--markdown", help="write the table here")
-    p.add_argument("--plot", help="draw the ratios into this PNG (needs matplotlib)")
+    p.add_argument("--out", help=OUT_HELP)
+    p.add_argument("--json", help="write the results here (default: paired.json in --out)")
+    p.add_argument("--markdown", help="write the table here (default: paired.md in --out)")
     p.add_argument(
-        "--from-json", help="draw --plot and write --markdown from this earlier --json, not a run"
+        "--plot",
+        help="draw the ratios into this PNG (needs matplotlib; default: paired.png in --out "
+        "where matplotlib is installed)",
+    )
+    p.add_argument(
+        "--from-json",
+        help="draw the plot and write the table from this earlier --json, not a run",
     )
     args = p.parse_args(argv)
     if args.plot:
@@ -517,16 +528,19 @@ def main(argv: list[str] | None = None) -> int:
         ref = {n: _reference(n) for n in (1 << 20, 16 << 20, 64 << 20)}
     table = markdown(results, ref, cases)
     print(table)
-    if args.json and not args.from_json:
-        with open(args.json, "w") as f:
+    out = OutFolder(args.out, "smddp-bench-paired-")
+    if not args.from_json:
+        with open(out.path("paired.json", args.json), "w") as f:
             json.dump(
                 {"results": results, "reference": {str(k): v for k, v in ref.items()}}, f, indent=1
             )
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(table)
-    if args.plot:
-        plot(args.plot, results, cases)
+    with open(out.path("paired.md", args.markdown), "w") as f:
+        f.write(table)
+    if args.plot or matplotlib_installed():
+        plot(out.path("paired.png", args.plot), results, cases)
+    else:
+        print("no paired.png: matplotlib is not installed", file=sys.stderr)
+    out.announce()
     return 0
 
 

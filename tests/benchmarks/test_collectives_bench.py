@@ -1,13 +1,16 @@
 """Tests of the collectives benchmark (``python -m benchmarks.collectives``).
 
 The end-to-end tests run the real command in a subprocess with ``--quick`` and read its JSON;
-the rest test the size parsing, statistics and ratios on synthetic measurements.
+the rest test the size parsing, statistics and ratios on synthetic measurements. Without
+``--out``, the benchmarks write into a new temporary folder, never into docs/benchmarks.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -61,8 +64,19 @@ ROW_FIELDS = [
 
 def _run_quick(tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedProcess[str], Any]:
     out = tmp_path / "bench.json"
+    # --out: the table and plot go beside the JSON, not into a temporary folder in /tmp.
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.collectives", "--quick", "--json", str(out), *extra],
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.collectives",
+            "--quick",
+            "--json",
+            str(out),
+            "--out",
+            str(tmp_path),
+            *extra,
+        ],  # fmt: skip
         check=False,  # the exit status is part of what the tests check
         cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO)},
@@ -269,3 +283,74 @@ def test_paired_times_both_backends_and_ddp_s_own_share(tmp_path: Path) -> None:
     _paired("--from-json", out, "--markdown", again, "--plot", again_png)
     assert again.read_text() == table
     assert again_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _docs_benchmarks() -> dict[str, str]:
+    """The tracked figures: file name -> digest of its bytes."""
+    folder = REPO / "docs" / "benchmarks"
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.iterdir()}
+
+
+def _announced(stderr: str, tmp: Path) -> Path:
+    """The new temporary folder the benchmark printed (TMPDIR is ``tmp``)."""
+    found = re.search(r"^results in (\S+) \(a new temporary folder; --out DIR", stderr, re.M)
+    assert found, stderr
+    folder = Path(found[1])
+    assert folder.parent == tmp, (folder, stderr)
+    return folder
+
+
+@pytest.mark.timeout(QUICK_TIMEOUT_S + 30)
+def test_paired_without_out_writes_a_new_temporary_folder_and_with_out_there(
+    tmp_path: Path,
+) -> None:
+    """Without --out the paired benchmark (the README's command) writes paired.json, .md and
+    .png into a new temporary folder and prints it; docs/benchmarks keeps its bytes. With --out
+    (here from that JSON), the table and the plot go into that folder."""
+    docs = _docs_benchmarks()
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.collectives.paired", "--world-sizes", "2",
+         "--cases", "all_reduce:4", "--ddp-steps", "0"],
+        check=False, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(tmp)},
+        capture_output=True, text=True, timeout=QUICK_TIMEOUT_S,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    folder = _announced(proc.stderr, tmp)
+    assert sorted(p.name for p in folder.iterdir()) == ["paired.json", "paired.md", "paired.png"]
+    (run,) = json.loads((folder / "paired.json").read_text())["results"]
+    assert run["cases"]["all_reduce:4"]["smddp"] > 0, run
+    assert "| all_reduce 4 B | " in (folder / "paired.md").read_text()
+    assert (folder / "paired.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert _docs_benchmarks() == docs
+
+    chosen = tmp_path / "chosen"
+    _paired("--from-json", folder / "paired.json", "--out", chosen)
+    assert sorted(p.name for p in chosen.iterdir()) == ["paired.md", "paired.png"]
+    assert (chosen / "paired.md").read_text() == (folder / "paired.md").read_text()
+    assert sorted(p.name for p in tmp.iterdir()) == [folder.name]  # no second temporary folder
+
+
+@pytest.mark.timeout(QUICK_TIMEOUT_S + 30)
+def test_collectives_without_out_writes_a_new_temporary_folder(tmp_path: Path) -> None:
+    """``python -m benchmarks.collectives`` without --out: collectives.json, .txt (the table it
+    printed) and .png in a new temporary folder, printed; docs/benchmarks keeps its bytes."""
+    docs = _docs_benchmarks()
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.collectives", "--quick", "--backends", "gloo",
+         "--ops", "all_reduce", "--max-bytes", "64KiB"],
+        check=False, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(tmp)},
+        capture_output=True, text=True, timeout=QUICK_TIMEOUT_S,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    folder = _announced(proc.stderr, tmp)
+    names = ["collectives.json", "collectives.png", "collectives.txt"]
+    assert sorted(p.name for p in folder.iterdir()) == names
+    doc = json.loads((folder / "collectives.json").read_text())
+    assert doc["errors"] == [] and {r["op"] for r in doc["rows"]} == {"all_reduce"}, doc
+    assert (folder / "collectives.txt").read_text() == proc.stdout
+    assert (folder / "collectives.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert _docs_benchmarks() == docs

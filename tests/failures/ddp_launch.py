@@ -127,7 +127,7 @@ def wait_exit(p: Proc, what: str, timeout_s: float = 60.0) -> int:
 
 def launch_torchrun(env: dict[str, str], out: Path, *extra: str, **spec: Any) -> Proc:
     """torchrun --standalone with WORLD local ranks of ``ddp_rank.py`` (``extra``: more
-    torchrun flags, such as ``--max-restarts 1``)."""
+    torchrun flags, such as ``--max-restarts 1``); its log folder goes under ``out``."""
     cmd = [
         sys.executable,
         "-m",
@@ -135,6 +135,9 @@ def launch_torchrun(env: dict[str, str], out: Path, *extra: str, **spec: Any) ->
         "--standalone",
         "--nproc-per-node",
         str(WORLD),
+        # Else torchrun makes /tmp/torchelastic_* for its logs and never removes it.
+        "--log-dir",
+        str(out / "torchrun-logs"),
         *extra,
         str(RANK_MAIN),
         spec_arg(out, **spec),

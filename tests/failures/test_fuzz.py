@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import socket
 import subprocess
 import sys
@@ -192,6 +193,7 @@ def target(module_daemon: Any) -> Iterator[Target]:
                 p.kill()
                 p.wait()
         t.channel.close()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _check_error(err: grpc.RpcError, what: str) -> None:

@@ -73,6 +73,9 @@ def test_the_embedded_daemon_and_the_ranks_end_when_torchrun_is_killed(tmp_path:
                 "--standalone",
                 "--nproc-per-node",
                 "2",
+                # Else torchrun makes /tmp/torchelastic_* for its logs and never removes it.
+                "--log-dir",
+                str(tmp_path / "torchrun-logs"),
                 str(script),
                 str(tmp_path),
             ],

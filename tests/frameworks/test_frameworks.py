@@ -31,6 +31,9 @@ def _torchrun(script: str, tmp_path: Path, extra_env: dict[str, str] | None = No
         "--standalone",
         "--nproc-per-node",
         str(WORLD),
+        # Else torchrun makes /tmp/torchelastic_* for its logs and never removes it.
+        "--log-dir",
+        str(tmp_path / "torchrun-logs"),
         str(HERE / script),
     ]
     proc = subprocess.run(
