@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import importlib
 import pkgutil
+import re
 from pathlib import Path
 
 import pytest
@@ -201,3 +202,64 @@ def test_the_checker_sees_a_cycle():
     assert "communicator" in graph["registry"]  # a plain import
     assert "communicator" in graph["gpu"]  # one under TYPE_CHECKING
     assert "gpu_runtime" in graph["gpu"]  # one inside a function
+
+
+ARCHITECTURE = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
+# Folders a module named in the page may live in, tried in order for a bare ``name.py``.
+ROOMS = (
+    ".", "server", "client", "backend", "core", "compat/smddp", "scripts", "benchmarks",
+    "deploy/systemd", "protos/smddp/v1",
+)  # fmt: skip
+
+
+def _drawn_map(label: str) -> dict[str, set[str]]:
+    """The module map the architecture page draws for ``server/`` or ``client/``: each
+    module, then the modules of the same folder it imports ("a → b, c"; "no X/ imports: ...")."""
+    text = ARCHITECTURE.read_text()
+    start = text.index("```\n", text.index(f"Module map of `{label}/`")) + 4
+    drawn: dict[str, set[str]] = {}
+    for line in text[start : text.index("```", start)].splitlines():
+        if line.startswith(f"no {label}/ imports: "):
+            for name in line.split(": ", 1)[1].split(", "):
+                drawn[name] = set()
+            continue
+        name, _, targets = line.partition(" → ")
+        drawn[name] = {re.sub(r" \(.*\)$", "", t) for t in targets.split(", ")}
+    return drawn
+
+
+@pytest.mark.parametrize("label", ["server", "client"])
+def test_the_architecture_page_draws_the_imports_there_are(label: str) -> None:
+    package = f"smddp.{label}"
+    graph = _tree_graph()
+    real = {
+        ("__init__" if name == package else name[len(package) + 1 :]): {
+            i[len(package) + 1 :] for i in imports if i.startswith(package + ".")
+        }
+        for name, imports in graph.items()
+        if name == package or name.startswith(package + ".")
+    }
+    drawn = _drawn_map(label)
+    if "__init__" not in drawn:
+        real.pop("__init__", None)
+    assert drawn == real, "docs/architecture.md's map of {}/ differs from the code: {}".format(
+        label,
+        {
+            m: (sorted(drawn.get(m, ())), sorted(real.get(m, ())))
+            for m in drawn.keys() | real.keys()
+            if drawn.get(m) != real.get(m)
+        },
+    )
+
+
+def test_every_module_the_architecture_page_names_exists() -> None:
+    root = ARCHITECTURE.parents[1]
+    missing = []
+    for ref in sorted(set(re.findall(r"`([\w/]+\.(?:py|c|sh|proto))`", ARCHITECTURE.read_text()))):
+        if "/" in ref:
+            found = (root / ref).exists() or any((root / room / ref).exists() for room in ROOMS)
+        else:
+            found = any((root / room / ref).exists() for room in ROOMS)
+        if not found:
+            missing.append(ref)
+    assert missing == [], f"docs/architecture.md names files that do not exist: {missing}"
