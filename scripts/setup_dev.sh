@@ -7,16 +7,27 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/python -m pip install --quiet -e ".[torch,examples,test,ucx,nvrtc-check]"
-# --- frameworks (tests/frameworks/): Open MPI for the mpirun tests; Lightning, transformers,
+# --- frameworks (tests/frameworks/): Open MPI for the mpirun tests (and mpi4py, for the
+# paired benchmark's Open MPI column); Lightning, transformers,
 # DeepSpeed and torch's test utilities, with torch held at its pin (constraints.txt) so that
 # none of them pulls another torch. DeepSpeed builds nothing at install (DS_BUILD_OPS=0) and
 # needs the installed torch (--no-build-isolation); its own dependencies are listed in
 # requirements.txt (--no-deps keeps it from resolving torch).
-if ! command -v mpirun >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin >/dev/null
+# libopenmpi-dev: mpi4py (the paired benchmark's Open MPI column) builds against its mpicc.
+if { ! command -v mpirun >/dev/null 2>&1 || ! command -v mpicc >/dev/null 2>&1; } \
+    && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin \
+        libopenmpi-dev >/dev/null
 fi
 .venv/bin/python -m pip install --quiet -c tests/frameworks/constraints.txt -r tests/frameworks/requirements.txt
 DS_BUILD_OPS=0 .venv/bin/python -m pip install --quiet --no-build-isolation --no-deps "deepspeed==0.19.8"
+.venv/bin/python -m pip install --quiet "mpi4py==4.1.2"
+# DeepSpeed's SHM all_reduce (a peer in the paired benchmark) is built on first use, which takes
+# minutes; built here once (into torch's extension cache) so that no test waits for it.
+DS_ACCELERATOR=cpu .venv/bin/python -c "
+from deepspeed.accelerator import get_accelerator
+get_accelerator().create_op_builder('ShareMemCommBuilder').load(verbose=False)" >/dev/null 2>&1 \
+    || echo "setup_dev.sh: DeepSpeed's SHM op did not build; the paired benchmark says so" >&2
 # --- end frameworks
 # -- What the tests need, so that none of them skips in CI (tests/ci_skips.py fails a skip
 # under CI=true). Python packages the tests import plainly, pinned (they are also in the test
