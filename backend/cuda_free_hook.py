@@ -7,10 +7,9 @@ undefined and which in practice pins the memory, so the retry still fails. The h
 be freed that was exported to smddpd, it asks smddpd over this process's free channel
 (``backend/csrc/free_channel.cpp``; ``smddp.server.gpu_free`` answers) to unmap it, and the free
 proceeds once smddpd has, or after ``ClientConfig.free_wait_ms`` (``SMDDP_FREE_WAIT_MS``)
-at most (logged). It runs inside
-the allocator's lock with the GIL possibly held by the freeing thread, so it is C++ through
-and through; this module only builds it, connects it and tells it which segments are
-exported (``IpcExporter.on_export``).
+at most (logged). It runs inside the allocator's lock with the GIL possibly held by the
+freeing thread, so it is C++ through and through; this module only builds it, connects it
+and tells it which segments are exported (``IpcExporter.on_export``).
 
 The hook is compiled on the first GPU op of a process with a CUDA build of torch, with the
 system C++ compiler against torch's headers and libc10_cuda (``torch.utils.cpp_extension``
