@@ -17,6 +17,7 @@ from smddp.backend import version  # noqa: F401  (first: refuses a torch outside
 from smddp.backend.job import Job, rendezvous
 from smddp.backend.process_group import BACKEND_NAME, SmddpProcessGroup
 from smddp.client.communicator import Communicator, connect
+from smddp.client.config import ClientConfig
 from smddp.client.errors import SmddpError
 from smddp.core.wire import node_layout
 
@@ -34,10 +35,13 @@ def _create(dist_opts: Any, pg_options: Any) -> SmddpProcessGroup:
     global_ranks = list(dist_opts.global_ranks_in_group) or list(range(size))
     timeout_s = dist_opts.timeout.total_seconds()
     try:
+        # The group's one reading of the environment: the rendezvous, the embedded daemon,
+        # connect and the GPU path take their settings from it.
+        config = ClientConfig.from_env()
         with _job_lock:
             # The default group (id "0") starts a job; new groups join the running one.
             if _job is None or group_id == "0":
-                _job = rendezvous(store, rank, size, dist_opts.timeout)
+                _job = rendezvous(store, rank, size, dist_opts.timeout, config)
             job = _job
         comm: Communicator = connect(
             job_id=job.job_id,
@@ -49,6 +53,7 @@ def _create(dist_opts: Any, pg_options: Any) -> SmddpProcessGroup:
             timeout_s=timeout_s,
             global_rank=global_ranks[rank],
             nodes=node_layout([job.node_of_rank[g] for g in global_ranks], job.peer_of_node),
+            config=config,
         )
     except SmddpError as exc:
         raise dist.DistBackendError(

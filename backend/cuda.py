@@ -103,7 +103,11 @@ class TorchCuda:
         return int(stats.get("segment", {}).get("all", {}).get("freed", 0))
 
 
-# TEST ONLY: FILE.py:FUNCTION returning a device to use instead of torch.cuda.
+# TEST ONLY: FILE.py:FUNCTION returning a device to use instead of torch.cuda. The one SMDDP_*
+# variable read outside ClientConfig (client/config.py says so; the check in
+# tests/client/test_client_config.py allows it by name): the device is the process's, chosen
+# at its first device call, which may come before any process group and its config exist
+# (benchmarks/gpu_check_stages.py calls device_api() with no group).
 TEST_DEVICE_ENV = "SMDDP_TEST_CUDA_DEVICE"
 _api: Any = None
 _api_lock = threading.Lock()
@@ -262,7 +266,7 @@ class CudaCollectives:
         ):
             # Close before free: the allocator hook (built on the first GPU group of the
             # process; never raises, logs once if it cannot be had).
-            cuda_free_hook.install(comm.session, comm.cuda.exporter)
+            cuda_free_hook.install(comm.session, comm.cuda.exporter, comm.config)
 
     # -- checks and plumbing --------------------------------------------------------------------
 

@@ -6,10 +6,10 @@ undefined and which in practice pins the memory, so the retry still fails. The h
 ``backend/csrc/`` (``segment_hook.cpp``) is a trace tracker on the allocator: for a segment about to
 be freed that was exported to smddpd, it asks smddpd over this process's free channel
 (``backend/csrc/free_channel.cpp``; ``smddp.server.gpu_free`` answers) to unmap it, and the free
-proceeds once smddpd has, or after ``SMDDP_FREE_WAIT_MS`` at most (logged). It runs inside
-the allocator's lock with the GIL possibly held by the freeing thread, so it is C++ through
-and through; this module only builds it, connects it and tells it which segments are
-exported (``IpcExporter.on_export``).
+proceeds once smddpd has, or after ``ClientConfig.free_wait_ms`` (``SMDDP_FREE_WAIT_MS``)
+at most (logged). It runs inside the allocator's lock with the GIL possibly held by the
+freeing thread, so it is C++ through and through; this module only builds it, connects it
+and tells it which segments are exported (``IpcExporter.on_export``).
 
 The hook is compiled on the first GPU op of a process with a CUDA build of torch, with the
 system C++ compiler against torch's headers and libc10_cuda (``torch.utils.cpp_extension``
@@ -21,7 +21,10 @@ op) and when a new group attaches to another or a restarted smddpd (``install``)
 fails (no compiler, no CUDA
 headers, an installed package without ``backend/csrc/``, a daemon without the channel) the rank
 logs it once and keeps the after-the-fact path: frees are found before each op and
-smddpd unmaps them then (``client/cuda_ipc.py``). ``SMDDP_FREE_HOOK=0`` turns the hook off.
+smddpd unmaps them then (``client/cuda_ipc.py``). ``ClientConfig.free_hook`` False
+(``SMDDP_FREE_HOOK=0``) turns the hook off. Both settings come from the configuration of the
+first group that installs the hook (the C++ side reads no environment: ``install`` hands it
+the bound).
 """
 
 from __future__ import annotations
@@ -42,15 +45,16 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from smddp.client.config import DEFAULT_FREE_WAIT_MS, ENV_FREE_HOOK
+
 if TYPE_CHECKING:
+    from smddp.client.config import ClientConfig
     from smddp.client.cuda_ipc import IpcExporter
     from smddp.client.session import DaemonSession
 
 log = logging.getLogger(__name__)
 
-ENV_HOOK = "SMDDP_FREE_HOOK"  # "0": no hook (frees are reported after the fact)
-ENV_WAIT_MS = "SMDDP_FREE_WAIT_MS"  # longest a free waits for smddpd, in milliseconds
-DEFAULT_WAIT_MS = 2000
+DEFAULT_WAIT_MS = DEFAULT_FREE_WAIT_MS  # longest a free waits for smddpd, in milliseconds
 # The C++ sources: beside the Python folders of a source checkout (editable install).
 CSRC = Path(__file__).resolve().parent / "csrc"
 CHANNEL_SOURCES = ("free_channel.cpp",)
@@ -267,6 +271,7 @@ def installed() -> FreeChannel | None:
 def install(
     session: DaemonSession,
     exporter: IpcExporter,
+    config: ClientConfig,
     library: Callable[[], ctypes.CDLL] = build_hook,
 ) -> FreeChannel | None:
     """Builds and attaches the hook (once per process), makes sure the free channel is open on
@@ -278,19 +283,20 @@ def install(
     Args:
         session: an attached session of this process.
         exporter: the exporter of the group's CUDA IPC handles.
+        config: the group's configuration: ``free_hook`` and ``free_wait_ms`` (the first
+            install's decide, for the process's life).
         library: loads the library (tests pass the channel alone, without torch's hook).
     """
     global _tried, _channel, _wait_ms
     with _lock:
         if not _tried:
             _tried = True
-            if os.environ.get(ENV_HOOK, "1") == "0":
-                log.info("smddp: %s=0: GPU frees are reported to smddpd after the fact", ENV_HOOK)
+            if not config.free_hook:
+                log.info(
+                    "smddp: %s=0: GPU frees are reported to smddpd after the fact", ENV_FREE_HOOK
+                )
                 return None
-            try:
-                _wait_ms = max(1, int(os.environ.get(ENV_WAIT_MS, DEFAULT_WAIT_MS)))
-            except ValueError:
-                _wait_ms = DEFAULT_WAIT_MS
+            _wait_ms = max(1, config.free_wait_ms)
             try:
                 _channel = _load(library)
             except (OSError, RuntimeError, subprocess.SubprocessError) as exc:

@@ -26,31 +26,27 @@ if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store
 
 from smddp.client.communicator import daemon_info
+from smddp.client.config import ClientConfig
 from smddp.client.embedded import find_or_start_daemon
 from smddp.client.errors import ConnectError
 from smddp.core.wire import outward_ip
 
-ENV_NODE_ID = "SMDDP_NODE_ID"
-ENV_ADVERTISE = "SMDDP_ADVERTISE"
+# torch's launcher variables, not smddp's (those are ClientConfig's).
 ENV_RESTART = (
     "TORCHELASTIC_RESTART_COUNT"  # set by torchrun: 0 on the first attempt, then 1, 2, ...
 )
+ENV_MASTER_ADDR = "MASTER_ADDR"
 
 _rounds = itertools.count()  # default groups this process created: a new init after a destroy
 
 
-def node_id() -> str:
-    """This process's node identity: SMDDP_NODE_ID, else the host name."""
-    return os.environ.get(ENV_NODE_ID) or socket.gethostname()
-
-
-def peer_host() -> str:
-    """Where other nodes reach this node's embedded daemon: SMDDP_ADVERTISE, else the
-    address of the route toward MASTER_ADDR (the rendezvous host every node reaches)."""
-    explicit = os.environ.get(ENV_ADVERTISE)
-    if explicit:
-        return explicit
-    master = os.environ.get("MASTER_ADDR", "")
+def peer_host(config: ClientConfig) -> str:
+    """Where other nodes reach this node's embedded daemon: ``config.advertise``
+    (SMDDP_ADVERTISE), else the address of the route toward MASTER_ADDR (the rendezvous
+    host every node reaches)."""
+    if config.advertise:
+        return config.advertise
+    master = os.environ.get(ENV_MASTER_ADDR, "")
     try:
         toward = socket.gethostbyname(master) if master else ""
     except OSError:
@@ -83,8 +79,13 @@ def attempt_prefix(round_in_process: int) -> str:
     return f"smddp/a{restart}.{round_in_process}/"
 
 
-def rendezvous(store: Store, rank: int, world_size: int, timeout: timedelta) -> Job:
+def rendezvous(
+    store: Store, rank: int, world_size: int, timeout: timedelta, config: ClientConfig
+) -> Job:
     """Agrees on the job through ``store`` and finds this node's daemon.
+
+    ``config`` (the one the backend built for this process group) names this node
+    (``node_id``), where its daemon is or may be started, and the embedded daemon's address.
 
     Raises:
         ConnectError: no daemon could be found or started, or it cannot reach other nodes.
@@ -97,7 +98,7 @@ def rendezvous(store: Store, rank: int, world_size: int, timeout: timedelta) -> 
             json.dumps({"job_id": "j" + secrets.token_hex(8), "token": secrets.token_hex(32)}),
         )
     job = json.loads(_get(store, at + "job"))
-    me = node_id()
+    me = config.node_id
     store.set(f"{at}node/{rank}", me)
     nodes = tuple(_get(store, f"{at}node/{r}") for r in range(world_size))
     spans_nodes = len(set(nodes)) > 1
@@ -105,7 +106,7 @@ def rendezvous(store: Store, rank: int, world_size: int, timeout: timedelta) -> 
     key = f"{at}socket/{me}"
     if rank == leader:
         try:
-            path = find_or_start_daemon(peer_host() if spans_nodes else None)
+            path = find_or_start_daemon(peer_host(config) if spans_nodes else None, config)
             peer = daemon_info(path).peer_address
             if spans_nodes and not peer:
                 raise ConnectError(

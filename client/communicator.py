@@ -99,9 +99,10 @@ class Communicator:
         session: DaemonSession,
         timeout_s: float,
         single_node: bool = True,
-        config: ClientConfig | None = None,
+        *,
+        config: ClientConfig,
     ) -> None:
-        config = config or ClientConfig.from_env()
+        """``config``: the rank's configuration, which ``connect`` built or was given."""
         self.session = session
         self.config = config
         self.rank = session.rank
@@ -116,7 +117,9 @@ class Communicator:
         self._engine = DaemonEngine(session, half, timeout_s)
         shared = single_node and session.world_size > 1
         chunk = config.direct_chunk(ALIGN, session.world_size)
-        self._direct = DirectOps(self.rank, half, half, chunk, ALIGN, config.single_copy)
+        self._direct = DirectOps(
+            self.rank, half, half, chunk, ALIGN, config.single_copy, native=config.native
+        )
         self._direct_min = config.direct_min_bytes if shared else -1
         # The region and direct paths: every collective they can carry, between the ranks.
         self._use_shm = shared and config.region
@@ -136,6 +139,7 @@ class Communicator:
             lambda: self.session.alive(),
             lambda: self.session.gone(),
             local,
+            native=config.native,
         )
         self._seq = 0
         self._lock = threading.RLock()
@@ -436,7 +440,7 @@ class Communicator:
         if self._spans(data.nbytes):
             return self._across_nodes(pb.ALL_REDUCE, data, 0, reduce_op)
         if self._goes_direct(data.nbytes):
-            work = all_reduce_work(data, reduce_op, self.rank, self.world_size)
+            work = all_reduce_work(data, reduce_op, self.rank, self.world_size, self.config.native)
             return self._run_direct(pb.ALL_REDUCE, data, 0, reduce_op, work)
         return self._via_daemon(
             pb.ALL_REDUCE,

@@ -1,9 +1,17 @@
 """The client's configuration: one frozen ``ClientConfig``, read once from the environment.
 
-Every ``SMDDP_*`` variable the client honours is named here, and read only here: a rank
-builds its ``ClientConfig`` at ``connect`` (or its caller builds one and passes it down), and
-the modules below take their settings from it, never from ``os.environ``. Values that every
-rank of a communicator must share (the direct path's thresholds) say so.
+Every ``SMDDP_*`` variable the client and the torch backend honour is named here, and read
+only here (``ClientConfig.from_env``; tests/client/test_client_config.py checks that no other
+module of client/ or backend/ reads one). The backend builds one ``ClientConfig`` when torch
+creates a process group and hands it to the rendezvous, the embedded daemon and ``connect``;
+a numpy user's entry points (``connect``, ``rendezvous``, ``find_or_start_daemon``,
+``start_embedded_daemon``) take one or build it there, once, and pass it down. The modules
+below take their settings from it, never from ``os.environ``. Values that every rank of a
+communicator must share (the direct path's thresholds) say so.
+
+The one exception is ``SMDDP_TEST_CUDA_DEVICE`` (``backend/cuda.py``), a test seam read once
+per process at the first device call, which may come before any process group (and config)
+exists.
 """
 
 from __future__ import annotations
@@ -23,6 +31,10 @@ ENV_OP_CHANNEL = "SMDDP_OP_CHANNEL"
 ENV_NODE_ID = "SMDDP_NODE_ID"
 ENV_EMBEDDED = "SMDDP_EMBEDDED"
 ENV_EMBEDDED_LOG_LEVEL = "SMDDP_EMBEDDED_LOG_LEVEL"
+ENV_NATIVE = "SMDDP_NATIVE"
+ENV_ADVERTISE = "SMDDP_ADVERTISE"
+ENV_FREE_HOOK = "SMDDP_FREE_HOOK"
+ENV_FREE_WAIT_MS = "SMDDP_FREE_WAIT_MS"
 
 DEFAULT_ARENA_BYTES = 64 << 20
 # all_reduce (and broadcast, all_gather) of at least this many bytes on a single-node
@@ -45,6 +57,8 @@ DEFAULT_DIRECT_CHUNK_BYTES = 1 << 20
 # all_gather even.
 SHARED_CORES_DIRECT_CHUNK_BYTES = 4 << 20
 OP_CHANNELS = ("socket", "grpc")
+# The longest a GPU free waits for smddpd to unmap the segment (backend/cuda_free_hook.py).
+DEFAULT_FREE_WAIT_MS = 2000
 
 
 @dataclass(frozen=True)
@@ -68,6 +82,14 @@ class ClientConfig:
         node_id: this node's name in registrations (``SMDDP_NODE_ID``, else the host name).
         embedded: False forbids starting a private daemon (``SMDDP_EMBEDDED=0``).
         embedded_log_level: a private daemon's log level (``SMDDP_EMBEDDED_LOG_LEVEL``).
+        native: False keeps the region protocol and the rank-order reductions in Python
+            even where the C part (``smddp.core._fastregion``) is built (``SMDDP_NATIVE=0``).
+        advertise: where other nodes reach this node's embedded daemon (``SMDDP_ADVERTISE``);
+            None: the address of the route toward ``MASTER_ADDR`` (the torch backend's).
+        free_hook: False leaves torch's allocator without the close-before-free hook, so
+            GPU frees are reported to smddpd after the fact (``SMDDP_FREE_HOOK=0``).
+        free_wait_ms: the longest a GPU free waits for smddpd to unmap its segment
+            (``SMDDP_FREE_WAIT_MS``).
     """
 
     socket: str | None = None
@@ -80,6 +102,10 @@ class ClientConfig:
     node_id: str = field(default_factory=gethostname)
     embedded: bool = True
     embedded_log_level: str = "WARNING"
+    native: bool = True
+    advertise: str | None = None
+    free_hook: bool = True
+    free_wait_ms: int = DEFAULT_FREE_WAIT_MS
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> ClientConfig:
@@ -90,10 +116,15 @@ class ClientConfig:
             env: the variables to read (default ``os.environ``).
 
         Raises:
-            ValueError: a numeric variable is not an integer.
+            ValueError: a numeric variable is not an integer (``SMDDP_FREE_WAIT_MS`` excepted:
+                a bad value there has always meant the default, and still does).
         """
         env = os.environ if env is None else env
         chunk = env.get(ENV_DIRECT_CHUNK_BYTES)
+        try:
+            free_wait_ms = int(env.get(ENV_FREE_WAIT_MS, DEFAULT_FREE_WAIT_MS))
+        except ValueError:
+            free_wait_ms = DEFAULT_FREE_WAIT_MS
         return cls(
             socket=env.get(ENV_SOCKET) or None,
             arena_bytes=int(env.get(ENV_ARENA_BYTES, DEFAULT_ARENA_BYTES)),
@@ -105,6 +136,10 @@ class ClientConfig:
             node_id=env.get(ENV_NODE_ID) or gethostname(),
             embedded=env.get(ENV_EMBEDDED) != "0",
             embedded_log_level=env.get(ENV_EMBEDDED_LOG_LEVEL, "WARNING"),
+            native=env.get(ENV_NATIVE, "1") != "0",
+            advertise=env.get(ENV_ADVERTISE) or None,
+            free_hook=env.get(ENV_FREE_HOOK, "1") != "0",
+            free_wait_ms=max(1, free_wait_ms),
         )
 
     def direct_chunk(self, align: int, ranks: int = 1, cpus: int | None = None) -> int:

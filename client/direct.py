@@ -35,9 +35,10 @@ Signature = tuple[int, int, int, int, int]
 Work = Callable[[int, int, list[np.ndarray]], Iterator[None]]
 
 
-def all_reduce_work(data: np.ndarray, reduce_op: int, me: int, w: int) -> Work:
+def all_reduce_work(data: np.ndarray, reduce_op: int, me: int, w: int, native: bool) -> Work:
     """all_reduce: rank r reduces segment r of each chunk from every rank's buffer, in rank
-    order, then everyone copies the other segments from their owners' buffers."""
+    order (in C where ``native``, ``ClientConfig.native``), then everyone copies the other
+    segments from their owners' buffers."""
 
     def work(a: int, b: int, bufs: list[np.ndarray]) -> Iterator[None]:
         m = b - a
@@ -49,7 +50,7 @@ def all_reduce_work(data: np.ndarray, reduce_op: int, me: int, w: int) -> Work:
         mine = data[a + lo : a + hi]
         result = bufs[me][lo:hi]  # for the others; it aliases none of the inputs
         reduce_rank_order(
-            result, [mine if j == me else x[lo:hi] for j, x in enumerate(bufs)], reduce_op
+            result, [mine if j == me else x[lo:hi] for j, x in enumerate(bufs)], reduce_op, native
         )
         np.copyto(mine, result)  # still in this core's cache
         yield
@@ -107,10 +108,14 @@ class DirectOps:
         chunk_bytes: int,
         align: int,
         single_copy: bool = True,
+        *,
+        native: bool,
     ):
         """``single_copy``: False keeps all_gather in the arenas (``SMDDP_SINGLE_COPY=0``),
-        here and, through this rank's verdict, on every rank."""
+        here and, through this rank's verdict, on every rank. ``native``: False keeps the
+        reductions in numpy (``ClientConfig.native``)."""
         self.rank = rank
+        self.native = native
         self.base = base
         self.buffer = max(align, min(chunk_bytes, area_bytes // DIRECT_BUFFERS) // align * align)
         self._count = 0  # chunks run so far: every rank numbers them alike
@@ -326,7 +331,7 @@ class DirectOps:
                     address = int(table[j][me]) + a * s
                     self._read(shm, seq, j, part, address, "reduce_scatter block")
                     parts.append(part)
-                reduce_rank_order(out[a:b], parts, reduce_op)
+                reduce_rank_order(out[a:b], parts, reduce_op, self.native)
             shm.wait(shm.bump(), seq)
             shm.done(seq, parity, signature[0], signature[1], n * w * s)
 

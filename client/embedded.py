@@ -80,7 +80,7 @@ def find_or_start_daemon(peer_host: str | None = None, config: ClientConfig | No
         raise ConnectError(
             f"no smddpd answers at {', '.join(candidates)} and {ENV_EMBEDDED}=0 forbids starting one"  # noqa: E501
         )
-    return start_embedded_daemon(tried=candidates, peer_host=peer_host, config=config)
+    return _start(config, candidates, peer_host)
 
 
 def _listening(path: str) -> bool:
@@ -178,7 +178,11 @@ def start_embedded_daemon(
     Raises:
         ConnectError: the daemon exited or did not become ready in time.
     """
-    config = config or ClientConfig.from_env()
+    return _start(config or ClientConfig.from_env(), tried, peer_host)
+
+
+def _start(config: ClientConfig, tried: list[str] | None, peer_host: str | None) -> str:
+    """``start_embedded_daemon`` with the configuration its caller built."""
     clean_stale_folders()
     folder = tempfile.mkdtemp(prefix=FOLDER_PREFIX)  # mode 0700: only this user reaches it
     path = os.path.join(folder, SOCKET_NAME)

@@ -32,12 +32,17 @@ Step = Callable[[ShmPath, int], None]
 Steps = tuple[Step | None, Step | None]
 
 
-def reduce_rank_order(out: np.ndarray, ins: list[np.ndarray], reduce_op: int) -> None:
+def reduce_rank_order(
+    out: np.ndarray, ins: list[np.ndarray], reduce_op: int, native: bool = True
+) -> None:
     """Reduces ``ins`` in rank order into ``out`` (``out`` aliases none of them): in C for
-    the common dtypes and SUM or AVG (one pass, every input read once), else as
-    ``numpy_rank_order`` does; both give the same bits."""
-    if (reduce_op == pb.SUM or reduce_op == pb.AVG) and native_reduce(
-        out, ins, reduce_op == pb.AVG
+    the common dtypes and SUM or AVG (one pass, every input read once) unless ``native`` is
+    False (``ClientConfig.native``), else as ``numpy_rank_order`` does; both give the same
+    bits."""
+    if (
+        native
+        and (reduce_op == pb.SUM or reduce_op == pb.AVG)
+        and native_reduce(out, ins, reduce_op == pb.AVG)
     ):
         return
     numpy_rank_order(out, ins, reduce_op)
@@ -67,11 +72,15 @@ class RegionOps:
         daemon_alive: Callable[[], bool],
         daemon_gone: Callable[[], DaemonLostError],
         ranks: Sequence[int] = (),
+        *,
+        native: bool,
     ) -> None:
         """``open_region()`` maps the peers' arenas and the region (the daemon hands them).
         ``rank`` is this rank's slot; ``ranks``, the communicator's rank of every slot (see
-        ``ShmPath``)."""
+        ``ShmPath``); ``native``, whether the C part may run the protocol and the
+        reductions (``ClientConfig.native``)."""
         self.name = name
+        self.native = native
         self.rank = rank
         self.ranks = tuple(ranks)
         self.timeout_s = timeout_s
@@ -106,6 +115,7 @@ class RegionOps:
                     self._gone,
                     self.ranks,
                     self.world,
+                    native=self.native,
                 )
             except SmddpError as exc:
                 self._unusable = exc
@@ -186,7 +196,7 @@ class RegionOps:
 
     def all_reduce(self, data: np.ndarray, reduce_op: int) -> Steps:
         """Every rank's buffer in, the reduction of all of them out."""
-        me, n, dtype = self.rank, data.size, data.dtype
+        me, n, dtype, native = self.rank, data.size, data.dtype, self.native
 
         def fill(shm: ShmPath, p: int) -> None:
             if shm.native is None or not shm.native.fill(p, data):
@@ -195,7 +205,7 @@ class RegionOps:
         def finish(shm: ShmPath, p: int) -> None:
             # The C part reduces the common dtypes and ops (bitwise numpy's), numpy the rest.
             if shm.native is None or not shm.native.reduce(p, data, reduce_op):
-                reduce_rank_order(data, shm.sized(p, dtype, n), reduce_op)
+                reduce_rank_order(data, shm.sized(p, dtype, n), reduce_op, native)
 
         return fill, finish
 
@@ -215,7 +225,7 @@ class RegionOps:
 
     def reduce(self, data: np.ndarray, root: int, reduce_op: int) -> Steps:
         """Every rank's buffer in, their reduction out on the root."""
-        me, n = self.rank, data.size
+        me, n, native = self.rank, data.size, self.native
 
         def fill(shm: ShmPath, p: int) -> None:
             np.copyto(shm.typed(p, data.dtype)[me][:n], data)
@@ -223,7 +233,7 @@ class RegionOps:
         def finish(shm: ShmPath, p: int) -> None:
             if me == root:
                 bufs = shm.typed(p, data.dtype)
-                reduce_rank_order(data, [b[:n] for b in bufs], reduce_op)
+                reduce_rank_order(data, [b[:n] for b in bufs], reduce_op, native)
 
         return fill, finish
 
@@ -252,7 +262,7 @@ class RegionOps:
     ) -> Steps:
         """Each rank's inputs in, one after the other; out: the root's block for this rank
         (scatter), or the reduction of every rank's block for it (reduce_scatter)."""
-        me, n = self.rank, out.size
+        me, n, native = self.rank, out.size, self.native
 
         def fill(shm: ShmPath, p: int) -> None:
             if ins is not None:
@@ -265,7 +275,7 @@ class RegionOps:
             if kind == pb.SCATTER:
                 np.copyto(out, bufs[root][me * n : (me + 1) * n])
             else:
-                reduce_rank_order(out, [b[me * n : (me + 1) * n] for b in bufs], reduce_op)
+                reduce_rank_order(out, [b[me * n : (me + 1) * n] for b in bufs], reduce_op, native)
 
         return fill, finish
 

@@ -112,12 +112,15 @@ class ShmPath:
         daemon_gone: Callable[[], DaemonLostError],
         ranks: Sequence[int] = (),
         world: int | None = None,
+        *,
+        native: bool,
     ) -> None:
         """``rank``: this rank's slot; ``ranks``: the communicator's rank of each slot, as
         messages name them (default: the slot's own number; a communicator spanning nodes
         has a slot for each of its ranks on this node); ``world``: the number of slots, as
         the daemon registered the communicator's ranks on this node (None: the header's,
-        for a region made here).
+        for a region made here); ``native``: whether the C part may run the protocol
+        (``ClientConfig.native``).
 
         Raises:
             OpError: the region's header disagrees with ``world`` or the region's size (a
@@ -170,9 +173,9 @@ class ShmPath:
         self.error: OpError | DaemonLostError | None = None
         self.count = 0  # ops run in the region so far (their parity alternates)
         self._next_alive_check = 0.0
-        # The C part, when built and not turned off (SMDDP_NATIVE=0): it takes over the
+        # The C part, when built and not turned off (ClientConfig.native): it takes over the
         # step counter and the methods below of the same names, which stay as the reference.
-        self.native = _native_slot(region, rank, self.world, v, self.spin_s)
+        self.native = _native_slot(region, rank, self.world, v, self.spin_s) if native else None
         if self.native is not None:
             self.bump = self.native.bump  # type: ignore[method-assign]
             self.publish = self.native.publish  # type: ignore[method-assign]
@@ -511,23 +514,24 @@ class ShmPath:
         return views
 
 
-def _native() -> bool:
-    """True when the C part is built and not turned off (SMDDP_NATIVE=0)."""
-    return _fastregion is not None and os.environ.get("SMDDP_NATIVE", "1") != "0"
+def _built() -> bool:
+    """True when the C part is built (whether to use it is ``ClientConfig.native``'s)."""
+    return _fastregion is not None
 
 
 def native_reduce(out: np.ndarray, ins: list[np.ndarray], average: bool) -> bool:
     """True once the C part has reduced ``ins`` in their order into ``out`` (divided by
     their number when ``average``), bitwise as numpy would, without the GIL; False (``out``
-    untouched) for what it leaves to numpy (dtypes, aliasing) or without the C part."""
-    return _native() and _fastregion.reduce_into(out, ins, average)
+    untouched) for what it leaves to numpy (dtypes, aliasing) or without the C part. Whether
+    to call it at all is the caller's (``ClientConfig.native``)."""
+    return _built() and _fastregion.reduce_into(out, ins, average)
 
 
 def _native_slot(
     region: np.ndarray, rank: int, world: int, view: RegionView, spin_s: float
 ) -> _fastregion.Slot | None:
-    """The C side of this rank's slot, or None (not built, or SMDDP_NATIVE=0)."""
-    if not _native():
+    """The C side of this rank's slot, or None (not built)."""
+    if not _built():
         return None
     from smddp.core import region as layout
 

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from smddp.client.communicator import Communicator
+from smddp.client.config import ClientConfig
 from smddp.client.cuda_ipc import IpcExporter
 from smddp.client.cuda_ops import CudaCollectives, DeviceArray
 from smddp.client.errors import OpError, UnsupportedError
@@ -368,7 +369,9 @@ class FakeSession:
 def test_gpu_ops_share_the_numbering_and_retire_in_order_with_host_ops(monkeypatch) -> None:
     monkeypatch.setenv("SMDDP_REGION", "0")  # host ops through the (fake) daemon, no region
     session = FakeSession()
-    comm = Communicator(session, timeout_s=10, single_node=True)  # type: ignore[arg-type]
+    comm = Communicator(  # type: ignore[arg-type]
+        session, timeout_s=10, single_node=True, config=ClientConfig.from_env()
+    )
     comm._direct_min = -1  # keep host ops on the daemon path
     done: list[tuple[str, bool]] = []
     x = np.arange(40000, dtype=np.float32)  # several chunks of the arena ring
@@ -408,7 +411,9 @@ def test_gpu_ops_share_the_numbering_and_retire_in_order_with_host_ops(monkeypat
 def test_a_failed_gpu_op_reports_and_releases_its_events(monkeypatch) -> None:
     monkeypatch.setenv("SMDDP_REGION", "0")
     session = FakeSession(fail={1})
-    comm = Communicator(session, timeout_s=10, single_node=True)  # type: ignore[arg-type]
+    comm = Communicator(  # type: ignore[arg-type]
+        session, timeout_s=10, single_node=True, config=ClientConfig.from_env()
+    )
     done: list[bool] = []
     h = comm.submit_gpu(
         pb.OpRequest(kind=pb.ALL_REDUCE, cuda=pb.CudaOp()), done.append, "all_reduce"

@@ -25,6 +25,7 @@ import pytest
 
 from smddp.backend import cuda_free_hook
 from smddp.backend.cuda_free_hook import FreeChannel
+from smddp.client.config import ClientConfig
 from smddp.core.wire import MSG_FREE, MSG_FREE_REPLY, pack
 from smddp.v1 import smddp_pb2 as pb
 
@@ -278,8 +279,8 @@ def test_without_a_cuda_torch_install_logs_once_and_keeps_the_old_path(
             raise AssertionError("no channel is opened without the hook")
 
     with caplog.at_level("WARNING", logger="smddp.backend.cuda_free_hook"):
-        assert cuda_free_hook.install(NoSession(), exporter) is None  # type: ignore[arg-type]
-        assert cuda_free_hook.install(NoSession(), exporter) is None  # type: ignore[arg-type]
+        assert cuda_free_hook.install(NoSession(), exporter, ClientConfig()) is None  # type: ignore[arg-type]
+        assert cuda_free_hook.install(NoSession(), exporter, ClientConfig()) is None  # type: ignore[arg-type]
     (record,) = caplog.records
     assert "no close before free (torch" in record.getMessage()
     assert "is not a CUDA build" in record.getMessage()
@@ -324,7 +325,7 @@ def test_install_reopens_only_when_the_channel_or_its_daemon_is_gone(
         return channel.lib
 
     def install(session: _Session) -> FreeChannel | None:
-        return cuda_free_hook.install(session, IpcExporter(), library=library)  # type: ignore[arg-type, return-value]
+        return cuda_free_hook.install(session, IpcExporter(), ClientConfig(), library=library)  # type: ignore[arg-type, return-value]
 
     def reopened() -> list[str]:
         return [r.getMessage() for r in caplog.records if "reopened" in r.getMessage()]

@@ -14,6 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from smddp.client.config import ClientConfig
 from smddp.client.errors import DaemonLostError
 from smddp.client.region_ops import numpy_rank_order, reduce_rank_order
 from smddp.client.shm import ShmPath
@@ -48,7 +49,15 @@ def _gone() -> DaemonLostError:
 def _ranks(rgn: ControlRegion, native: bool, monkeypatch: pytest.MonkeyPatch) -> list[ShmPath]:
     monkeypatch.setenv("SMDDP_NATIVE", "1" if native else "0")
     ranks = [
-        ShmPath("job j comm 0", r, rgn.view.buf, 60.0, lambda: True, _gone)
+        ShmPath(
+            "job j comm 0",
+            r,
+            rgn.view.buf,
+            60.0,
+            lambda: True,
+            _gone,
+            native=ClientConfig.from_env().native,  # as connect builds it from SMDDP_NATIVE
+        )
         for r in range(rgn.view.world)
     ]
     assert all((s.native is not None) == native for s in ranks)

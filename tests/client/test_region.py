@@ -15,6 +15,7 @@ import time
 import numpy as np
 import pytest
 
+from smddp.client.config import ClientConfig
 from smddp.client.errors import DaemonLostError, MismatchError, OpTimeoutError, RankFailedError
 from smddp.client.shm import ShmPath
 from smddp.core.region import C_BYTES, C_OPS, DTYPES, K_COUNT
@@ -35,8 +36,11 @@ def _ranks(region: ControlRegion, timeout_s: float = 60.0, alive=lambda: True) -
     def gone() -> DaemonLostError:
         return DaemonLostError("smddpd at test is gone (it stopped or restarted)")
 
+    native_on = ClientConfig.from_env().native
     ranks = [
-        ShmPath(NAME, r, region.view.buf, timeout_s, alive, gone) for r in range(region.view.world)
+        # The rank's configuration, as connect builds it: the fixture set SMDDP_NATIVE.
+        ShmPath(NAME, r, region.view.buf, timeout_s, alive, gone, native=native_on)
+        for r in range(region.view.world)
     ]
     native = os.environ["SMDDP_NATIVE"] == "1"
     assert all((shm.native is not None) == native for shm in ranks), (

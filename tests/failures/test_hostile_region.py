@@ -47,6 +47,7 @@ import pytest
 from test_limits import SERVING, _attach, node_health, pair_all_reduce, register, stub
 
 from smddp.client.arena import ClientArena
+from smddp.client.config import ClientConfig
 from smddp.client.errors import DaemonLostError, OpError
 from smddp.client.shm import ShmPath
 from smddp.core.region import (
@@ -663,7 +664,8 @@ def test_failure_words_a_rank_wrote_raise_a_known_kind_and_a_bounded_message(
     def gone() -> DaemonLostError:
         return DaemonLostError("smddpd at test is gone")
 
-    shm = ShmPath("job j comm 0", 0, region.view.buf, 60.0, lambda: True, gone)
+    native_on = ClientConfig.from_env().native  # as connect builds it from SMDDP_NATIVE
+    shm = ShmPath("job j comm 0", 0, region.view.buf, 60.0, lambda: True, gone, native=native_on)
     hostile = region.view
     hostile.buf[-4096:] = np.frombuffer(b"DATA" * 1024, np.uint8)  # the last data buffer
     hostile.header[H_FAIL_KIND] = 1 << 40

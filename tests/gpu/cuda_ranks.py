@@ -661,7 +661,7 @@ def free_hook_rank(
     )
     comm = dist.group.WORLD.comm  # the world is the SmddpProcessGroup itself
     channel = cuda_free_hook.install(
-        comm.session, comm.cuda.exporter, library=lambda: ctypes.CDLL(library)
+        comm.session, comm.cuda.exporter, comm.config, library=lambda: ctypes.CDLL(library)
     )
     out["installed"] = channel is not None
     (alloc,) = [a for a in _fake.allocations if a.base <= x.data_ptr() < a.base + a.size]

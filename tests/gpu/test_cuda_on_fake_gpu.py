@@ -220,7 +220,7 @@ def restart_rank(
 
     def install() -> cuda_free_hook.FreeChannel | None:
         comm = dist.group.WORLD.comm  # the world is the SmddpProcessGroup itself
-        return cuda_free_hook.install(comm.session, comm.cuda.exporter, library=load)
+        return cuda_free_hook.install(comm.session, comm.cuda.exporter, comm.config, library=load)
 
     # The first daemon: the group's first op maps x, then the hook is installed (as on the
     # first GPU group of a process) and x's free is closed before it happens.
