@@ -10,7 +10,6 @@ import resource
 import socket
 import threading
 import time
-from concurrent import futures
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -159,7 +158,7 @@ class Daemon:
             os.unlink(cfg.socket)  # a stale socket of a previous run; nobody answers on it
         workers = cfg.max_pending_rendezvous + cfg.max_op_streams + SPARE_GRPC_THREADS
         server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="smddp-grpc"),
+            supervise.named_pool(workers, "smddp-grpc"),
             options=[("grpc.max_receive_message_length", 4 << 20), ("grpc.so_reuseport", 0)],
             interceptors=[RefuseUndecodable()],
         )
@@ -196,7 +195,7 @@ class Daemon:
             # No SO_REUSEPORT: a second daemon on the same port must fail to start, not split
             # the probes between two daemons.
             tcp = grpc.server(
-                futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="smddp-probe"),
+                supervise.named_pool(8, "smddp-probe"),
                 options=[("grpc.so_reuseport", 0)],
                 interceptors=[RefuseUndecodable()],
             )
@@ -277,7 +276,7 @@ class Daemon:
         )
         server = grpc.server(
             # Meet holds a thread per rank of a rendezvous until every rank arrived.
-            futures.ThreadPoolExecutor(max_workers=256, thread_name_prefix="smddp-peer-rpc"),
+            supervise.named_pool(256, "smddp-peer-rpc"),
             options=[("grpc.max_receive_message_length", 1 << 20), ("grpc.so_reuseport", 0)],
             interceptors=[RefuseUndecodable()],
         )

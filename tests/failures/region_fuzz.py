@@ -13,8 +13,9 @@ serves two kinds of job at once:
 Meanwhile the daemon's health, ``Status`` and HTTP ``/metrics`` are asked every moment. At
 the end, with the attackers gone and the victim still running, the daemon's descriptors,
 memfds and shared memory must be back to what they were once the victim ran alone, and its
-threads no more than then (gRPC's pools keep threads they made; a warm-up of attacker jobs
-runs before that baseline, so they have made them); the node's Shmem may differ by the
+threads no more than then (gRPC's pools keep threads they made, up to their bound: those
+are told apart by the name the daemon gives them and not counted; a warm-up of attacker jobs
+runs before that baseline too); the node's Shmem may differ by the
 victim's own pages (``SHMEM_SLACK_KIB``).
 
 It fails (exit 1) when the victim saw one wrong result or any error, the daemon died, a
@@ -67,6 +68,23 @@ def _node_shmem_kib() -> int:
     return int(found[1]) if found else 0
 
 
+# gRPC's servers keep the threads their pools made, up to each pool's bound, whatever the jobs:
+# the daemon names them so (server/supervise.py named_pool), and they are not counted here.
+POOLS = ("smddp-grpc", "smddp-peer-rpc", "smddp-probe")
+
+
+def _threads(pid: int) -> int:
+    """The daemon's threads but those of its gRPC pools."""
+    count = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+        except OSError:
+            continue  # ended while we looked
+        count += not name.startswith(POOLS)
+    return count
+
+
 def _daemon_numbers(pid: int) -> dict[str, int]:
     """The daemon's open descriptors, the memfds among them and their bytes, its threads,
     and the node's shared memory."""
@@ -86,7 +104,7 @@ def _daemon_numbers(pid: int) -> dict[str, int]:
         "fds": fds,
         "memfds": memfds,
         "memfd_bytes": memfd_bytes,
-        "threads": len(os.listdir(f"/proc/{pid}/task")),
+        "threads": _threads(pid),
         "node_shmem_kib": _node_shmem_kib(),
     }
 

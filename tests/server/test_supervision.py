@@ -374,3 +374,21 @@ def test_a_registration_dropped_while_it_attaches_does_not_keep_its_arena() -> N
     assert not still, "the daemon's descriptor of the arena is still open"
     assert session.arena is None and registry.session_count() == 0
     arena.close()
+
+
+def test_the_grpc_pool_threads_carry_their_name_in_the_kernel(daemon: Daemon) -> None:
+    # An operator's top -H, and the fuzz's count of threads held per job, tell gRPC's pool
+    # threads (kept up to the pool's bound, never per job) from the rest by this name.
+    with grpc.insecure_channel("unix:" + daemon.config.socket) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(), timeout=10
+        )
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:
+            continue
+    assert any(n.startswith("smddp-grpc_") for n in names), names
