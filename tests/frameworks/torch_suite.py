@@ -25,6 +25,7 @@ SMDDP_SOCKET), so no test pays for starting a daemon.
 from __future__ import annotations
 
 import atexit
+import functools
 import importlib.util
 import os
 import shutil
@@ -35,6 +36,9 @@ import tempfile
 import time
 import types
 import unittest
+from collections.abc import Callable, Iterator
+
+import pytest
 
 WORLD_SIZE = 3
 SUITE = "torch.testing._internal.distributed.distributed_test"
@@ -72,6 +76,28 @@ class GlooStandIn(str):
         return hash("gloo")
 
 
+# What the parent made for the whole run, undone when this module's tests are over (before the
+# run's check for leftovers, tests/leftovers.py), or at exit if they never ran.
+_CLEANUPS: list[Callable[[], object]] = []
+
+
+def _at_end(cleanup: Callable[[], object]) -> None:
+    if not _CLEANUPS:
+        atexit.register(_clean_up)
+    _CLEANUPS.append(cleanup)
+
+
+def _clean_up() -> None:
+    while _CLEANUPS:
+        _CLEANUPS.pop()()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _made_for_the_run() -> Iterator[None]:
+    yield
+    _clean_up()
+
+
 def _environment() -> None:
     os.environ.setdefault("BACKEND", "smddp")
     os.environ.setdefault("WORLD_SIZE", str(WORLD_SIZE))
@@ -79,7 +105,7 @@ def _environment() -> None:
         # Inherited by the spawned ranks, so parent and ranks share it.
         # Made here, in the parent, and removed when it exits (the ranks only use it).
         os.environ["TEMP_DIR"] = tempfile.mkdtemp(prefix="smddp-torch-suite-")
-        atexit.register(shutil.rmtree, os.environ["TEMP_DIR"], True)
+        _at_end(functools.partial(shutil.rmtree, os.environ["TEMP_DIR"], True))
     os.makedirs(os.path.join(os.environ["TEMP_DIR"], "barrier"), exist_ok=True)
 
 
@@ -132,7 +158,7 @@ def _start_daemon() -> None:
             proc.wait()
         shutil.rmtree(folder, ignore_errors=True)
 
-    atexit.register(stop)
+    _at_end(stop)
     os.environ["SMDDP_SOCKET"] = path
     os.environ["SMDDP_TORCH_SUITE_DAEMON"] = path
 
