@@ -647,6 +647,8 @@ def free_hook_rank(
     import signal
     import tempfile
 
+    import procstate
+
     from smddp.backend import cuda_free_hook
 
     init(rank, world, init_file, FAKE)
@@ -687,7 +689,7 @@ def free_hook_rank(
             # Announced as exported again (a real free is followed by a new allocation,
             # which the exporter announces; this one was only announced freed).
             channel.watch(alloc.base)
-            os.kill(daemon_pid, signal.SIGSTOP)
+            procstate.stop(daemon_pid)  # all its threads: kill() returns before they stop
             try:
                 start = time.monotonic()
                 out["stopped_code"] = channel.segment_free(alloc.base, alloc.size)

@@ -34,6 +34,7 @@ from typing import Any
 
 import grpc
 import numpy as np
+import procstate
 import pytest
 import torch.distributed
 import yaml
@@ -511,7 +512,7 @@ def test_a_hung_node_is_named_by_the_heartbeat(start_daemon) -> None:
     ]
     for h in [c.all_reduce(np.ones(16, np.float32)) for c in comms]:
         h.wait()  # the data connections are up
-    daemons[1].proc.send_signal(signal.SIGSTOP)  # hung: its connections stay open, silent
+    procstate.stop(daemons[1].proc.pid)  # hung: its connections stay open, silent
     try:
         stopped = time.monotonic()
         with pytest.raises(SmddpError) as info:
