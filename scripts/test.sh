@@ -10,7 +10,7 @@ bash scripts/setup_dev.sh
 bash scripts/typecheck.sh
 # The wheel, installed into a clean venv and smoke-tested there (about 2 minutes).
 bash scripts/wheel_test.sh
-.venv/bin/python -m pytest -q -ra "$@"
+.venv/bin/python -m pytest -q -ra --durations=40 "$@"
 # --- frameworks: torch's own distributed test suite with smddp standing in for gloo
 # (tests/frameworks/torch_suite.py), a step of its own as it takes several minutes; only in
 # the full run, not when arguments pick tests. CI=false: its ~200 skips are the suite's own
