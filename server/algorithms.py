@@ -99,6 +99,12 @@ def size_class(nbytes: int) -> int:
     return 0 if nbytes <= 0 else 1 << (nbytes - 1).bit_length()
 
 
+def pins_text(pins: dict[str, str]) -> str:
+    """``pins`` as one canonical ``op=name,...`` (ops in order), or "unset" when empty (the
+    cost model chooses): two daemons make the same choices exactly when their texts are equal."""
+    return ",".join(f"{op}={pins[op]}" for op in sorted(pins)) or "unset"
+
+
 class Selector:
     """One communicator's choice of algorithm per op and chunk size.
 

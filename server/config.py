@@ -22,7 +22,7 @@ else:  # Python 3.10: the same parser, as a package (pyproject's dependency on i
 
 from smddp.core.wire import default_socket_path
 from smddp.server import units
-from smddp.server.algorithms import parse_pins
+from smddp.server.algorithms import parse_pins, pins_text
 
 ENV_PREFIX = "SMDDP_"
 # Settings whose empty default means "worked out at start", not "off".
@@ -139,6 +139,11 @@ class DaemonConfig:
             self.socket = default_socket_path()
         if not self.node_id:
             self.node_id = socket.gethostname()
+
+    def exchange_settings(self) -> str:
+        """The settings that shape the exchange between nodes, as one text: daemons of one
+        job must have equal texts (a node joining with another is refused, naming both)."""
+        return f"--algo {pins_text(parse_pins(self.algo))} --chunk-bytes {self.chunk_bytes}"
 
 
 _HELP = {

@@ -273,6 +273,7 @@ class Daemon:
             PeerControl(tls_files),
             cfg.ucx_port,
             tls=tls.contexts(*tls_files) if tls_files else None,
+            exchange=cfg.exchange_settings(),
         )
         server = grpc.server(
             # Meet holds a thread per rank of a rendezvous until every rank arrived.

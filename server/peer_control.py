@@ -60,6 +60,7 @@ class PeerControl:
         peer: pb.PeerRequest,
         node_ids: list[str],
         transport: pb.Transport,
+        exchange: str,
         timeout: float,
     ) -> int:
         """Asks node ``node_id`` to let this node join the communicator; its data port.
@@ -67,7 +68,9 @@ class PeerControl:
         Raises:
             grpc.RpcError: it refused, or did not answer within ``timeout`` seconds.
         """
-        request = pb.JoinRequest(peer=peer, node_ids=node_ids, transport=transport)
+        request = pb.JoinRequest(
+            peer=peer, node_ids=node_ids, transport=transport, exchange=exchange
+        )
         reply: pb.JoinReply = self.stub(address, node_id).Join(request, timeout=timeout)
         return reply.data_port
 

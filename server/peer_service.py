@@ -115,6 +115,11 @@ class PeerService(pb_grpc.PeerServicer, EdgeService):
             raise InvalidRequest(
                 f"{comm.name()}: the node of lower index joins the higher, not node {caller}"
             )
+        if request.exchange != self._network.exchange:
+            raise FailedPrecondition(
+                f"node {caller} runs {request.exchange or 'an older smddpd'} and node {me} runs {self._network.exchange}: "  # noqa: E501
+                "every daemon of a job must run the same --algo and --chunk-bytes (SMDDP_ALGO, SMDDP_CHUNK_BYTES)"  # noqa: E501
+            )
         failure = comm.failed()
         if failure is not None:
             raise Aborted(f"the communicator already failed on node {me}: {failure[1]}")

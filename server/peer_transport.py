@@ -217,6 +217,7 @@ class CommPeers:
                     peer,
                     self.node_ids,
                     self.network.transport,
+                    self.network.exchange,
                     timeout,
                 )
             except grpc.RpcError as exc:
@@ -663,8 +664,11 @@ class PeerNetwork:
         control: PeerControl,
         ucx_port: int = 0,
         tls: tuple[ssl.SSLContext, ssl.SSLContext] | None = None,
+        exchange: str = "",
     ) -> None:
+        """``exchange``: ``DaemonConfig.exchange_settings()``, which a joining node must share."""
         self.transport = transport
+        self.exchange = exchange
         self.control = control
         self.tls = tls is not None
         self._find = find_peers

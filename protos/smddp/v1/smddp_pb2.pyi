@@ -121,14 +121,16 @@ class PeerRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., comm_id: _Optional[str] = ..., node: _Optional[int] = ..., proof: _Optional[bytes] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("peer", "node_ids", "transport")
+    __slots__ = ("peer", "node_ids", "transport", "exchange")
     PEER_FIELD_NUMBER: _ClassVar[int]
     NODE_IDS_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    EXCHANGE_FIELD_NUMBER: _ClassVar[int]
     peer: PeerRequest
     node_ids: _containers.RepeatedScalarFieldContainer[str]
     transport: Transport
-    def __init__(self, peer: _Optional[_Union[PeerRequest, _Mapping]] = ..., node_ids: _Optional[_Iterable[str]] = ..., transport: _Optional[_Union[Transport, str]] = ...) -> None: ...
+    exchange: str
+    def __init__(self, peer: _Optional[_Union[PeerRequest, _Mapping]] = ..., node_ids: _Optional[_Iterable[str]] = ..., transport: _Optional[_Union[Transport, str]] = ..., exchange: _Optional[str] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("node_id", "data_port")
