@@ -12,9 +12,11 @@ import os
 import socket
 import struct
 from collections.abc import Sequence
+from typing import cast
 
 import numpy as np
 
+from smddp.core.op import OpSpec
 from smddp.v1 import smddp_pb2 as pb
 
 # Data socket framing: one SOCK_SEQPACKET message is a 1-byte type and a serialized proto.
@@ -186,6 +188,26 @@ def describe(kind: int, dtype: int, count: int, root: int, reduce_op: int) -> st
     else:
         args.append(f"{count} x {dtype_name(dtype)}")
     return f"{name}({', '.join(args)})"
+
+
+def op_request(op: OpSpec, seq: int = 0) -> pb.OpRequest:
+    """The daemon's request for ``op`` as op ``seq`` (its chunks are copies with ``part``
+    and ``parts`` set): the one place an ``OpSpec`` becomes protobuf."""
+    # The stubs type enum fields by their enum classes; a spec's ints are those values.
+    return pb.OpRequest(
+        seq=seq,
+        kind=cast("pb.OpKind", op.kind),
+        dtype=cast("pb.DType", op.dtype),
+        count=op.elements,
+        root=op.root,
+        reduce_op=cast("pb.ReduceOp", op.reduce_op),
+        tag=op.tag,
+    )
+
+
+def op_of(req: pb.OpRequest) -> OpSpec:
+    """The ``OpSpec`` a request (or a GPU op's request) carries."""
+    return OpSpec(req.kind, req.dtype, req.count, req.root, req.reduce_op, req.tag)
 
 
 def describe_request(req: pb.OpRequest) -> str:
