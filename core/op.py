@@ -104,10 +104,11 @@ class OpSpec(NamedTuple):
         """What every rank's call of this op must agree on, on one node and across nodes.
 
         Fields the kind does not use are 0, so that ranks which fill them differently still
-        match; an all_to_all's element count is 0, as its ranks may send different totals (its blocks
-        are checked pairwise). The tag is left out: only sends and receives carry one, and
-        they are matched pairwise. A spec the client built has 0 in every unused field
-        already, so its signature equals its first five fields but for an all_to_all's.
+        match; an all_to_all's element count is 0, as its ranks may send different totals
+        (its blocks are checked pairwise). The tag is left out: only sends and receives
+        carry one, and they are matched pairwise. A spec the client built has 0 in every
+        unused field already, so its signature equals its first five fields but for an
+        all_to_all's.
         """
         kind, dtype, elements, root, reduce_op, _ = self
         return (

@@ -169,8 +169,9 @@ def reduce_op_check(dtype: int, reduce_op: int) -> str | None:
     return None
 
 
-def describe(kind: int, dtype: int, count: int, root: int, reduce_op: int) -> str:
+def describe(op: OpSpec) -> str:
     """Names an op the way a user wrote it, e.g. ``broadcast(src=1, 4096 x float32)``."""
+    kind, dtype, count, root, reduce_op, _ = op
     name = KIND_NAMES.get(kind, f"op#{kind}")
     if kind == pb.BARRIER:
         return "barrier()"
@@ -214,7 +215,7 @@ def describe_request(req: pb.OpRequest) -> str:
     """``describe`` applied to an OpRequest; a GPU op says so:
     ``all_reduce(SUM, 8 x float32 on GPU)``, and a receive from any source too:
     ``recv(src=any, 8 x float32)``."""
-    text = describe(req.kind, req.dtype, req.count, req.root, req.reduce_op)
+    text = describe(op_of(req))
     if req.kind == pb.RECV and req.any_source:
         text = text.replace(f"src={req.root}", "src=any", 1)
     return text[:-1] + " on GPU)" if req.HasField("cuda") else text
