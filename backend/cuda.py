@@ -34,25 +34,24 @@ from torch._C import _distributed_c10d as c10d
 from smddp.backend import cuda_free_hook, cuda_future
 from smddp.backend.tensors import SUPPORTED, reduce_op
 from smddp.backend.work import SmddpWork
-from smddp.client import Communicator
+from smddp.client import Communicator, DType
 from smddp.client.cuda_ipc import IpcExporter
 from smddp.client.cuda_ops import DeviceArray
 from smddp.client.errors import SmddpError, UnsupportedError
-from smddp.v1 import smddp_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-WIRE_DTYPES: dict[torch.dtype, int] = {
-    torch.float16: pb.FLOAT16,
-    torch.bfloat16: pb.BFLOAT16,
-    torch.float32: pb.FLOAT32,
-    torch.float64: pb.FLOAT64,
-    torch.int8: pb.INT8,
-    torch.uint8: pb.UINT8,
-    torch.int16: pb.INT16,
-    torch.int32: pb.INT32,
-    torch.int64: pb.INT64,
-    torch.bool: pb.BOOL,
+WIRE_DTYPES: dict[torch.dtype, DType] = {
+    torch.float16: DType.FLOAT16,
+    torch.bfloat16: DType.BFLOAT16,
+    torch.float32: DType.FLOAT32,
+    torch.float64: DType.FLOAT64,
+    torch.int8: DType.INT8,
+    torch.uint8: DType.UINT8,
+    torch.int16: DType.INT16,
+    torch.int32: DType.INT32,
+    torch.int64: DType.INT64,
+    torch.bool: DType.BOOL,
 }
 
 

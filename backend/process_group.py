@@ -25,9 +25,8 @@ from smddp.backend.errors import translate
 from smddp.backend.solo import SoloOps
 from smddp.backend.tensors import SUPPORTED, ViewCache, as_numpy, check, reduce_op
 from smddp.backend.work import SmddpWork, stop_completer
-from smddp.client import Communicator, Handle
+from smddp.client import Communicator, Handle, ReduceOp
 from smddp.client.errors import SmddpError, UnsupportedError
-from smddp.v1 import smddp_pb2 as pb
 
 if TYPE_CHECKING:
     from torch.distributed.distributed_c10d import GroupName
@@ -173,7 +172,7 @@ class SmddpProcessGroup(dist.ProcessGroup):
             rop = opts.reduceOp
             # ReduceOp == RedOpType is a C++ comparison; going through .op costs twice as much.
             # (torch's stub types the two as unrelated; C++ compares them by value)
-            op = pb.SUM if rop == _SUM else reduce_op(rop, "all_reduce")  # type: ignore[comparison-overlap]
+            op = ReduceOp.SUM if rop == _SUM else reduce_op(rop, "all_reduce")  # type: ignore[comparison-overlap]
             return SmddpWork([self._ops.all_reduce(self._views.flat(t, "all_reduce"), op)], [t])
         if (
             len(tensors) == 1

@@ -18,10 +18,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from smddp.client import Communicator, Handle
+from smddp.client import Communicator, Handle, ReduceOp
 from smddp.client.checks import check_reduce, check_root, code_of, flat, per_rank
 from smddp.client.errors import UnsupportedError
-from smddp.v1 import smddp_pb2 as pb
 
 # How often an op asks whether the daemon is still there (a poll(2) of its socket).
 ALIVE_CHECK_S = 0.1
@@ -47,7 +46,7 @@ class SoloOps:
                 raise comm.session.gone()
         return Handle(comm)
 
-    def all_reduce(self, array: np.ndarray, reduce_op: int = pb.SUM) -> Handle:
+    def all_reduce(self, array: np.ndarray, reduce_op: ReduceOp | int = ReduceOp.SUM) -> Handle:
         """The identity, after the client's checks (AVG over one rank divides by one)."""
         data = flat(array, "all_reduce", writable=True)
         check_reduce(code_of(data.dtype), reduce_op)
@@ -59,7 +58,9 @@ class SoloOps:
         check_root(root, self.comm.world_size, "broadcast")
         return self._done()
 
-    def reduce(self, array: np.ndarray, root: int, reduce_op: int = pb.SUM) -> Handle:
+    def reduce(
+        self, array: np.ndarray, root: int, reduce_op: ReduceOp | int = ReduceOp.SUM
+    ) -> Handle:
         """The identity on the root, the only rank."""
         data = flat(array, "reduce", writable=True)
         check_root(root, self.comm.world_size, "reduce")
@@ -86,7 +87,10 @@ class SoloOps:
         return handle
 
     def reduce_scatter(
-        self, output: np.ndarray, inputs: Sequence[np.ndarray], reduce_op: int = pb.SUM
+        self,
+        output: np.ndarray,
+        inputs: Sequence[np.ndarray],
+        reduce_op: ReduceOp | int = ReduceOp.SUM,
     ) -> Handle:
         """``output`` becomes a copy of ``inputs[0]`` (a reduction over one rank)."""
         out = flat(output, "reduce_scatter", writable=True)

@@ -12,8 +12,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from smddp.client import ReduceOp
 from smddp.client.errors import UnsupportedError
-from smddp.v1 import smddp_pb2 as pb
 
 SUPPORTED = (
     torch.float16,
@@ -28,14 +28,14 @@ SUPPORTED = (
     torch.bool,
 )
 _REDUCE_OPS = {
-    dist.ReduceOp.SUM: pb.SUM,
-    dist.ReduceOp.AVG: pb.AVG,
-    dist.ReduceOp.MIN: pb.MIN,
-    dist.ReduceOp.MAX: pb.MAX,
-    dist.ReduceOp.PRODUCT: pb.PRODUCT,
-    dist.ReduceOp.BAND: pb.BAND,
-    dist.ReduceOp.BOR: pb.BOR,
-    dist.ReduceOp.BXOR: pb.BXOR,
+    dist.ReduceOp.SUM: ReduceOp.SUM,
+    dist.ReduceOp.AVG: ReduceOp.AVG,
+    dist.ReduceOp.MIN: ReduceOp.MIN,
+    dist.ReduceOp.MAX: ReduceOp.MAX,
+    dist.ReduceOp.PRODUCT: ReduceOp.PRODUCT,
+    dist.ReduceOp.BAND: ReduceOp.BAND,
+    dist.ReduceOp.BOR: ReduceOp.BOR,
+    dist.ReduceOp.BXOR: ReduceOp.BXOR,
 }
 
 
@@ -172,8 +172,8 @@ class ViewCache:
         return arr
 
 
-def reduce_op(op: dist.ReduceOp | dist.ReduceOp.RedOpType, what: str) -> int:
-    """The wire ReduceOp for torch's, or UnsupportedError (e.g. PREMUL_SUM)."""
+def reduce_op(op: dist.ReduceOp | dist.ReduceOp.RedOpType, what: str) -> ReduceOp:
+    """smddp's ReduceOp for torch's, or UnsupportedError (e.g. PREMUL_SUM)."""
     for torch_op, wire in _REDUCE_OPS.items():
         if op == torch_op:
             return wire

@@ -47,14 +47,15 @@ from smddp.client.direct import (
     broadcast_work,
 )
 from smddp.client.discovery import daemon_info, daemon_socket, rendezvous
-from smddp.client.engine import DaemonEngine, request
+from smddp.client.engine import DaemonEngine
 from smddp.client.errors import SmddpError, UnsupportedError, progress_bug
 from smddp.client.inflight import InFlight
 from smddp.client.progress import ProgressThread
 from smddp.client.region_ops import RegionOps, Steps
 from smddp.client.session import DaemonSession
 from smddp.client.shm import ShmPath
-from smddp.core.wire import P2P_KINDS
+from smddp.core.op import BARRIER, OpKind, OpSpec, ReduceOp
+from smddp.core.wire import P2P_KINDS, op_request
 from smddp.v1 import smddp_pb2 as pb
 
 if TYPE_CHECKING:
@@ -220,25 +221,15 @@ class Communicator:
     def _goes_direct(self, nbytes: int) -> bool:
         return self._use_shm or 0 <= self._direct_min <= nbytes
 
-    def _in_region(
-        self,
-        kind: int,
-        code: int,
-        count: int,
-        root: int,
-        reduce_op: int,
-        nbytes: int,
-        steps: Steps,
-    ) -> Handle:
+    def _in_region(self, spec: OpSpec, nbytes: int, steps: Steps) -> Handle:
         """Starts an op whose data fits a region buffer (``region_ops``); ``Handle.wait``
-        completes it. Behind a large op on the progress thread it runs there, in order.
-        ``code``: the data's wire dtype (0 for a barrier)."""
+        completes it. Behind a large op on the progress thread it runs there, in order."""
         with self._lock:
             begun = self._begin_region()
             if isinstance(begun, Handle):
                 return begun  # the communicator has failed
             shm, handle, seq = begun
-            args = (handle, shm, seq, kind, code, count, root, reduce_op, nbytes, steps)
+            args = (handle, shm, seq, spec, nbytes, steps)
             if self._progress.busy():
                 event = handle.event = threading.Event()
                 handle.pending = 1
@@ -259,9 +250,7 @@ class Communicator:
     def _spans(self, nbytes: int) -> bool:
         return self._node_phases and nbytes <= self._region.max_bytes
 
-    def _across_nodes(
-        self, kind: int, data: np.ndarray | None, root: int = 0, reduce_op: int = 0
-    ) -> Handle:
+    def _across_nodes(self, spec: OpSpec, data: np.ndarray | None) -> Handle:
         """An all_reduce, broadcast or barrier of a communicator spanning nodes whose data
         fits a region buffer, as a region op (``RegionOps.across_nodes``): the node's ranks
         combine their data in the region, the lowest alone takes the op to the daemon
@@ -274,29 +263,26 @@ class Communicator:
         completes this one, so the daemon gets the ops in order.
         """
         local = self.session.local_ranks
-        root_slot = local.index(root) if kind == pb.BROADCAST and root in local else None
-        code = code_of(data.dtype) if data is not None else 0
-        count = data.size if data is not None else 0
+        kind, root = spec.kind, spec.root
+        root_slot = local.index(root) if kind == OpKind.BROADCAST and root in local else None
         nbytes = data.nbytes if data is not None else 0
 
         def leg(seq: int) -> None:
             part = Handle(self, "op", seq)
-            req = request(
-                seq, kind, data.dtype if data is not None else None, count, root, reduce_op
-            )
+            req = op_request(spec, seq)
             req.node_combined = True
             if data is None:
                 self._engine.barrier(part, req)
             else:
-                here = kind == pb.ALL_REDUCE or root_slot is not None
-                elsewhere = kind == pb.ALL_REDUCE or root_slot is None
+                here = kind == OpKind.ALL_REDUCE or root_slot is not None
+                elsewhere = kind == OpKind.ALL_REDUCE or root_slot is None
                 self._engine.elementwise(part, req, data, send=here, receive=elsewhere)
             self._engine.retire_through(part)
             if part.error is not None:
                 raise part.error
 
-        steps = self._region.across_nodes(kind, data, root_slot, reduce_op, leg)
-        return self._in_region(kind, code, count, root, reduce_op, nbytes, steps)
+        steps = self._region.across_nodes(spec, data, root_slot, leg)
+        return self._in_region(spec, nbytes, steps)
 
     def _complete_open(self) -> None:
         """Completes the region op still due before an op through the daemon: on a
@@ -306,19 +292,16 @@ class Communicator:
         if self._node_phases and self._region.open is not None:
             self._region.complete(self._region.open)
 
-    def _run_direct(
-        self, kind: int, data: np.ndarray, root: int, reduce_op: int, work: Work
-    ) -> Handle:
+    def _run_direct(self, spec: OpSpec, data: np.ndarray, work: Work) -> Handle:
         """Starts a large op on the direct path (``direct``), on the progress thread; a
         blocking wait may claim it first and run it in its own thread."""
-        signature = (kind, code_of(data.dtype), data.size, root, reduce_op)
         return self._submit_direct(
             lambda handle, shm, seq: self._direct.runner(
                 handle,
                 shm,
                 self._region.peer_maps,
                 seq,
-                signature,
+                spec,
                 data.dtype,
                 data.size,
                 work,
@@ -340,28 +323,26 @@ class Communicator:
         if direct.in_place is None:
             self.barrier().wait()
             vote = np.array([int(self._region.shm.judge_peers(direct.single_copy))], np.int64)
-            self.all_reduce(vote, pb.MIN).wait()
+            self.all_reduce(vote, ReduceOp.MIN).wait()
             direct.in_place = bool(vote[0])
         return direct.in_place
 
     def _rooted_in_place(
-        self, kind: int, mine: np.ndarray, blocks: list[np.ndarray] | None, root: int
+        self, spec: OpSpec, mine: np.ndarray, blocks: list[np.ndarray] | None
     ) -> Handle:
         """A large gather or scatter read in place (``DirectOps.rooted_runner``)."""
-        signature = (kind, code_of(mine.dtype), mine.size, root, 0)
         return self._submit_direct(
             lambda handle, shm, seq: self._direct.rooted_runner(
-                handle, shm, seq, signature, mine, blocks
+                handle, shm, seq, spec, mine, blocks
             )
         )
 
-    def _gather_direct(self, src: np.ndarray, outs: list[np.ndarray]) -> Handle:
+    def _gather_direct(self, spec: OpSpec, src: np.ndarray, outs: list[np.ndarray]) -> Handle:
         """A large all_gather on the direct path: the ranks read each other's inputs in
         place where they can (``DirectOps.gather_runner``)."""
-        signature = (pb.ALL_GATHER, code_of(src.dtype), src.size, 0, 0)
         return self._submit_direct(
             lambda handle, shm, seq: self._direct.gather_runner(
-                handle, shm, self._region.peer_maps, seq, signature, outs, src
+                handle, shm, self._region.peer_maps, seq, spec, outs, src
             )
         )
 
@@ -378,21 +359,13 @@ class Communicator:
             self._claims[handle] = self._progress.submit_claimable(build(handle, shm, seq), event)
             return handle
 
-    def _via_daemon(
-        self,
-        kind: int,
-        dtype: np.dtype | None,
-        count: int,
-        root: int,
-        reduce_op: int,
-        cut: Callable[[Handle, pb.OpRequest], None],
-    ) -> Handle:
+    def _via_daemon(self, spec: OpSpec, cut: Callable[[Handle, pb.OpRequest], None]) -> Handle:
         """Numbers an op and sends it through the daemon; ``cut`` submits its chunks."""
         with self._lock:
             self._check_open()
             self._complete_open()
             handle = self._next()
-            cut(handle, request(self._seq, kind, dtype, count, root, reduce_op))
+            cut(handle, op_request(spec, self._seq))
             return handle
 
     def submit_gpu(self, req: pb.OpRequest, after: Callable[[bool], None], what: str) -> Handle:
@@ -429,91 +402,73 @@ class Communicator:
     # The checks under their old names: backend/solo.py (branch lean) calls them.
     # -- collectives --------------------------------------------------------------------------
 
-    def all_reduce(self, array: np.ndarray, reduce_op: int = pb.SUM) -> Handle:
+    def all_reduce(self, array: np.ndarray, reduce_op: ReduceOp | int = ReduceOp.SUM) -> Handle:
         """Reduces ``array`` across ranks in place (rank order, bitwise identical everywhere)."""
         data = flat(array, "all_reduce", writable=True)
-        code = code_of(data.dtype)
-        check_reduce(code, reduce_op)
+        spec = OpSpec(OpKind.ALL_REDUCE, code_of(data.dtype), data.size, 0, reduce_op)
+        check_reduce(spec.dtype, reduce_op)
         if self._fits(data.nbytes):
-            steps = self._region.all_reduce(data, reduce_op)
-            return self._in_region(pb.ALL_REDUCE, code, data.size, 0, reduce_op, data.nbytes, steps)
+            return self._in_region(spec, data.nbytes, self._region.all_reduce(data, reduce_op))
         if self._spans(data.nbytes):
-            return self._across_nodes(pb.ALL_REDUCE, data, 0, reduce_op)
+            return self._across_nodes(spec, data)
         if self._goes_direct(data.nbytes):
             work = all_reduce_work(data, reduce_op, self.rank, self.world_size, self.config.native)
-            return self._run_direct(pb.ALL_REDUCE, data, 0, reduce_op, work)
+            return self._run_direct(spec, data, work)
         return self._via_daemon(
-            pb.ALL_REDUCE,
-            data.dtype,
-            data.size,
-            0,
-            reduce_op,
-            lambda h, t: self._engine.elementwise(h, t, data, send=True, receive=True),
+            spec, lambda h, t: self._engine.elementwise(h, t, data, send=True, receive=True)
         )
 
     def broadcast(self, array: np.ndarray, root: int) -> Handle:
         """Copies the root's ``array`` into every rank's ``array``."""
         data = flat(array, "broadcast", writable=True)
         check_root(root, self.world_size, "broadcast")
+        spec = OpSpec(OpKind.BROADCAST, code_of(data.dtype), data.size, root)
         if self._fits(data.nbytes):
-            steps = self._region.broadcast(data, root)
-            code = code_of(data.dtype)
-            return self._in_region(pb.BROADCAST, code, data.size, root, 0, data.nbytes, steps)
+            return self._in_region(spec, data.nbytes, self._region.broadcast(data, root))
         if self._spans(data.nbytes):
-            return self._across_nodes(pb.BROADCAST, data, root)
+            return self._across_nodes(spec, data)
         if self._use_shm and self._reads_in_place():
-            signature = (pb.BROADCAST, code_of(data.dtype), data.size, root, 0)
             return self._submit_direct(
-                lambda handle, shm, seq: self._direct.broadcast_runner(
-                    handle, shm, seq, signature, data
-                )
+                lambda handle, shm, seq: self._direct.broadcast_runner(handle, shm, seq, spec, data)
             )
         if self._goes_direct(data.nbytes):
-            work = broadcast_work(data, root, self.rank)
-            return self._run_direct(pb.BROADCAST, data, root, 0, work)
+            return self._run_direct(spec, data, broadcast_work(data, root, self.rank))
         is_root = self.rank == root
         return self._via_daemon(
-            pb.BROADCAST,
-            data.dtype,
-            data.size,
-            root,
-            0,
+            spec,
             lambda h, t: self._engine.elementwise(h, t, data, send=is_root, receive=not is_root),
         )
 
-    def reduce(self, array: np.ndarray, root: int, reduce_op: int = pb.SUM) -> Handle:
+    def reduce(
+        self, array: np.ndarray, root: int, reduce_op: ReduceOp | int = ReduceOp.SUM
+    ) -> Handle:
         """Reduces ``array`` across ranks into the root's ``array``."""
         data = flat(array, "reduce", writable=True)
         check_root(root, self.world_size, "reduce")
-        code = code_of(data.dtype)
-        check_reduce(code, reduce_op)
+        spec = OpSpec(OpKind.REDUCE, code_of(data.dtype), data.size, root, reduce_op)
+        check_reduce(spec.dtype, reduce_op)
         if self._fits(data.nbytes):
             steps = self._region.reduce(data, root, reduce_op)
-            return self._in_region(pb.REDUCE, code, data.size, root, reduce_op, data.nbytes, steps)
+            return self._in_region(spec, data.nbytes, steps)
         is_root = self.rank == root
         return self._via_daemon(
-            pb.REDUCE,
-            data.dtype,
-            data.size,
-            root,
-            reduce_op,
-            lambda h, t: self._engine.elementwise(h, t, data, send=True, receive=is_root),
+            spec, lambda h, t: self._engine.elementwise(h, t, data, send=True, receive=is_root)
         )
 
     def all_gather(self, outputs: Sequence[np.ndarray], array: np.ndarray) -> Handle:
         """Gathers every rank's ``array`` into ``outputs[r]`` on every rank."""
-        return self._gather(pb.ALL_GATHER, outputs, array, 0, "all_gather")
+        return self._gather(OpKind.ALL_GATHER, outputs, array, 0, "all_gather")
 
     def gather(self, outputs: Sequence[np.ndarray] | None, array: np.ndarray, root: int) -> Handle:
         """Gathers every rank's ``array`` into ``outputs[r]`` on the root (None elsewhere)."""
         check_root(root, self.world_size, "gather")
         return self._gather(
-            pb.GATHER, outputs if self.rank == root else None, array, root, "gather"
+            OpKind.GATHER, outputs if self.rank == root else None, array, root, "gather"
         )
 
     def _gather(
         self,
-        kind: int,
+        kind: OpKind,
         outputs: Sequence[np.ndarray] | None,
         array: np.ndarray,
         root: int,
@@ -521,76 +476,61 @@ class Communicator:
     ) -> Handle:
         src = flat(array, what)
         outs = per_rank(outputs, self.world_size, src.size, src.dtype, what, writable=True)
+        spec = OpSpec(kind, code_of(src.dtype), src.size, root)
         if self._fits(src.nbytes):
-            steps = self._region.gather(src, outs)
-            return self._in_region(kind, code_of(src.dtype), src.size, root, 0, src.nbytes, steps)
-        if kind == pb.ALL_GATHER and outs is not None and self._goes_direct(src.nbytes):
-            return self._gather_direct(src, outs)
-        if kind == pb.GATHER and self._use_shm and self._reads_in_place():
-            return self._rooted_in_place(kind, src, outs, root)
-        return self._via_daemon(
-            kind,
-            src.dtype,
-            src.size,
-            root,
-            0,
-            lambda h, t: self._engine.gathered(h, t, src, outs),
-        )
+            return self._in_region(spec, src.nbytes, self._region.gather(src, outs))
+        if kind == OpKind.ALL_GATHER and outs is not None and self._goes_direct(src.nbytes):
+            return self._gather_direct(spec, src, outs)
+        if kind == OpKind.GATHER and self._use_shm and self._reads_in_place():
+            return self._rooted_in_place(spec, src, outs)
+        return self._via_daemon(spec, lambda h, t: self._engine.gathered(h, t, src, outs))
 
     def reduce_scatter(
-        self, output: np.ndarray, inputs: Sequence[np.ndarray], reduce_op: int = pb.SUM
+        self,
+        output: np.ndarray,
+        inputs: Sequence[np.ndarray],
+        reduce_op: ReduceOp | int = ReduceOp.SUM,
     ) -> Handle:
         """Rank r's ``output`` becomes the reduction over ranks of their ``inputs[r]``."""
         out = flat(output, "reduce_scatter", writable=True)
         check_reduce(code_of(out.dtype), reduce_op)
-        return self._scatter(pb.REDUCE_SCATTER, out, inputs, 0, reduce_op, "reduce_scatter")
+        spec = OpSpec(OpKind.REDUCE_SCATTER, code_of(out.dtype), out.size, 0, reduce_op)
+        return self._scatter(spec, out, inputs, "reduce_scatter")
 
     def scatter(self, output: np.ndarray, inputs: Sequence[np.ndarray] | None, root: int) -> Handle:
         """Rank r's ``output`` becomes the root's ``inputs[r]`` (``inputs`` None off the root)."""
         out = flat(output, "scatter", writable=True)
         check_root(root, self.world_size, "scatter")
-        return self._scatter(
-            pb.SCATTER, out, inputs if self.rank == root else None, root, 0, "scatter"
-        )
+        spec = OpSpec(OpKind.SCATTER, code_of(out.dtype), out.size, root)
+        return self._scatter(spec, out, inputs if self.rank == root else None, "scatter")
 
     def _scatter(
         self,
-        kind: int,
+        spec: OpSpec,
         out: np.ndarray,
         inputs: Sequence[np.ndarray] | None,
-        root: int,
-        reduce_op: int,
         what: str,
     ) -> Handle:
         ins = per_rank(inputs, self.world_size, out.size, out.dtype, what, writable=False)
         w = self.world_size
+        kind = spec.kind
         if self._fits(out.nbytes * w):
-            steps = self._region.scatter(kind, out, ins, root, reduce_op)
-            nbytes = out.nbytes * w if ins is not None else 0
-            code = code_of(out.dtype)
-            return self._in_region(kind, code, out.size, root, reduce_op, nbytes, steps)
-        if kind == pb.SCATTER and self._use_shm and self._reads_in_place():
-            return self._rooted_in_place(kind, out, ins, root)
+            steps = self._region.scatter(kind, out, ins, spec.root, spec.reduce_op)
+            return self._in_region(spec, out.nbytes * w if ins is not None else 0, steps)
+        if kind == OpKind.SCATTER and self._use_shm and self._reads_in_place():
+            return self._rooted_in_place(spec, out, ins)
         if (
-            kind == pb.REDUCE_SCATTER
+            kind == OpKind.REDUCE_SCATTER
             and ins is not None
             and self._use_shm
             and self._reads_in_place()
         ):
-            signature = (kind, code_of(out.dtype), out.size, 0, reduce_op)
             return self._submit_direct(
                 lambda handle, shm, seq: self._direct.reduce_scatter_runner(
-                    handle, shm, seq, signature, out, ins
+                    handle, shm, seq, spec, out, ins
                 )
             )
-        return self._via_daemon(
-            kind,
-            out.dtype,
-            out.size,
-            root,
-            reduce_op,
-            lambda h, t: self._engine.scattered(h, t, out, ins),
-        )
+        return self._via_daemon(spec, lambda h, t: self._engine.scattered(h, t, out, ins))
 
     def all_to_all(self, outputs: Sequence[np.ndarray], inputs: Sequence[np.ndarray]) -> Handle:
         """Sends ``inputs[d]`` to rank d, receiving rank s's block into ``outputs[s]``.
@@ -606,43 +546,40 @@ class Communicator:
         dtype = ins[0].dtype
         if any(x.dtype != dtype for x in ins + outs):
             raise UnsupportedError("all_to_all: every input and output must have the same dtype")
+        total = sum(x.size for x in ins)
+        # Its count is what this rank sends; the ranks' totals may differ, and the
+        # signature they agree on leaves it out.
+        spec = OpSpec(OpKind.ALL_TO_ALL, code_of(dtype), total)
         if self._use_shm and self._reads_in_place():
-            signature = (pb.ALL_TO_ALL, code_of(dtype), 0, 0, 0)  # totals may differ
             return self._submit_direct(
                 lambda handle, shm, seq: self._direct.all_to_all_runner(
-                    handle, shm, seq, signature, ins, outs
+                    handle, shm, seq, spec, ins, outs
                 )
             )
-        total = sum(x.size for x in ins)
         need = np.array([(total + sum(x.size for x in outs)) * dtype.itemsize], dtype=np.int64)
         with self._lock:
             # Every rank must cut the blocks into the same number of chunks: agree on the
             # largest footprint first (an op of its own in the sequence).
-            self.all_reduce(need, pb.MAX).wait()
+            self.all_reduce(need, ReduceOp.MAX).wait()
             return self._via_daemon(
-                pb.ALL_TO_ALL,
-                dtype,
-                total,
-                0,
-                0,
-                lambda h, t: self._engine.all_to_all(h, t, ins, outs, int(need[0])),
+                spec, lambda h, t: self._engine.all_to_all(h, t, ins, outs, int(need[0]))
             )
 
     def barrier(self) -> Handle:
         """Completes once every rank has called it."""
         if self._use_shm:
-            return self._in_region(pb.BARRIER, 0, 0, 0, 0, 0, (None, None))
+            return self._in_region(BARRIER, 0, (None, None))
         if self._node_phases:
-            return self._across_nodes(pb.BARRIER, None)
-        return self._via_daemon(pb.BARRIER, None, 0, 0, 0, self._engine.barrier)
+            return self._across_nodes(BARRIER, None)
+        return self._via_daemon(BARRIER, self._engine.barrier)
 
     def send(self, array: np.ndarray, dst: int, tag: int = 0) -> Handle:
         """Sends ``array`` to rank ``dst``, which must call ``recv`` with the same size."""
-        return self._p2p(pb.SEND, flat(array, "send"), dst, tag)
+        return self._p2p(OpKind.SEND, flat(array, "send"), dst, tag)
 
     def recv(self, array: np.ndarray, src: int, tag: int = 0) -> Handle:
         """Receives into ``array`` from rank ``src``."""
-        return self._p2p(pb.RECV, flat(array, "recv", writable=True), src, tag)
+        return self._p2p(OpKind.RECV, flat(array, "recv", writable=True), src, tag)
 
     def recv_any(self, array: np.ndarray, tag: int = 0) -> Handle:
         """Receives into ``array`` the first message sent to this rank with ``tag``, from any
@@ -658,20 +595,19 @@ class Communicator:
             raise UnsupportedError(
                 f"recv: rank {self.rank} is the only rank of the group, so no rank can send to it"
             )
-        return self._p2p(pb.RECV, data, -1, tag)
+        return self._p2p(OpKind.RECV, data, -1, tag)
 
-    def _p2p(self, kind: int, data: np.ndarray, peer: int, tag: int) -> Handle:
+    def _p2p(self, kind: OpKind, data: np.ndarray, peer: int, tag: int) -> Handle:
         """A send or receive (``peer`` -1: a receive from any source), numbered by the engine."""
-        what = "send" if kind == pb.SEND else "recv"
+        what = "send" if kind == OpKind.SEND else "recv"
         if peer != -1:
             check_peer(peer, self.rank, self.world_size, what)
+        spec = OpSpec(kind, code_of(data.dtype), data.size, max(peer, 0), tag=tag)
         with self._lock:
             self._check_open()
             self._complete_open()
-            template = request(0, kind, data.dtype, data.size, root=max(peer, 0))
-            template.tag = tag
             handle = Handle(self, what)
-            self._engine.point_to_point(handle, template, data, any_source=peer == -1)
+            self._engine.point_to_point(handle, op_request(spec), data, any_source=peer == -1)
             return handle
 
     def close(self) -> None:

@@ -18,12 +18,13 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, cast
+from typing import TYPE_CHECKING, Protocol
 
 from smddp.client.checks import check_reduce, check_root
 from smddp.client.cuda_ipc import IpcExporter
 from smddp.client.errors import UnsupportedError
-from smddp.core.wire import dtype_name, numpy_dtype
+from smddp.core.op import OpKind, OpSpec, ReduceOp
+from smddp.core.wire import dtype_name, numpy_dtype, op_request
 from smddp.v1 import smddp_pb2 as pb
 
 if TYPE_CHECKING:
@@ -85,16 +86,12 @@ class CudaCollectives:
     def _op(
         self,
         what: str,
-        kind: int,
-        dtype: int,
-        count: int,
+        spec: OpSpec,
         inputs: Sequence[DeviceArray],
         outputs: Sequence[DeviceArray],
         events: OpEvents,
-        root: int = 0,
-        reduce_op: int = 0,
-        tag: int = 0,
     ) -> Handle:
+        dtype = spec.dtype
         arrays = [*inputs, *outputs]
         for a in arrays:
             if a.dtype != dtype:
@@ -122,16 +119,8 @@ class CudaCollectives:
         with self._freed_lock:
             self._freed_cursor, freed = self.exporter.freed_since(self._freed_cursor)
         cuda.freed.extend(freed)
-        # cast: protoc's stubs type an enum field as its enum class alone; ints are what it holds.
-        req = pb.OpRequest(
-            kind=cast("pb.OpKind", kind),
-            dtype=cast("pb.DType", dtype),
-            count=count,
-            root=root,
-            reduce_op=cast("pb.ReduceOp", reduce_op),
-            tag=tag,
-            cuda=cuda,
-        )
+        req = op_request(spec)
+        req.cuda.CopyFrom(cuda)
         return self.comm.submit_gpu(req, events.finish, what)
 
     def _per_rank(self, arrays: Sequence[DeviceArray], n: int, what: str) -> None:
@@ -148,51 +137,34 @@ class CudaCollectives:
 
     # -- collectives --------------------------------------------------------------------------
 
-    def all_reduce(self, array: DeviceArray, reduce_op: int, events: OpEvents) -> Handle:
+    def all_reduce(self, array: DeviceArray, reduce_op: ReduceOp | int, events: OpEvents) -> Handle:
         """Reduces ``array`` across ranks in place (rank order, the host path's bits)."""
         check_reduce(array.dtype, reduce_op)
-        return self._op(
-            "all_reduce",
-            pb.ALL_REDUCE,
-            array.dtype,
-            array.count,
-            [array],
-            [array],
-            events,
-            reduce_op=reduce_op,
-        )
+        spec = OpSpec(OpKind.ALL_REDUCE, array.dtype, array.count, 0, reduce_op)
+        return self._op("all_reduce", spec, [array], [array], events)
 
     def broadcast(self, array: DeviceArray, root: int, events: OpEvents) -> Handle:
         """Copies the root's ``array`` into every rank's."""
         check_root(root, self.comm.world_size, "broadcast")
-        return self._op(
-            "broadcast", pb.BROADCAST, array.dtype, array.count, [array], [array], events, root=root
-        )
+        spec = OpSpec(OpKind.BROADCAST, array.dtype, array.count, root)
+        return self._op("broadcast", spec, [array], [array], events)
 
-    def reduce(self, array: DeviceArray, root: int, reduce_op: int, events: OpEvents) -> Handle:
+    def reduce(
+        self, array: DeviceArray, root: int, reduce_op: ReduceOp | int, events: OpEvents
+    ) -> Handle:
         """Reduces ``array`` across ranks into the root's."""
         check_root(root, self.comm.world_size, "reduce")
         check_reduce(array.dtype, reduce_op)
-        return self._op(
-            "reduce",
-            pb.REDUCE,
-            array.dtype,
-            array.count,
-            [array],
-            [array],
-            events,
-            root=root,
-            reduce_op=reduce_op,
-        )
+        spec = OpSpec(OpKind.REDUCE, array.dtype, array.count, root, reduce_op)
+        return self._op("reduce", spec, [array], [array], events)
 
     def all_gather(
         self, outputs: Sequence[DeviceArray], array: DeviceArray, events: OpEvents
     ) -> Handle:
         """Gathers every rank's ``array`` into ``outputs[r]`` on every rank."""
         self._per_rank(outputs, array.count, "all_gather")
-        return self._op(
-            "all_gather", pb.ALL_GATHER, array.dtype, array.count, [array], outputs, events
-        )
+        spec = OpSpec(OpKind.ALL_GATHER, array.dtype, array.count)
+        return self._op("all_gather", spec, [array], outputs, events)
 
     def gather(
         self, outputs: Sequence[DeviceArray] | None, array: DeviceArray, root: int, events: OpEvents
@@ -202,26 +174,21 @@ class CudaCollectives:
         outs = list(outputs) if self.comm.rank == root and outputs is not None else []
         if self.comm.rank == root:
             self._per_rank(outs, array.count, "gather")
-        return self._op(
-            "gather", pb.GATHER, array.dtype, array.count, [array], outs, events, root=root
-        )
+        spec = OpSpec(OpKind.GATHER, array.dtype, array.count, root)
+        return self._op("gather", spec, [array], outs, events)
 
     def reduce_scatter(
-        self, output: DeviceArray, inputs: Sequence[DeviceArray], reduce_op: int, events: OpEvents
+        self,
+        output: DeviceArray,
+        inputs: Sequence[DeviceArray],
+        reduce_op: ReduceOp | int,
+        events: OpEvents,
     ) -> Handle:
         """Rank r's ``output`` becomes the reduction over ranks of their ``inputs[r]``."""
         check_reduce(output.dtype, reduce_op)
         self._per_rank(inputs, output.count, "reduce_scatter")
-        return self._op(
-            "reduce_scatter",
-            pb.REDUCE_SCATTER,
-            output.dtype,
-            output.count,
-            inputs,
-            [output],
-            events,
-            reduce_op=reduce_op,
-        )
+        spec = OpSpec(OpKind.REDUCE_SCATTER, output.dtype, output.count, 0, reduce_op)
+        return self._op("reduce_scatter", spec, inputs, [output], events)
 
     def scatter(
         self, output: DeviceArray, inputs: Sequence[DeviceArray] | None, root: int, events: OpEvents
@@ -231,9 +198,8 @@ class CudaCollectives:
         ins = list(inputs) if self.comm.rank == root and inputs is not None else []
         if self.comm.rank == root:
             self._per_rank(ins, output.count, "scatter")
-        return self._op(
-            "scatter", pb.SCATTER, output.dtype, output.count, ins, [output], events, root=root
-        )
+        spec = OpSpec(OpKind.SCATTER, output.dtype, output.count, root)
+        return self._op("scatter", spec, ins, [output], events)
 
     def all_to_all(
         self, outputs: Sequence[DeviceArray], inputs: Sequence[DeviceArray], events: OpEvents
@@ -243,30 +209,20 @@ class CudaCollectives:
         w = self.comm.world_size
         if len(inputs) != w or len(outputs) != w:
             raise UnsupportedError(f"all_to_all: expected {w} input and {w} output tensors")
-        dtype = inputs[0].dtype
-        return self._op(
-            "all_to_all",
-            pb.ALL_TO_ALL,
-            dtype,
-            sum(x.count for x in inputs),
-            inputs,
-            outputs,
-            events,
-        )
+        spec = OpSpec(OpKind.ALL_TO_ALL, inputs[0].dtype, sum(x.count for x in inputs))
+        return self._op("all_to_all", spec, inputs, outputs, events)
 
     def send(self, array: DeviceArray, dst: int, tag: int, events: OpEvents) -> Handle:
         """Sends ``array`` to rank ``dst`` (which calls ``recv`` with the same size)."""
         self._check_peer(dst, "send")
-        return self._op(
-            "send", pb.SEND, array.dtype, array.count, [array], [], events, root=dst, tag=tag
-        )
+        spec = OpSpec(OpKind.SEND, array.dtype, array.count, dst, tag=tag)
+        return self._op("send", spec, [array], [], events)
 
     def recv(self, array: DeviceArray, src: int, tag: int, events: OpEvents) -> Handle:
         """Receives into ``array`` from rank ``src``."""
         self._check_peer(src, "recv")
-        return self._op(
-            "recv", pb.RECV, array.dtype, array.count, [], [array], events, root=src, tag=tag
-        )
+        spec = OpSpec(OpKind.RECV, array.dtype, array.count, src, tag=tag)
+        return self._op("recv", spec, [], [array], events)
 
     def _check_peer(self, peer: int, what: str) -> None:
         check_root(peer, self.comm.world_size, what)

@@ -19,6 +19,7 @@ from smddp.client.inflight import InFlight
 from smddp.client.peer_memory import read, write
 from smddp.client.region_ops import reduce_rank_order
 from smddp.client.shm import ShmPath
+from smddp.core.op import OpKind, OpSpec
 from smddp.v1 import smddp_pb2 as pb
 
 # A chunk's buffer is reused DIRECT_BUFFERS chunks later. A chunk's last step (reading the
@@ -27,9 +28,6 @@ from smddp.v1 import smddp_pb2 as pb
 # apart, and every later write to a buffer comes at least one synchronisation after the
 # last read of it.
 DIRECT_BUFFERS = 2
-
-# (kind, wire dtype, count, root, reduce op)
-Signature = tuple[int, int, int, int, int]
 
 # work(a, b, bufs): the steps of the chunk of elements [a, b), given every rank's buffer.
 Work = Callable[[int, int, list[np.ndarray]], Iterator[None]]
@@ -132,7 +130,7 @@ class DirectOps:
         shm: ShmPath,
         maps: list[np.ndarray],
         seq: int,
-        signature: Signature,
+        spec: OpSpec,
         dtype: np.dtype,
         n: int,
         work: Work,
@@ -140,7 +138,7 @@ class DirectOps:
         """The op, ready to run in some thread (``ProgressThread.submit_claimable``, which
         sets ``op.event`` once it is over).
 
-        ``signature``: (kind, wire dtype, count, root, reduce op). For each chunk,
+        ``spec``: the op, whose signature the ranks compare. For each chunk,
         ``work(a, b, bufs)`` gets the chunk's element range and every rank's buffer (mapped
         from the peers' arenas, rank order) and runs in steps: the code up to its first
         yield, then up to the next, and so on. After each step every rank waits until all
@@ -155,12 +153,12 @@ class DirectOps:
         turn: one is written again only after every rank has passed the last step that
         reads it.
         """
-        chunks = self._chunks(signature, dtype, n, work)
+        chunks = self._chunks(spec, dtype, n, work)
 
         def run() -> None:
             parity = shm.next_parity()
             chunks(shm, seq, parity, maps, False)
-            shm.done(seq, parity, signature[0], signature[1], n * dtype.itemsize)
+            shm.done(seq, parity, spec.kind, spec.dtype, n * dtype.itemsize)
 
         return self._guarded(op, shm, seq, run)
 
@@ -170,7 +168,7 @@ class DirectOps:
         shm: ShmPath,
         maps: list[np.ndarray],
         seq: int,
-        signature: Signature,
+        spec: OpSpec,
         outs: list[np.ndarray],
         src: np.ndarray,
     ) -> Callable[[], None]:
@@ -186,24 +184,24 @@ class DirectOps:
         if self.in_place is None and self.decider is None:
             self.decider = op
         # Numbered now whichever way it runs, as every rank numbers them alike.
-        chunks = self._chunks(signature, src.dtype, n, all_gather_work(outs, src, self.rank))
+        chunks = self._chunks(spec, src.dtype, n, all_gather_work(outs, src, self.rank))
 
         def run() -> None:
             parity = shm.next_parity()
             shm.offer_source(src.ctypes.data)
             published = self.in_place is None
             if published:
-                target = shm.publish(seq, parity, *signature)
+                target = shm.publish(seq, parity, *spec.signature())
                 shm.wait(target, seq)
                 shm.agree(seq, parity)
                 shm.judge_peers(self.single_copy)
                 shm.wait(shm.bump(), seq)
                 self.in_place = shm.peers_readable()
             if self.in_place:
-                self._gather_in_place(shm, seq, parity, signature, published, outs, src)
+                self._gather_in_place(shm, seq, parity, spec, published, outs, src)
             else:
                 chunks(shm, seq, parity, maps, published)
-            shm.done(seq, parity, signature[0], signature[1], n * src.dtype.itemsize)
+            shm.done(seq, parity, spec.kind, spec.dtype, n * src.dtype.itemsize)
 
         return self._guarded(op, shm, seq, run)
 
@@ -212,7 +210,7 @@ class DirectOps:
         op: InFlight,
         shm: ShmPath,
         seq: int,
-        signature: Signature,
+        spec: OpSpec,
         ins: list[np.ndarray],
         outs: list[np.ndarray],
     ) -> Callable[[], None]:
@@ -235,7 +233,7 @@ class DirectOps:
             table[me][w:] = [x.size for x in ins]
             if ins[me].size != outs[me].size:
                 raise self._split_mismatch(shm, me, ins[me].size, outs[me].size)
-            target = shm.publish(seq, parity, *signature)
+            target = shm.publish(seq, parity, *spec.signature())
             np.copyto(outs[me], ins[me])
             shm.wait(target, seq)
             shm.agree(seq, parity)
@@ -248,12 +246,12 @@ class DirectOps:
                 if size:
                     self._read(shm, seq, s, out, int(table[s][me]), "all_to_all block")
             shm.wait(shm.bump(), seq)
-            shm.done(seq, parity, signature[0], signature[1], nbytes)
+            shm.done(seq, parity, spec.kind, spec.dtype, nbytes)
 
         return self._guarded(op, shm, seq, run)
 
     def broadcast_runner(
-        self, op: InFlight, shm: ShmPath, seq: int, signature: Signature, data: np.ndarray
+        self, op: InFlight, shm: ShmPath, seq: int, spec: OpSpec, data: np.ndarray
     ) -> Callable[[], None]:
         """A broadcast in place (only once ``in_place`` holds), the copying shared by every
         rank: each offers where its ``data`` lies; after the op's first synchronisation each
@@ -263,7 +261,7 @@ class DirectOps:
         all of it in and every other rank all of it out. A last synchronisation keeps the
         root's data unchanged until all have read it, and every rank waiting until the
         root has written."""
-        root = signature[3]
+        root = spec.root
         me = self.rank
         n = data.size
         split = n - n // shm.world
@@ -272,7 +270,7 @@ class DirectOps:
         def run() -> None:
             parity = shm.next_parity()
             shm.offer_source(data.ctypes.data)
-            target = shm.publish(seq, parity, *signature)
+            target = shm.publish(seq, parity, *spec.signature())
             shm.wait(target, seq)
             shm.agree(seq, parity)
             if me == root:
@@ -284,7 +282,7 @@ class DirectOps:
             elif split:
                 self._read(shm, seq, root, data[:split], shm.source_of(root), "broadcast input")
             shm.wait(shm.bump(), seq)
-            shm.done(seq, parity, signature[0], signature[1], data.nbytes)
+            shm.done(seq, parity, spec.kind, spec.dtype, data.nbytes)
 
         return self._guarded(op, shm, seq, run)
 
@@ -293,7 +291,7 @@ class DirectOps:
         op: InFlight,
         shm: ShmPath,
         seq: int,
-        signature: Signature,
+        spec: OpSpec,
         out: np.ndarray,
         ins: list[np.ndarray],
     ) -> Callable[[], None]:
@@ -305,7 +303,7 @@ class DirectOps:
         it."""
         w = len(ins)
         me = self.rank
-        reduce_op = signature[4]
+        reduce_op = spec.reduce_op
         if _overlaps(out, ins):
             ins = [x.copy() for x in ins]  # the reduction writes none of its inputs
         n = out.size
@@ -316,7 +314,7 @@ class DirectOps:
             parity = shm.next_parity()
             table = shm.sized(parity, np.dtype(np.int64), w)
             table[me][:] = [x.ctypes.data for x in ins]
-            target = shm.publish(seq, parity, *signature)
+            target = shm.publish(seq, parity, *spec.signature())
             scratch = [np.empty(min(per, n), out.dtype) for _ in range(w - 1)]
             shm.wait(target, seq)
             shm.agree(seq, parity)
@@ -333,7 +331,7 @@ class DirectOps:
                     parts.append(part)
                 reduce_rank_order(out[a:b], parts, reduce_op, self.native)
             shm.wait(shm.bump(), seq)
-            shm.done(seq, parity, signature[0], signature[1], n * w * s)
+            shm.done(seq, parity, spec.kind, spec.dtype, n * w * s)
 
         return self._guarded(op, shm, seq, run)
 
@@ -342,7 +340,7 @@ class DirectOps:
         op: InFlight,
         shm: ShmPath,
         seq: int,
-        signature: Signature,
+        spec: OpSpec,
         mine: np.ndarray,
         blocks: list[np.ndarray] | None,
     ) -> Callable[[], None]:
@@ -351,9 +349,9 @@ class DirectOps:
         outputs, which the root reads from each rank. scatter: ``mine`` is this rank's
         output, ``blocks`` the root's inputs, where each rank reads its own. A last
         synchronisation keeps every input unchanged until it has been read."""
-        kind, root = signature[0], signature[3]
+        kind, root = spec.kind, spec.root
         me = self.rank
-        scatter = kind == pb.SCATTER
+        scatter = kind == OpKind.SCATTER
         if scatter and blocks is not None and _overlaps(mine, blocks):
             blocks = [x.copy() for x in blocks]  # the others would read what the root wrote
         w = shm.world
@@ -365,7 +363,7 @@ class DirectOps:
             if blocks is not None and scatter:
                 table[me][:] = [x.ctypes.data for x in blocks]
             shm.offer_source(mine.ctypes.data)
-            target = shm.publish(seq, parity, *signature)
+            target = shm.publish(seq, parity, *spec.signature())
             if blocks is not None and scatter:  # the root's own block
                 np.copyto(mine, blocks[me])
             elif blocks is not None:
@@ -379,7 +377,7 @@ class DirectOps:
                     if j != me:
                         self._read(shm, seq, j, out, shm.source_of(j), "gather input")
             shm.wait(shm.bump(), seq)
-            shm.done(seq, parity, kind, signature[1], nbytes)
+            shm.done(seq, parity, kind, spec.dtype, nbytes)
 
         return self._guarded(op, shm, seq, run)
 
@@ -431,7 +429,7 @@ class DirectOps:
         shm: ShmPath,
         seq: int,
         parity: int,
-        signature: Signature,
+        spec: OpSpec,
         published: bool,
         outs: list[np.ndarray],
         src: np.ndarray,
@@ -440,7 +438,7 @@ class DirectOps:
         each other rank's input from its memory into theirs; a last synchronisation keeps
         every input unchanged until all have read it."""
         me = self.rank
-        target = 0 if published else shm.publish(seq, parity, *signature)
+        target = 0 if published else shm.publish(seq, parity, *spec.signature())
         np.copyto(outs[me], src)
         if not published:
             shm.wait(target, seq)
@@ -451,12 +449,12 @@ class DirectOps:
         shm.wait(shm.bump(), seq)
 
     def _chunks(
-        self, signature: Signature, dtype: np.dtype, n: int, work: Work
+        self, spec: OpSpec, dtype: np.dtype, n: int, work: Work
     ) -> Callable[[ShmPath, int, int, list[np.ndarray], bool], None]:
         """The op's chunks, their buffers numbered now (see ``runner``): ``chunks(shm, seq,
         parity, maps, published)`` runs them, the first synchronisation with the op's
         signature unless ``published`` (the ranks compared it already)."""
-        kind, code, count, root, reduce_op = signature
+        signature = spec.signature()
         s = dtype.itemsize
         size = self.buffer
         per = max(1, size // s)
@@ -488,7 +486,7 @@ class DirectOps:
                     c += 1
                     next(chunk)  # its first step (every work yields at least once)
                 if first:
-                    target = shm.publish(seq, parity, kind, code, count, root, reduce_op)
+                    target = shm.publish(seq, parity, *signature)
                     shm.wait(target, seq)
                     shm.agree(seq, parity)
                     first = False

@@ -14,12 +14,10 @@ import collections
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import cast
 
 import numpy as np
 
 from smddp.client.arena import ALIGN, RingAllocator
-from smddp.client.checks import code_of
 from smddp.client.errors import SmddpError, op_error
 from smddp.client.inflight import InFlight
 from smddp.client.session import DaemonSession
@@ -79,22 +77,6 @@ class BlockLayout:
         off = self.size
         self.size += -(-nbytes // ALIGN) * ALIGN
         return off
-
-
-def request(
-    seq: int, kind: int, dtype: np.dtype | None, count: int, root: int = 0, reduce_op: int = 0
-) -> pb.OpRequest:
-    """An op's request template (its chunks are copies with ``part``/``parts`` set)."""
-    code = code_of(dtype) if dtype is not None else pb.DTYPE_UNSPECIFIED
-    # The stubs type enum fields by their enum classes; the codes here are those values.
-    return pb.OpRequest(
-        seq=seq,
-        kind=cast("pb.OpKind", kind),
-        dtype=cast("pb.DType", code),
-        count=count,
-        root=root,
-        reduce_op=cast("pb.ReduceOp", reduce_op),
-    )
 
 
 def _part(template: pb.OpRequest, part: int, parts: int) -> pb.OpRequest:

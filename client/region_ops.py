@@ -11,15 +11,15 @@ whose completion is still due, and each collective's fill and finish.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import cast
 
 import numpy as np
 
 from smddp.client.errors import DaemonLostError, SmddpError
 from smddp.client.inflight import InFlight, RegionWait
 from smddp.client.shm import ShmPath, native_reduce
+from smddp.core.op import OpKind, OpSpec, ReduceOp
 from smddp.core.reduce import _BOOL_UFUNCS, _UFUNCS, reduce_into
-from smddp.core.region import G_KIND, G_OP, G_SEQ, H_ALARM, data_bytes_for
+from smddp.core.region import G_SEQ, H_ALARM, data_bytes_for
 from smddp.v1 import smddp_pb2 as pb
 
 # How long the second synchronisation of an op spanning nodes goes on waiting for the node's
@@ -41,8 +41,8 @@ def reduce_rank_order(
     bits."""
     if (
         native
-        and (reduce_op == pb.SUM or reduce_op == pb.AVG)
-        and native_reduce(out, ins, reduce_op == pb.AVG)
+        and (reduce_op == ReduceOp.SUM or reduce_op == ReduceOp.AVG)
+        and native_reduce(out, ins, reduce_op == ReduceOp.AVG)
     ):
         return
     numpy_rank_order(out, ins, reduce_op)
@@ -50,12 +50,11 @@ def reduce_rank_order(
 
 def numpy_rank_order(out: np.ndarray, ins: list[np.ndarray], reduce_op: int) -> None:
     """``reduce_rank_order`` with numpy's ufuncs, one input after the other."""
-    op = cast("pb.ReduceOp", reduce_op)  # the tables' keys are the enum's values
-    uf = _BOOL_UFUNCS[op] if out.dtype == np.bool_ else _UFUNCS[op]
+    uf = _BOOL_UFUNCS[reduce_op] if out.dtype == np.bool_ else _UFUNCS[reduce_op]
     uf(ins[0], ins[1], out=out)
     for x in ins[2:]:
         uf(out, x, out=out)
-    if reduce_op == pb.AVG:
+    if reduce_op == ReduceOp.AVG:
         np.divide(out, np.asarray(len(ins), dtype=out.dtype), out=out)
 
 
@@ -139,28 +138,25 @@ class RegionOps:
         op: InFlight,
         shm: ShmPath,
         seq: int,
-        kind: int,
-        code: int,
-        count: int,
-        root: int,
-        reduce_op: int,
+        spec: OpSpec,
         nbytes: int,
         steps: Steps,
     ) -> bool:
-        """Copies this rank's input in and arrives at op ``seq``; False (the error in ``op``)
-        when the communicator has failed."""
+        """Copies this rank's input in and arrives at op ``seq`` of ``spec`` (its signature
+        published for the others to compare); False (the error in ``op``) when the
+        communicator has failed."""
         fill, finish = steps
         try:
             shm.check()
             parity = shm.next_parity()
             if fill is not None:
                 fill(shm, parity)
-            target = shm.publish(seq, parity, kind, code, count, root, reduce_op)
+            target = shm.publish(seq, parity, *spec.signature())
         except SmddpError as exc:
             op.error = exc
             return False
         op.pending = 1
-        op.region = RegionWait(seq, parity, target, finish, kind, code, nbytes)
+        op.region = RegionWait(seq, parity, target, finish, spec.kind, spec.dtype, nbytes)
         return True
 
     def complete(self, op: InFlight) -> None:
@@ -272,7 +268,7 @@ class RegionOps:
 
         def finish(shm: ShmPath, p: int) -> None:
             bufs = shm.typed(p, out.dtype)
-            if kind == pb.SCATTER:
+            if kind == OpKind.SCATTER:
                 np.copyto(out, bufs[root][me * n : (me + 1) * n])
             else:
                 reduce_rank_order(out, [b[me * n : (me + 1) * n] for b in bufs], reduce_op, native)
@@ -281,10 +277,9 @@ class RegionOps:
 
     def across_nodes(
         self,
-        kind: int,
+        spec: OpSpec,
         data: np.ndarray | None,
         root_slot: int | None,
-        reduce_op: int,
         leg: Callable[[int], None],
     ) -> Steps:
         """An all_reduce, broadcast or barrier of a communicator spanning nodes: two
@@ -300,7 +295,8 @@ class RegionOps:
         broke) slot 0 records there, so that every rank of the node raises it.
         """
         me = self.rank
-        moves = data is not None and kind != pb.BARRIER
+        kind, reduce_op = spec.kind, spec.reduce_op
+        moves = data is not None and kind != OpKind.BARRIER
         buf = data if data is not None else np.empty(0, np.uint8)
         n, dtype = buf.size, buf.dtype
 
@@ -309,12 +305,12 @@ class RegionOps:
 
         def combine(shm: ShmPath, p: int) -> None:
             bufs = shm.sized(p, dtype, n)
-            if kind == pb.ALL_REDUCE:
+            if kind == OpKind.ALL_REDUCE:
                 reduce_into([buf], [buf] + bufs[1:], reduce_op, divisor=1, threads=1)
             elif root_slot is not None and root_slot != 0:  # the root is here, not slot 0
                 np.copyto(buf, bufs[root_slot])
 
-        gives_in = moves and me != 0 and (kind == pb.ALL_REDUCE or me == root_slot)
+        gives_in = moves and me != 0 and (kind == OpKind.ALL_REDUCE or me == root_slot)
         gets_out = moves and me not in (0, root_slot)
 
         def finish(shm: ShmPath, p: int) -> None:
@@ -331,7 +327,7 @@ class RegionOps:
             q = shm.next_parity()
             if moves and me == 0:
                 give(shm, q)
-            target = shm.publish(seq, q, *sig[G_KIND : G_OP + 1])
+            target = shm.publish(seq, q, *spec.signature())
             # The exchange succeeded: a failure now (a rank elsewhere that finished and
             # left) fails the next op, not this one, once the node's ranks are here.
             shm.wait(target, seq, NODE_GRACE_S, spin=me == 0)

@@ -25,6 +25,7 @@ import numpy as np
 
 from smddp.client.errors import DaemonLostError, MismatchError, OpError, op_error
 from smddp.client.peer_memory import Probe, reaches
+from smddp.core.op import ReduceOp
 from smddp.core.region import (
     C_BYTES,
     C_DUR_BUCKET,
@@ -70,6 +71,7 @@ from smddp.core.region import (
     RegionView,
     futex_wait,
     futex_wake,
+    published_op,
     usable_cores,
 )
 from smddp.core.wire import describe, rank_list
@@ -341,7 +343,7 @@ class ShmPath:
         self.error = op_error(
             pb.TIMEOUT,
             f"{self.name}: "
-            f"op #{seq} {describe(*sig[G_KIND : G_OP + 1])} timed out: "
+            f"op #{seq} {describe(published_op(sig))} timed out: "
             f"{self._names(lagging) or 'no rank'} never arrived while {self._names(arrived)} waited {waited:.1f} s, past the group's timeout of {self.timeout_s:.1f} s (smddpd did not answer in time)",  # noqa: E501
         )
         raise self.error
@@ -456,7 +458,7 @@ class ShmPath:
 
         def call(ranks: list[int]) -> str:
             sig = sigs[ranks[0]]
-            text = f"{self._names(ranks)} called {describe(*sig[G_KIND : G_OP + 1])}"
+            text = f"{self._names(ranks)} called {describe(published_op(sig))}"
             return text if sig[G_SEQ] == seq else f"{text} as op #{sig[G_SEQ]}"
 
         message = f"{self.name}: {call(ordered[0][1])} as op #{seq} while " + " and ".join(
@@ -544,6 +546,6 @@ def _native_slot(
         int(spin_s * 1e9),
         tuple(getattr(layout, name) for name in _fastregion.LAYOUT),
         tuple(_BOUNDS_NS),
-        pb.SUM,
-        pb.AVG,
+        ReduceOp.SUM,
+        ReduceOp.AVG,
     )

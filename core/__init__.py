@@ -1,5 +1,6 @@
 """What every side of smddp shares: the daemon, the client and the backend.
 
+- ``op``: ``OpSpec``, one op as a rank called it, and the ``OpKind``/``DType``/``ReduceOp`` enums.
 - ``region``: the control region's layout and protocol (the daemon creates it, ranks map it).
 - ``wire``: the data socket's messages and the daemon's socket path.
 - ``reduce``: reductions in a fixed order, so that every rank and rerun gets the same bits.

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from smddp.v1 import smddp_pb2 as pb
+from smddp.core.op import ReduceOp
 
 # Below this many bytes a second thread costs more than it saves.
 PARALLEL_MIN_BYTES = 1 << 20
@@ -27,24 +27,24 @@ _pool = ThreadPoolExecutor(max_workers=_THREADS, thread_name_prefix="smddp-reduc
 
 # Keyed by int: ops carry the enum's value as a plain int.
 _UFUNCS: dict[int, np.ufunc] = {
-    pb.SUM: np.add,
-    pb.AVG: np.add,
-    pb.MIN: np.minimum,
-    pb.MAX: np.maximum,
-    pb.PRODUCT: np.multiply,
-    pb.BAND: np.bitwise_and,
-    pb.BOR: np.bitwise_or,
-    pb.BXOR: np.bitwise_xor,
+    ReduceOp.SUM: np.add,
+    ReduceOp.AVG: np.add,
+    ReduceOp.MIN: np.minimum,
+    ReduceOp.MAX: np.maximum,
+    ReduceOp.PRODUCT: np.multiply,
+    ReduceOp.BAND: np.bitwise_and,
+    ReduceOp.BOR: np.bitwise_or,
+    ReduceOp.BXOR: np.bitwise_xor,
 }
 # bool has no arithmetic in numpy that stays bool for every op; use logic.
 _BOOL_UFUNCS: dict[int, np.ufunc] = {
-    pb.SUM: np.logical_or,
-    pb.MAX: np.logical_or,
-    pb.BOR: np.logical_or,
-    pb.MIN: np.logical_and,
-    pb.PRODUCT: np.logical_and,
-    pb.BAND: np.logical_and,
-    pb.BXOR: np.logical_xor,
+    ReduceOp.SUM: np.logical_or,
+    ReduceOp.MAX: np.logical_or,
+    ReduceOp.BOR: np.logical_or,
+    ReduceOp.MIN: np.logical_and,
+    ReduceOp.PRODUCT: np.logical_and,
+    ReduceOp.BAND: np.logical_and,
+    ReduceOp.BXOR: np.logical_xor,
 }
 
 
@@ -100,7 +100,7 @@ def reduce_into(
             ufunc(first[a:b], inputs[1][a:b], out=acc)
             for x in inputs[2:]:
                 ufunc(acc, x[a:b], out=acc)
-        if reduce_op == pb.AVG and divide_by != 1:
+        if reduce_op == ReduceOp.AVG and divide_by != 1:
             np.divide(acc, np.asarray(divide_by, dtype=first.dtype), out=acc)
         for out in outputs if not safe else outputs[1:]:
             np.copyto(out[a:b], acc)

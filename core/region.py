@@ -34,6 +34,8 @@ import time
 
 import numpy as np
 
+from smddp.core.op import OpSpec
+
 MAGIC = 0x534D_4444_5052_4732  # "SMDDPRG2": the layout's version (2: step words on their own line)
 HEADER_BYTES = 8192
 # Header words.
@@ -183,6 +185,11 @@ def packed_signature(kind: int, dtype: int, count: int, root: int, reduce_op: in
         | ((root & 0x3FFF) << 35)
         | (count & ((1 << 35) - 1))
     )
+
+
+def published_op(sig: tuple[int, ...]) -> OpSpec:
+    """The op a rank's signature words (``RegionView.signature_at``) describe."""
+    return OpSpec(*sig[G_KIND : G_OP + 1])
 
 
 class RegionView:

@@ -12,9 +12,11 @@ import os
 import socket
 import struct
 from collections.abc import Sequence
+from typing import cast
 
 import numpy as np
 
+from smddp.core.op import OpSpec
 from smddp.v1 import smddp_pb2 as pb
 
 # Data socket framing: one SOCK_SEQPACKET message is a 1-byte type and a serialized proto.
@@ -167,8 +169,9 @@ def reduce_op_check(dtype: int, reduce_op: int) -> str | None:
     return None
 
 
-def describe(kind: int, dtype: int, count: int, root: int, reduce_op: int) -> str:
+def describe(op: OpSpec) -> str:
     """Names an op the way a user wrote it, e.g. ``broadcast(src=1, 4096 x float32)``."""
+    kind, dtype, count, root, reduce_op, _ = op
     name = KIND_NAMES.get(kind, f"op#{kind}")
     if kind == pb.BARRIER:
         return "barrier()"
@@ -188,11 +191,31 @@ def describe(kind: int, dtype: int, count: int, root: int, reduce_op: int) -> st
     return f"{name}({', '.join(args)})"
 
 
+def op_request(op: OpSpec, seq: int = 0) -> pb.OpRequest:
+    """The daemon's request for ``op`` as op ``seq`` (its chunks are copies with ``part``
+    and ``parts`` set): the one place an ``OpSpec`` becomes protobuf."""
+    # The stubs type enum fields by their enum classes; a spec's ints are those values.
+    return pb.OpRequest(
+        seq=seq,
+        kind=cast("pb.OpKind", op.kind),
+        dtype=cast("pb.DType", op.dtype),
+        count=op.elements,
+        root=op.root,
+        reduce_op=cast("pb.ReduceOp", op.reduce_op),
+        tag=op.tag,
+    )
+
+
+def op_of(req: pb.OpRequest) -> OpSpec:
+    """The ``OpSpec`` a request (or a GPU op's request) carries."""
+    return OpSpec(req.kind, req.dtype, req.count, req.root, req.reduce_op, req.tag)
+
+
 def describe_request(req: pb.OpRequest) -> str:
     """``describe`` applied to an OpRequest; a GPU op says so:
     ``all_reduce(SUM, 8 x float32 on GPU)``, and a receive from any source too:
     ``recv(src=any, 8 x float32)``."""
-    text = describe(req.kind, req.dtype, req.count, req.root, req.reduce_op)
+    text = describe(op_of(req))
     if req.kind == pb.RECV and req.any_source:
         text = text.replace(f"src={req.root}", "src=any", 1)
     return text[:-1] + " on GPU)" if req.HasField("cuda") else text

@@ -29,8 +29,7 @@ import sys
 
 import numpy as np
 
-from smddp.client import connect, rendezvous
-from smddp.v1 import smddp_pb2 as pb
+from smddp.client import ReduceOp, connect, rendezvous
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -79,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # all_reduce: every rank contributes (rank + 1) * [0, 1, 2, ...]; the sum is known.
         x = np.arange(args.size, dtype=np.float32) * (rank + 1)
-        comm.all_reduce(x, pb.SUM).wait()
+        comm.all_reduce(x, ReduceOp.SUM).wait()
         expected = np.arange(args.size, dtype=np.float32) * (world * (world + 1) // 2)
         np.testing.assert_array_equal(x, expected)
         print(f"rank {rank}: all_reduce(SUM) of {args.size} x float32 ok", flush=True)

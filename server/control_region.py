@@ -33,11 +33,6 @@ from smddp.core.region import (
     C_OPS,
     DTYPES,
     G_ARRIVAL,
-    G_COUNT,
-    G_DTYPE,
-    G_KIND,
-    G_OP,
-    G_ROOT,
     G_SEQ,
     H_ALARM,
     K_BUCKET,
@@ -51,6 +46,7 @@ from smddp.core.region import (
     RegionView,
     data_bytes_for,
     init_header,
+    published_op,
     region_bytes,
 )
 from smddp.core.wire import KIND_NAMES, describe, dtype_name
@@ -233,7 +229,7 @@ class ControlRegion:
         first = min(min(s[G_ARRIVAL] for s in sigs), self._seen_since)
         return RegionPending(
             seq,
-            describe(sig[G_KIND], sig[G_DTYPE], sig[G_COUNT], sig[G_ROOT], sig[G_OP]),
+            describe(published_op(sig)),
             arrived,
             missing,
             max(0.0, (now_ns - first) / 1e9),
@@ -264,7 +260,7 @@ class ControlRegion:
             return None
         return RegionPending(
             seq,
-            describe(sig[G_KIND], sig[G_DTYPE], sig[G_COUNT], sig[G_ROOT], sig[G_OP]),
+            describe(published_op(sig)),
             [r for r in range(v.world) if r not in missing],
             missing,
             max(0.0, (now_ns - self._steps_since) / 1e9),

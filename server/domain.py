@@ -11,31 +11,28 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from smddp.core.wire import REDUCING_KINDS, ROOTED_KINDS
+from smddp.core.op import OpSpec
+from smddp.core.wire import op_of
 from smddp.v1 import smddp_pb2 as pb
 
 
 def op_signature(
     kind: int, dtype: int, count: int, root: int, reduce_op: int, parts: int, direct: bool = False
 ) -> tuple[int, ...]:
-    """What every rank's request for one op must agree on, on this node and across nodes.
+    """What every rank's request for one op must agree on, on this node and across nodes:
+    the op's ``OpSpec.signature`` (fields its kind does not use left out, so that ranks which
+    fill them differently still match), its number of chunks and whether it runs direct."""
+    return spec_signature(OpSpec(kind, dtype, count, root, reduce_op), parts, direct)
 
-    Fields an op kind does not use are left out, so that ranks which fill them differently
-    still match.
-    """
-    # all_to_all ranks legitimately send different totals; their blocks are checked pairwise.
-    count = 0 if kind == pb.ALL_TO_ALL else count
-    root = root if kind in ROOTED_KINDS else -1
-    reduce_op = reduce_op if kind in REDUCING_KINDS else 0
-    dtype = dtype if kind != pb.BARRIER else 0
-    return (kind, dtype, count, root, reduce_op, parts, int(direct))
+
+def spec_signature(spec: OpSpec, parts: int, direct: bool = False) -> tuple[int, ...]:
+    """``op_signature`` of an op given as an ``OpSpec``."""
+    return (*spec.signature(), parts, int(direct))
 
 
 def request_signature(req: pb.OpRequest) -> tuple[int, ...]:
     """``op_signature`` of one rank's request."""
-    return op_signature(
-        req.kind, req.dtype, req.count, req.root, req.reduce_op, req.parts, req.direct
-    )
+    return spec_signature(op_of(req), req.parts, req.direct)
 
 
 @dataclass(frozen=True)

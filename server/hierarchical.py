@@ -22,11 +22,18 @@ from typing import Protocol
 import numpy as np
 
 from smddp.core.reduce import copy_into, reduce_into
-from smddp.core.wire import WIRE_CODES, describe, describe_request, numpy_dtype, rank_list
+from smddp.core.wire import (
+    WIRE_CODES,
+    describe,
+    describe_request,
+    numpy_dtype,
+    op_of,
+    rank_list,
+)
 from smddp.server.algo_schedule import Shape, run
 from smddp.server.algorithms import ALGORITHMS, Selector
 from smddp.server.arena import Arena
-from smddp.server.domain import Layout, op_signature
+from smddp.server.domain import Layout, spec_signature
 from smddp.server.errors import InvalidRequest, OpMismatch
 from smddp.server.peer_wire import FRAME_DATA, Frame
 from smddp.v1 import smddp_pb2 as pb
@@ -109,11 +116,9 @@ class _NodeChunk:
     def _check(self, frame: Frame) -> None:
         r = self.req0
         # Frames carry no ``direct``: an op that spans nodes never runs in the control region.
-        if frame.signature() == op_signature(
-            r.kind, r.dtype, r.count, r.root, r.reduce_op, r.parts
-        ):
+        if frame.signature() == spec_signature(op_of(r), r.parts):
             return
-        theirs = describe(frame.kind, frame.dtype, frame.count, frame.root, frame.reduce_op)
+        theirs = describe(frame.op)
         node = frame.src_node
         who = f"{rank_list(list(self.nodes[node]))} (node {self.node_ids[node]})"
         ours = f"{rank_list(list(self.nodes[self.me]))} (node {self.node_ids[self.me]})"

@@ -23,7 +23,8 @@ from typing import Protocol
 
 import numpy as np
 
-from smddp.server.domain import op_signature
+from smddp.core.op import OpSpec
+from smddp.server.domain import spec_signature
 
 FRAME_DATA = 1
 FRAME_HEARTBEAT = 3
@@ -79,11 +80,14 @@ class Frame:
     tag: int = 0  # a SEND's tag, which a receive from any source matches on
     arrived: float = 0.0  # time.monotonic() when the receiving daemon had it whole
 
+    @property
+    def op(self) -> OpSpec:
+        """The op the frame belongs to, as its sender's request described it."""
+        return OpSpec(self.kind, self.dtype, self.count, self.root, self.reduce_op, self.tag)
+
     def signature(self) -> tuple[int, ...]:
         """What must agree between nodes for the frame to belong to this node's op."""
-        return op_signature(
-            self.kind, self.dtype, self.count, self.root, self.reduce_op, self.parts
-        )
+        return spec_signature(self.op, self.parts)
 
 
 def token_proof(token: bytes, job_id: str, comm_id: str) -> bytes:
