@@ -173,3 +173,205 @@ def test_survivors_agree_shrink_and_go_on(
             assert not res["is_default"] and res["world_size"] == WORLD, res
     # Generous: the target is 1 s on 2 cores; a loaded CI machine gets room.
     assert max(took) < 20.0, took
+
+
+def live_excluded_rank(rank: int, world: int, init_file: str, flags: str) -> dict[str, Any]:
+    """Ranks 0-2 exclude rank 3, which is alive: with SHRINK_ABORT while their all_reduce waits
+    for it (the op fails, naming the shrink), with SHRINK_DEFAULT between ops. Rank 3's next op
+    on the old group then fails, and it is told why."""
+    import torch
+    import torch.distributed as dist
+
+    import smddp
+    from smddp.backend.errors import SmddpBackendError
+
+    torch.set_num_threads(1)
+    dist.init_process_group("smddp", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    dist.all_reduce(torch.ones(4))
+    result: dict[str, Any] = {}
+    if rank == world - 1:
+        print("left out", flush=True)
+        sys.stdin.readline()  # the others have shrunk
+        try:
+            dist.all_reduce(torch.ones(4))
+            result["old_group"] = None
+        except SmddpBackendError as exc:
+            result["old_group"] = f"{type(exc).__name__}: {exc}"
+        dist.destroy_process_group()
+        return result
+    if flags == "abort":
+        work = dist.all_reduce(torch.ones(4), async_op=True)  # waits for rank 3, in vain
+        new = smddp.shrink_group([world - 1], shrink_flags=smddp.SHRINK_ABORT)
+        try:
+            work.wait()
+            result["in_flight"] = None
+        except SmddpBackendError as exc:
+            result["in_flight"] = f"{type(exc).__name__}: {exc}"
+    else:
+        new = smddp.shrink_group([world - 1])
+    t = torch.full((8,), float(rank + 1))
+    dist.all_reduce(t)
+    result["sum"] = t[0].item()
+    result["world_size"] = dist.get_world_size()
+    print("shrunk", flush=True)
+    sys.stdin.readline()
+    del new
+    dist.destroy_process_group()
+    return result
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("flags", ["abort", "default"])
+def test_a_live_rank_left_out_is_told(flags, system_daemon, rank_env, spawn_ranks, tmp_path):
+    env = rank_env(system_daemon.socket)
+    ranks = spawn_ranks(
+        live_excluded_rank, WORLD, WORLD, str(tmp_path / "init"), flags, env=env, timeout_s=150
+    )
+    deadline = time.monotonic() + 90
+    _lines_until(ranks.ranks[WORLD - 1], "left out", deadline)
+    for r in ranks.ranks[: WORLD - 1]:
+        _lines_until(r, "shrunk", deadline)
+    ranks.send("go")
+    results = ranks.join()
+    for res in results[: WORLD - 1]:
+        assert res["sum"] == 6.0 and res["world_size"] == WORLD - 1, res
+        if flags == "abort":
+            assert res["in_flight"] is not None, res
+            assert "called shrink_group(SHRINK_ABORT) excluding ranks [3]" in res["in_flight"], res
+    told = results[WORLD - 1]["old_group"]
+    assert told is not None, results[WORLD - 1]
+    if flags == "abort":
+        # The first survivor's SHRINK_ABORT failed the old group for every rank.
+        assert "called shrink_group(SHRINK_ABORT) excluding ranks [3]" in told, told
+    else:
+        # The survivors left the old group for the new one: a clean leave, named.
+        assert "has left the communicator (destroy_process_group)" in told, told
+
+
+def disagreeing_rank(rank: int, world: int, init_file: str, victim: int) -> dict[str, Any]:
+    """After rank ``victim`` dies, rank 3 excludes ranks 1 and 2 while 0 and 1 exclude 2 only:
+    every survivor must get an error naming both sets (at shrink_group, or at its first op on
+    the new group), not wait until the group's timeout. First, a call that keeps the failed
+    rank and one that excludes the caller are refused before anything changes."""
+    import torch
+    import torch.distributed as dist
+
+    import smddp
+    from smddp.backend.errors import SmddpRankFailedError
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "smddp",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world,
+        timeout=__import__("datetime").timedelta(seconds=120),
+    )
+    dist.all_reduce(torch.ones(4))
+    print(f"pid {os.getpid()}", flush=True)
+    print("ready", flush=True)
+    if rank == victim:
+        time.sleep(600)
+    try:
+        dist.all_reduce(torch.ones(4))
+        raise AssertionError("the all_reduce completed without the victim")
+    except SmddpRankFailedError as exc:
+        failed = sorted(exc.failed_ranks)
+    result: dict[str, Any] = {"failed": failed}
+    for bad in ([1] if rank != 1 else [3], [rank, victim]):
+        # Too few ranks (a failed one kept), or itself: refused before anything changes.
+        try:
+            smddp.shrink_group(bad)
+        except (ValueError, RuntimeError) as exc:
+            result.setdefault("refused", []).append(f"{type(exc).__name__}: {exc}")
+    exclude = [1, victim] if rank == 3 else [victim]
+    start = time.monotonic()
+    try:
+        smddp.shrink_group(exclude)
+        dist.all_reduce(torch.ones(4))
+        result["error"] = None
+    except Exception as exc:
+        result["error"] = f"{type(exc).__name__}: {exc}"
+    result["took"] = time.monotonic() - start
+    return result
+
+
+@pytest.mark.timeout(180)
+def test_survivors_that_disagree_are_told_both_sets(system_daemon, rank_env, spawn_ranks, tmp_path):
+    env = rank_env(system_daemon.socket)
+    ranks = spawn_ranks(
+        disagreeing_rank, WORLD, WORLD, str(tmp_path / "init"), VICTIM, env=env, timeout_s=150
+    )
+    ranks.wait_for("ready")
+    victim = ranks.ranks[VICTIM]
+    os.kill(victim.printed_pid(), signal.SIGKILL)
+    victim.proc.wait()
+    for r in ranks.ranks:
+        if r.rank != VICTIM:
+            r.proc.wait(timeout=120)
+            assert r.proc.returncode == 0, r.failure()
+    import pickle
+
+    for r in ranks.ranks:
+        if r.rank == VICTIM:
+            continue
+        with open(r.folder / "result", "rb") as f:
+            res = pickle.load(f)
+        assert res["failed"] == [VICTIM], res
+        err = res["error"]
+        assert err is not None, res
+        assert (
+            "excluding ranks [2]" in err
+            and "excluded ranks [1, 2]" in err
+            or ("excluding ranks [1, 2]" in err and "excluded ranks [2]" in err)
+        ), err
+        assert "every surviving rank must exclude the same ranks" in err, err
+        assert res["took"] < 60, res  # told, not left to the group's timeout of 120 s
+        too_few, itself = res["refused"]
+        assert too_few.startswith("ValueError: ") and "ranks [2] would never join" in too_few, res
+        assert itself.startswith("RuntimeError: ") and "is in ranks_to_exclude" in itself, res
+
+
+def _survivor_results(world: Any, survivors: list[int], timeout_s: float = 90) -> list[Any]:
+    deadline = time.monotonic() + timeout_s
+    for r in survivors:
+        proc = world.procs[r]
+        try:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except Exception:
+            world.kill()
+            pytest.fail(world._failures({r}), pytrace=False)
+        if proc.returncode != 0:
+            world.kill()
+            pytest.fail(world._failures({r}), pytrace=False)
+    return [world._outcome(r)["result"] for r in survivors]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("lost", ["rank", "daemon"])
+def test_two_nodes_agree_and_shrink(lost, loopback_nodes, launch_failure_world):
+    """2 daemons x 2 ranks. ``rank``: rank 1 (node0) is killed; ranks 0, 2 and 3, on both
+    nodes, are told failed ranks [1] and shrink to 3 ranks across both nodes. ``daemon``:
+    node1's daemon is killed; ranks 0 and 1 are told [2, 3] and shrink to their own node."""
+    nodes = loopback_nodes(2)
+    world = launch_failure_world("shrink_on_failure", nodes, [0, 0, 1, 1], {}, timeout_s=200)
+    world.wait_for("ready")
+    time.sleep(0.5)
+    killed_at = time.time()
+    if lost == "rank":
+        os.kill(world.procs[1].pid, signal.SIGKILL)
+        failed, survivors = [1], [0, 2, 3]
+    else:
+        nodes[1].daemon.proc.kill()
+        nodes[1].daemon.proc.wait()
+        failed, survivors = [2, 3], [0, 1]
+    results = _survivor_results(world, survivors)
+    world.kill()
+    took = max(res["first_op_at"] for res in results) - killed_at
+    print(f"{lost} lost: kill -> first all_reduce on the shrunk group {took:.3f} s")
+    for old, res in zip(survivors, results):
+        assert res["failed"] == failed, (old, res)
+        assert res["generation"] == 0, (old, res)
+        assert res["world_size"] == len(survivors), (old, res)
+        assert res["rank"] == survivors.index(old), (old, res)
+    assert took < 30.0, took
