@@ -431,7 +431,8 @@ class Communicator:
         with self._lock:
             assert self._failed is not None
             kind, message = self._failed
-            return kind, message, tuple(sorted(self._failed_ranks)), agreed
+            # The kind may come from a rank's slot: one of the wire's, for the reply's enum.
+            return known_kind(kind), message, tuple(sorted(self._failed_ranks)), agreed
 
     def merge_failed(self, node: int, ranks: Iterable[int]) -> tuple[int, ...]:
         """Takes in node ``node``'s failed ranks (from its Abort, or its answer to ours) while

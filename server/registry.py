@@ -330,8 +330,7 @@ class Registry:
         before = sorted(comm.members)
         return (
             f"{where}: "
-            f"rank {req.rank} called shrink_group on comm {req.parent_comm_id or '(none)'} excluding ranks {list(req.excluded)} (generation {req.generation}), "  # noqa: E501
-            f"but {rank_list(before)} excluded ranks {list(comm.excluded)} of comm {comm.parent_comm_id or '(none)'} (generation {comm.generation}): "  # noqa: E501
+            f"rank {req.rank} called shrink_group on comm {req.parent_comm_id or '(none)'} excluding ranks {list(req.excluded)} (generation {req.generation}), but {rank_list(before)} excluded ranks {list(comm.excluded)} of comm {comm.parent_comm_id or '(none)'} (generation {comm.generation}): "  # noqa: E501
             "every surviving rank must exclude the same ranks"
         )
 

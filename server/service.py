@@ -13,7 +13,6 @@ import grpc
 
 from smddp.server import __version__
 from smddp.server.communicator import AGREE_WAIT_S, Session
-from smddp.server.control_region import known_kind
 from smddp.server.domain import Registration
 from smddp.server.errors import PermissionDenied, SmddpError
 from smddp.server.grpc_edge import EdgeService, edge
@@ -134,7 +133,7 @@ class NodeService(pb_grpc.NodeServicer, EdgeService):
         # cast: protoc's stubs type an enum field as its enum class alone; an int is what it holds.
         return pb.FailureReply(
             failed=True,
-            kind=cast("pb.ErrorKind", known_kind(kind)),
+            kind=cast("pb.ErrorKind", kind),
             message=message,
             failed_ranks=ranks,
             generation=comm.generation,
