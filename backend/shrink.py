@@ -143,6 +143,9 @@ def shrink_group(
     parent_globals = dist.get_process_group_ranks(pg)
     nodes = [pg.rank_nodes[r] for r in survivors]
     is_default = pg is default
+    # The ranks still in the old group (one left out while alive, say) are told why this
+    # one leaves, and the daemon does not count it among the failed ranks.
+    parent.session.shrink = f"rank {rank} called shrink_group excluding ranks {excluded}; generation {generation} goes on without them"  # noqa: E501
     meta = _retire(pg, is_default)
     new_rank = survivors.index(rank)
     try:

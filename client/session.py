@@ -340,6 +340,10 @@ class DaemonSession:
             f"smddpd at {self.socket_path} is gone (it stopped or restarted){suffix}"
         )
 
+    # Set by shrink_group before the rank leaves for the survivors' new group: the daemon
+    # tells the ranks still here so, and does not count this one among the failed.
+    shrink = ""
+
     def failure(self, timeout_s: float) -> pb.FailureReply:
         """The daemon's record of this communicator's failure (``Node.Failure``).
 
@@ -371,7 +375,11 @@ class DaemonSession:
         if deregister:
             try:
                 self._stub.Deregister(
-                    pb.DeregisterRequest(session_id=self.session_id, session_secret=self._secret),
+                    pb.DeregisterRequest(
+                        session_id=self.session_id,
+                        session_secret=self._secret,
+                        shrink=self.shrink,
+                    ),
                     timeout=5,
                 )
             except grpc.RpcError:

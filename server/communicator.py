@@ -342,11 +342,14 @@ class Communicator:
         kind: int,
         log_level: int = logging.WARNING,
         fail: bool = True,
+        gone: bool = True,
     ) -> bool:
         """Removes a rank. Others' pending and later ops fail, since they can no longer complete.
 
         Args:
             fail: False for a rank that never took part (refused at attach): nobody fails.
+            gone: False for a rank that left for the survivors' new group (shrink_group): it
+                is not one of the failed ranks.
 
         Returns:
             True when no rank is left and the communicator can be forgotten.
@@ -357,7 +360,8 @@ class Communicator:
             empty = not self.members
             if not empty and fail:
                 self._left.append(why)
-                self._gone.add(session.rank)
+                if gone:
+                    self._gone.add(session.rank)
             self._attached.notify_all()  # a peer-arenas request of the leaving rank ends
         gpu_ops = self._gpu.active()
         if gpu_ops is not None:

@@ -636,8 +636,16 @@ class Registry:
 
     # -- leaving ------------------------------------------------------------------------------
 
-    def deregister(self, session: Session) -> None:
-        """Removes a rank that left cleanly (destroy_process_group)."""
+    def deregister(self, session: Session, shrink: str = "") -> None:
+        """Removes a rank that left cleanly (destroy_process_group), or for the survivors'
+        new group (``shrink`` says which: it is then not one of the failed ranks)."""
+        if shrink:
+            why = (
+                f"{session.comm.name()}: "
+                f"{session.label()} has left the communicator for a shrunk group: {shrink}"
+            )
+            self._drop(session, why, pb.ABORTED, logging.INFO, gone=False)
+            return
         why = (
             f"{session.comm.name()}: "
             f"{session.label()} has left the communicator (destroy_process_group)"
@@ -660,6 +668,7 @@ class Registry:
         kind: int,
         log_level: int = logging.WARNING,
         fail: bool = True,
+        gone: bool = True,
     ) -> None:
         with self._lock:
             if session.closed:
@@ -675,7 +684,7 @@ class Registry:
         steps = supervise.Steps("removing a rank", comm.name(), session.log_fields())
         empty = steps.run(
             "taking it out of its communicator",
-            lambda: comm.remove(session, why, kind, log_level, fail),
+            lambda: comm.remove(session, why, kind, log_level, fail, gone),
             on_error=functools.partial(comm.internal_error, f"removing {session.label()}"),
         )
         if empty is None:  # remove raised: whether others are left, from its members

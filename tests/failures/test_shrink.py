@@ -244,8 +244,9 @@ def test_a_live_rank_left_out_is_told(flags, system_daemon, rank_env, spawn_rank
         # The first survivor's SHRINK_ABORT failed the old group for every rank.
         assert "called shrink_group(SHRINK_ABORT) excluding ranks [3]" in told, told
     else:
-        # The survivors left the old group for the new one: a clean leave, named.
-        assert "has left the communicator (destroy_process_group)" in told, told
+        # The survivors left the old group for the new one, and said so.
+        assert "has left the communicator for a shrunk group: " in told, told
+        assert "called shrink_group excluding ranks [3]" in told, told
 
 
 def disagreeing_rank(rank: int, world: int, init_file: str, victim: int) -> dict[str, Any]:
