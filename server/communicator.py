@@ -819,7 +819,8 @@ class Communicator:
                         node, FRAME_DATA, req, 0, [data], src_rank=session.rank, dst_rank=req.root
                     )
                 except PeerError as exc:
-                    self.fail(pb.RANK_FAILED, f"{self.name()}: {exc}")
+                    why = f"{self.name()}: {exc}"
+                    self.fail(pb.RANK_FAILED, why, failed_ranks=exc.failed_ranks)
                     self._reply_error(session, req, pb.RANK_FAILED, f"{self.name()}: {exc}")
                     return
                 self._finish(pending, [session], [req])
@@ -924,7 +925,7 @@ class Communicator:
                     )
         except PeerError as exc:
             msg = f"{self.name()}: {exc}"
-            self.fail(exc.kind, msg)
+            self.fail(exc.kind, msg, failed_ranks=exc.failed_ranks)
             self._count_op_failure()
             for s, r in zip(sessions, reqs):
                 self._reply_error(

@@ -386,7 +386,8 @@ class CommPeers:
                         )
             except OSError as exc:
                 raise PeerError(
-                    f"sending to node {self.node_ids[node]} ({self.addresses[node]}) failed: {exc}"
+                    f"sending to node {self.node_ids[node]} ({self.addresses[node]}) failed: {exc}",
+                    failed_ranks=self.layout.nodes[node],
                 ) from None
         if self._metrics is not None and nbytes:
             self._metrics.peer_bytes_sent.labels(self.node_ids[node]).inc(nbytes)
@@ -588,7 +589,8 @@ class CommPeers:
                 if node in self._gone:
                     raise PeerError(
                         f"op #{seq}: "
-                        f"the ranks of node {self.node_ids[node]} have all left the communicator"
+                        f"the ranks of node {self.node_ids[node]} have all left the communicator",
+                        failed_ranks=self.layout.nodes[node],
                     )
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
