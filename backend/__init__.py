@@ -59,7 +59,10 @@ def _create(dist_opts: Any, pg_options: Any) -> SmddpProcessGroup:
         raise dist.DistBackendError(
             f"smddp: cannot create process group {group_id} (rank {rank} of {size}): {exc}"
         ) from None
-    return SmddpProcessGroup(comm, rank, size)
+    group = SmddpProcessGroup(comm, rank, size)
+    group.job = job
+    group.rank_nodes = tuple(job.node_of_rank[g] for g in global_ranks)
+    return group
 
 
 def register() -> None:

@@ -31,6 +31,8 @@ from smddp.client.errors import SmddpError, UnsupportedError
 if TYPE_CHECKING:
     from torch.distributed.distributed_c10d import GroupName
 
+    from smddp.backend.job import Job
+
 BACKEND_NAME = "smddp"
 _CARRIED = frozenset(SUPPORTED)
 _SUM = dist.ReduceOp.SUM
@@ -100,7 +102,7 @@ def _tracked(method: Callable[..., SmddpWork]) -> Callable[..., SmddpWork]:
         except UnsupportedError:
             raise
         except SmddpError as exc:
-            raise translate(exc) from None
+            raise translate(exc, self.comm) from None
         if self._coalesced is not None:
             self._coalesced.append(work)
         return work
@@ -110,6 +112,11 @@ def _tracked(method: Callable[..., SmddpWork]) -> Callable[..., SmddpWork]:
 
 class SmddpProcessGroup(dist.ProcessGroup):
     """A process group whose collectives the node daemon carries out."""
+
+    # Set by the creator: the job the group belongs to and each group rank's node, which
+    # shrink_group lays the survivors' new communicator out from.
+    job: Job | None = None
+    rank_nodes: tuple[str, ...] = ()
 
     def __init__(self, comm: Communicator, rank: int, size: int) -> None:
         # torch's stub lists only ProcessGroup(store, rank, size); (rank, size) is the one

@@ -218,7 +218,8 @@ class SmddpWork(dist.Work):
             if self._finish is not None:
                 self._finish()
         except SmddpError as exc:
-            self._error = translate(exc)
+            # The handles' communicator (they share one) says which ranks a failure names.
+            self._error = translate(exc, self._handles[0].comm if self._handles else None)
         self._completed = True
 
     def _await_ops(self) -> None:

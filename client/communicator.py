@@ -49,6 +49,7 @@ from smddp.client.direct import (
 from smddp.client.discovery import daemon_info, daemon_socket, rendezvous
 from smddp.client.engine import DaemonEngine
 from smddp.client.errors import SmddpError, UnsupportedError, progress_bug
+from smddp.client.failure import Failure, ask_failure, revoke
 from smddp.client.inflight import InFlight
 from smddp.client.progress import ProgressThread
 from smddp.client.region_ops import RegionOps, Steps
@@ -94,6 +95,11 @@ class Handle(InFlight):
 
 class Communicator:
     """The numpy collectives of one rank in one communicator."""
+
+    # How many shrink_group calls led to this communicator (``connect``'s ``generation``).
+    generation: int = 0
+    # Its failure as the daemons agreed on it, once asked (``failure``).
+    _failure: Failure | None = None
 
     def __init__(
         self,
@@ -610,6 +616,30 @@ class Communicator:
             self._engine.point_to_point(handle, op_request(spec), data, any_source=peer == -1)
             return handle
 
+    # -- failure ----------------------------------------------------------------------------
+
+    def failure(self) -> Failure | None:
+        """Why the communicator failed, as its daemons agreed: the failed ranks (the same on
+        every surviving rank) and the generation; None while it has not failed. Asked of the
+        daemon once it has failed, then kept.
+
+        Raises:
+            DaemonLostError: the daemon did not answer.
+        """
+        if self._failure is None and not self._closed:
+            self._failure = ask_failure(self.session)
+        return self._failure
+
+    def revoke(self, reason: str) -> None:
+        """Fails every pending and later op of the communicator on every rank, with
+        ``reason`` (shrink_group's SHRINK_ABORT); the rank stays registered until ``close``.
+
+        Raises:
+            DaemonLostError: the daemon did not answer.
+        """
+        if not self._closed:
+            revoke(self.session, reason)
+
     def close(self) -> None:
         """Waits for ops still in flight, then leaves the communicator."""
         with self._lock:
@@ -635,6 +665,10 @@ def connect(
     global_rank: int | None = None,
     nodes: Sequence[pb.NodeSpec] = (),
     config: ClientConfig | None = None,
+    *,
+    parent_comm_id: str = "",
+    excluded_ranks: Sequence[int] = (),
+    generation: int = 0,
 ) -> Communicator:
     """Registers this process as ``rank`` of a communicator with its node daemon.
 
@@ -651,6 +685,9 @@ def connect(
         nodes: for a communicator spanning nodes, every node's id, daemon peer address and
             ranks, the same list on every rank (see ``node_layout``).
         config: the client's configuration (default: ``ClientConfig.from_env()``).
+        parent_comm_id, excluded_ranks, generation: for shrink_group, the communicator this
+            one replaces, its ranks left out (its numbering) and the new generation; every
+            rank must pass the same three.
 
     Returns:
         The Communicator, ready for ops.
@@ -674,6 +711,12 @@ def connect(
         arena_bytes=config.arena_bytes,
         timeout_ms=int(timeout_s * 1000),
         nodes=nodes,
+        parent_comm_id=parent_comm_id,
+        excluded_ranks=sorted(excluded_ranks),
+        generation=generation,
     )
     session = DaemonSession(path, register, config.op_channel)
-    return Communicator(session, timeout_s, single_node=len(nodes) <= 1, config=config)
+    comm = Communicator(session, timeout_s, single_node=len(nodes) <= 1, config=config)
+    if generation:
+        comm.generation = generation
+    return comm

@@ -340,6 +340,33 @@ class DaemonSession:
             f"smddpd at {self.socket_path} is gone (it stopped or restarted){suffix}"
         )
 
+    # Set by shrink_group before the rank leaves for the survivors' new group: the daemon
+    # tells the ranks still here so, and does not count this one among the failed.
+    shrink = ""
+
+    def failure(self, timeout_s: float) -> pb.FailureReply:
+        """The daemon's record of this communicator's failure (``Node.Failure``).
+
+        Raises:
+            grpc.RpcError: the daemon did not answer.
+        """
+        request = pb.FailureRequest(
+            session_id=self.session_id, session_secret=self._secret, wait_ms=int(timeout_s * 1000)
+        )
+        reply: pb.FailureReply = self._stub.Failure(request, timeout=timeout_s + 5.0)
+        return reply
+
+    def revoke(self, reason: str, timeout_s: float) -> None:
+        """Has the daemon fail this communicator's ops on every rank (``Node.Revoke``).
+
+        Raises:
+            grpc.RpcError: the daemon did not answer.
+        """
+        request = pb.RevokeRequest(
+            session_id=self.session_id, session_secret=self._secret, reason=reason
+        )
+        self._stub.Revoke(request, timeout=timeout_s)
+
     def close(self, deregister: bool = True) -> None:
         """Leaves the communicator (when ``deregister``) and releases socket and arena."""
         if self._closed:
@@ -348,7 +375,11 @@ class DaemonSession:
         if deregister:
             try:
                 self._stub.Deregister(
-                    pb.DeregisterRequest(session_id=self.session_id, session_secret=self._secret),
+                    pb.DeregisterRequest(
+                        session_id=self.session_id,
+                        session_secret=self._secret,
+                        shrink=self.shrink,
+                    ),
                     timeout=5,
                 )
             except grpc.RpcError:

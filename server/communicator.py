@@ -13,7 +13,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, cast
 
@@ -56,6 +56,10 @@ log = logging.getLogger(__name__)
 # for (an attach, a failure, a rank leaving, the close) wakes it, so this only guards against
 # a wake-up missed by some future path.
 ARENA_WAIT_POLL_S = 5.0
+# The longest a Failure call waits for the daemons of a communicator spanning nodes to have
+# heard from each other (a peer that never answers is dead, and its ranks are then named by
+# the lost-node failure each survivor's daemon detects for itself).
+AGREE_WAIT_S = 5.0
 # The longest error text a reply carries (characters; UTF-8 takes at most 4 bytes each), well
 # inside the data socket's message limit (MAX_MESSAGE_BYTES, 1 MiB).
 MAX_ERROR_CHARS = 64 << 10
@@ -302,6 +306,19 @@ class Communicator:
         self._closed = False  # the last local rank left: nothing waits on it any more
         self._failure_counted = False  # smddp_errors_total has this communicator's failure
         self._left: list[str] = []
+        # Set by the registry for a communicator made by shrink_group: the communicator it
+        # replaces, the parent's ranks left out (parent numbering) and its generation.
+        self.parent_comm_id = ""
+        self.excluded: tuple[int, ...] = ()
+        self.generation = 0
+        # The ranks that left or died (a clean leave fails the others as well) and, once
+        # failed, the set every survivor is told: this node's finding merged with each peer
+        # node's until every peer has been heard from (``_agreed``), then frozen, so that every
+        # rank that asks, whenever, hears the same set.
+        self._gone: set[int] = set()
+        self._failed_ranks: set[int] = set()
+        self._heard: set[int] = set()  # peer nodes whose failed ranks are merged in
+        self._agreed = threading.Event()
         self._lock = threading.Lock()
         self._attached = threading.Condition(self._lock)
         # The control region of a single-node communicator, made when a rank first asks.
@@ -325,11 +342,14 @@ class Communicator:
         kind: int,
         log_level: int = logging.WARNING,
         fail: bool = True,
+        gone: bool = True,
     ) -> bool:
         """Removes a rank. Others' pending and later ops fail, since they can no longer complete.
 
         Args:
             fail: False for a rank that never took part (refused at attach): nobody fails.
+            gone: False for a rank that left for the survivors' new group (shrink_group): it
+                is not one of the failed ranks.
 
         Returns:
             True when no rank is left and the communicator can be forgotten.
@@ -340,6 +360,8 @@ class Communicator:
             empty = not self.members
             if not empty and fail:
                 self._left.append(why)
+                if gone:
+                    self._gone.add(session.rank)
             self._attached.notify_all()  # a peer-arenas request of the leaving rank ends
         gpu_ops = self._gpu.active()
         if gpu_ops is not None:
@@ -396,6 +418,43 @@ class Communicator:
     def failed(self) -> tuple[int, str] | None:
         """The error kind and message that failed the communicator, or None."""
         return self._failed
+
+    def failure_record(
+        self, wait_s: float = AGREE_WAIT_S
+    ) -> tuple[int, str, tuple[int, ...], bool] | None:
+        """The failure as every surviving rank is told it: kind, message, the failed ranks
+        (ascending) and whether the daemons agreed on them; None while healthy.
+
+        On several nodes it first waits, up to ``wait_s``, until every peer node's daemon has
+        been heard from (its Abort received, or its answer to ours): from then on the set is
+        frozen, the same on every node, whichever rank asks first.
+        """
+        if self._failed is None:
+            return None
+        agreed = self._agreed.wait(wait_s)
+        with self._lock:
+            assert self._failed is not None
+            kind, message = self._failed
+            # The kind may come from a rank's slot: one of the wire's, for the reply's enum.
+            return known_kind(kind), message, tuple(sorted(self._failed_ranks)), agreed
+
+    def merge_failed(self, node: int, ranks: Iterable[int]) -> tuple[int, ...]:
+        """Takes in node ``node``'s failed ranks (from its Abort, or its answer to ours) while
+        the set is not yet frozen; returns this node's set after it."""
+        with self._lock:
+            if not self._agreed.is_set():
+                self._failed_ranks.update(r for r in ranks if 0 <= r < self.world_size)
+                self._heard.add(node)
+                self._agree_if_heard()
+            return tuple(sorted(self._failed_ranks))
+
+    def _agree_if_heard(self) -> None:
+        """Freezes the failed set once every peer node has been heard from (lock held)."""
+        peers = self.peers
+        if self._failed is not None and (
+            peers is None or self._heard.issuperset(peers.peer_nodes())
+        ):
+            self._agreed.set()
 
     # -- ops ----------------------------------------------------------------------------------
 
@@ -760,7 +819,8 @@ class Communicator:
                         node, FRAME_DATA, req, 0, [data], src_rank=session.rank, dst_rank=req.root
                     )
                 except PeerError as exc:
-                    self.fail(pb.RANK_FAILED, f"{self.name()}: {exc}")
+                    why = f"{self.name()}: {exc}"
+                    self.fail(pb.RANK_FAILED, why, failed_ranks=exc.failed_ranks)
                     self._reply_error(session, req, pb.RANK_FAILED, f"{self.name()}: {exc}")
                     return
                 self._finish(pending, [session], [req])
@@ -865,7 +925,7 @@ class Communicator:
                     )
         except PeerError as exc:
             msg = f"{self.name()}: {exc}"
-            self.fail(exc.kind, msg)
+            self.fail(exc.kind, msg, failed_ranks=exc.failed_ranks)
             self._count_op_failure()
             for s, r in zip(sessions, reqs):
                 self._reply_error(
@@ -1007,18 +1067,33 @@ class Communicator:
         log_level: int = logging.WARNING,
         culprit: Session | None = None,
         propagate: bool = True,
+        failed_ranks: Iterable[int] = (),
+        from_node: int | None = None,
     ) -> None:
         """Fails every pending and later op of the communicator on every rank.
 
         Args:
             culprit: the one rank that caused the failure, when there is one; its rank and
-                node go into the log record.
+                node go into the log record (and, for RANK_FAILED, into the failed ranks).
             propagate: tell the other nodes (False when they told us).
+            failed_ranks: ranks known gone (a lost node's; a peer's Abort's), besides the
+                ones that left this node.
+            from_node: the peer node whose Abort this is: it is not told back.
         """
         with self._lock:
             if self._failed is not None:
                 return
             self._failed = (kind, message)
+            ranks = {r for r in failed_ranks if 0 <= r < self.world_size}
+            if kind == pb.RANK_FAILED:
+                ranks |= self._gone
+                if culprit is not None:
+                    ranks.add(culprit.rank)
+            self._failed_ranks |= ranks
+            if from_node is not None:
+                self._heard.add(from_node)
+            self._agree_if_heard()
+            told = sorted(self._failed_ranks)
             pending = list(self._pending.values())
             self._pending.clear()
             waiting = list(self._any_waiting.values())
@@ -1034,8 +1109,11 @@ class Communicator:
         if region is not None:
             region.fail(kind, message)  # every rank waiting in the region wakes and raises it
         if self.peers is not None:
-            if propagate:
-                self.peers.abort(kind, message)
+            # Every node tells every node it has not heard from, and takes in their answers:
+            # two daemons that each found a dead rank end with the same set of both.
+            skip = {from_node} if from_node is not None else set()
+            if propagate or len(self.peers.peer_nodes()) > 1:
+                self.peers.abort(kind, message, told, self.merge_failed, skip)
             self.peers.failed(message)
         # Counted once: here when an op waited, else by _count_op_failure for the op that failed.
         with self._lock:
@@ -1302,6 +1380,10 @@ class Communicator:
                 job_id=self.job_id,
                 comm_id=self.comm_id,
                 world_size=self.world_size,
+                generation=self.generation,
+                parent_comm_id=self.parent_comm_id,
+                excluded_ranks=self.excluded,
+                failed_ranks=sorted(self._failed_ranks),
                 failed=self._failed[1] if self._failed else "",
                 ops_completed=_clamp(
                     self.ops_completed + (_clamp(region.ops_completed(0)) if region else 0)

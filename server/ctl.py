@@ -217,6 +217,12 @@ def cmd_status(args: argparse.Namespace) -> int:
             f"  job {c.job_id} comm {c.comm_id}: "
             f"{len(c.ranks)}/{c.world_size} ranks, {c.ops_completed} ops, {state}"
         )
+        if c.generation:
+            print(
+                f"    generation {c.generation}: shrunk from comm {c.parent_comm_id}, which left out ranks {', '.join(map(str, c.excluded_ranks))}"  # noqa: E501
+            )
+        if c.failed_ranks:
+            print(f"    failed ranks: {', '.join(map(str, c.failed_ranks))}")
         for r in c.ranks:
             print(
                 f"    rank {r.rank} (global {r.global_rank}) pid {r.pid} node {r.node_id} ops {r.ops_completed}{'' if r.attached else ' (not attached)'}"  # noqa: E501

@@ -59,6 +59,10 @@ class Registration:
     global_rank: int = 0
     node_id: str = ""
     nodes: tuple[NodeSpec, ...] = ()  # empty: every rank on this node
+    # Set by shrink_group: the communicator replaced, its ranks left out, the new generation.
+    parent_comm_id: str = ""
+    excluded: tuple[int, ...] = ()
+    generation: int = 0
 
     @classmethod
     def from_proto(cls, req: pb.RegisterRequest) -> Registration:
@@ -68,6 +72,8 @@ class Registration:
             job_token=req.job_token, arena_bytes=req.arena_bytes, timeout_ms=req.timeout_ms,
             pid=req.pid, global_rank=req.global_rank, node_id=req.node_id,
             nodes=tuple(NodeSpec(n.node_id, n.peer_address, tuple(n.ranks)) for n in req.nodes),
+            parent_comm_id=req.parent_comm_id, excluded=tuple(req.excluded_ranks),
+            generation=req.generation,
         )  # fmt: skip
 
 

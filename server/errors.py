@@ -84,15 +84,19 @@ class PeerError(SmddpError):
     """A peer exchange could not complete; the message names the node.
 
     ``kind`` is the ErrorKind the communicator fails with: RANK_FAILED for a lost or
-    unreachable node, TIMEOUT for one that sent nothing in time.
+    unreachable node, TIMEOUT for one that sent nothing in time; ``failed_ranks``, the ranks
+    of a node lost or left (the communicator's failed ranks).
     """
 
     kind: int = pb.RANK_FAILED
     code = grpc.StatusCode.UNAVAILABLE
 
-    def __init__(self, message: str, kind: int = pb.RANK_FAILED) -> None:
+    def __init__(
+        self, message: str, kind: int = pb.RANK_FAILED, failed_ranks: tuple[int, ...] = ()
+    ) -> None:
         super().__init__(message)
         self.kind = kind
+        self.failed_ranks = failed_ranks
 
 
 class CudaCallError(SmddpError, RuntimeError):

@@ -102,6 +102,11 @@ class Metrics:
             ["kind"],
             registry=r,
         )
+        self.shrinks = Counter(
+            "smddp_shrinks",
+            "Communicators this daemon made for shrink_group's survivors (generation 1 and up; smddpctl status shows each one's generation and the ranks it left out)",  # noqa: E501
+            registry=r,
+        )
         self.registered_ranks = Gauge(
             "smddp_registered_ranks", "Ranks registered with this daemon", registry=r
         )

@@ -10,6 +10,7 @@ that address. The answering side is ``peer_service``.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import cast
 
@@ -62,14 +63,23 @@ class PeerControl:
         transport: pb.Transport,
         exchange: str,
         timeout: float,
+        excluded_ranks: Sequence[int] = (),
     ) -> int:
         """Asks node ``node_id`` to let this node join the communicator; its data port.
+
+        Args:
+            excluded_ranks: for a communicator made by shrink_group, the parent's ranks left
+                out, which the callee compares with its own.
 
         Raises:
             grpc.RpcError: it refused, or did not answer within ``timeout`` seconds.
         """
         request = pb.JoinRequest(
-            peer=peer, node_ids=node_ids, transport=transport, exchange=exchange
+            peer=peer,
+            node_ids=node_ids,
+            transport=transport,
+            excluded_ranks=excluded_ranks,
+            exchange=exchange,
         )
         reply: pb.JoinReply = self.stub(address, node_id).Join(request, timeout=timeout)
         return reply.data_port
@@ -82,17 +92,23 @@ class PeerControl:
         kind: int,
         message: str,
         timeout: float,
-    ) -> None:
-        """Tells node ``node_id`` that the communicator failed, with ``kind`` and ``message``.
+        failed_ranks: Sequence[int] = (),
+    ) -> tuple[int, ...]:
+        """Tells node ``node_id`` that the communicator failed, with ``kind``, ``message`` and
+        the ranks this node holds failed; returns the ranks that node holds failed after it.
 
         Raises:
             grpc.RpcError: it did not take the news.
         """
         # cast: protoc's stubs type an enum field as its enum class alone; an int is what it holds.
         request = pb.AbortRequest(
-            peer=peer, kind=cast("pb.ErrorKind", kind), message=message[:65536]
+            peer=peer,
+            kind=cast("pb.ErrorKind", kind),
+            message=message[:65536],
+            failed_ranks=failed_ranks,
         )
-        self.stub(address, node_id).Abort(request, timeout=timeout)
+        reply: pb.AbortReply = self.stub(address, node_id).Abort(request, timeout=timeout)
+        return tuple(reply.failed_ranks)
 
     def status(
         self, address: str, node_id: str, peer: pb.PeerRequest, timeout: float

@@ -111,6 +111,12 @@ class PeerService(pb_grpc.PeerServicer, EdgeService):
                 f"node {caller} carries data over {theirs} and node {me} over {TRANSPORT_NAMES[self._network.transport]}: "  # noqa: E501
                 "every daemon of a job must run the same --peer-transport"
             )
+        if tuple(request.excluded_ranks) != comm.excluded:
+            raise FailedPrecondition(
+                f"{comm.name()}: "
+                f"shrink_group on node {caller} excluded ranks {list(request.excluded_ranks)} of comm {comm.parent_comm_id} where node {me} excluded {list(comm.excluded)}: "  # noqa: E501
+                "every surviving rank must exclude the same ranks"
+            )
         if request.peer.node > peers.my_node:
             raise InvalidRequest(
                 f"{comm.name()}: the node of lower index joins the higher, not node {caller}"
@@ -135,8 +141,13 @@ class PeerService(pb_grpc.PeerServicer, EdgeService):
             request.message[:65536],
             propagate=False,
             log_level=logging.INFO,
+            failed_ranks=request.failed_ranks,
+            from_node=request.peer.node,
         )
-        return pb.AbortReply()
+        # Already failed here (both nodes found a dead rank at once): the caller's ranks join
+        # ours, and the answer gives it ours, so that both end with the same set.
+        ranks = comm.merge_failed(request.peer.node, request.failed_ranks)
+        return pb.AbortReply(failed_ranks=ranks)
 
     @edge()
     def PeerStatus(

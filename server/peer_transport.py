@@ -28,7 +28,7 @@ import ssl
 import struct
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import grpc
@@ -95,8 +95,13 @@ RETRYABLE_JOIN = frozenset(
     {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 )
 
+
 # How CommPeers reports that the communicator must fail: an ErrorKind and the message.
-OnFailure = Callable[[int, str], None]
+class OnFailure(Protocol):
+    """What fails the communicator (``Communicator.fail``): an ErrorKind, a message and the
+    ranks known gone (a lost node's)."""
+
+    def __call__(self, kind: int, message: str, *, failed_ranks: Sequence[int] = ()) -> None: ...
 
 
 def _tls_refusal(details: str, tls: bool, node_id: str) -> str | None:
@@ -138,6 +143,7 @@ class CommPeers:
         on_failure: OnFailure,
         buffers: BufferAccount | None = None,
         metrics: Metrics | None = None,
+        excluded: Sequence[int] = (),
     ) -> None:
         """Starts connecting to the nodes of higher index, and the heartbeat.
 
@@ -148,8 +154,11 @@ class CommPeers:
             on_failure: called with an ErrorKind and a message when a node is lost or a send
                 arrives that the mailbox may not hold; the communicator fails with them.
             buffers: the job's budget for sends that arrive before their receive is posted.
+            excluded: a communicator made by shrink_group: the parent's ranks it left out,
+                which every node's daemon must name alike (``Join`` compares them).
         """
         self.layout = layout
+        self.excluded = tuple(excluded)
         self.network = network
         self.my_node = layout.my_node
         self.node_ids = layout.node_ids()
@@ -219,6 +228,7 @@ class CommPeers:
                     self.network.transport,
                     self.network.exchange,
                     timeout,
+                    self.excluded,
                 )
             except grpc.RpcError as exc:
                 code, details = exc.code(), exc.details() or str(exc.code())
@@ -311,7 +321,7 @@ class CommPeers:
             f"lost node {self.node_ids[node]} (daemon at {self.addresses[node]}): "
             f"{detail}"
         )
-        self._on_failure(pb.RANK_FAILED, message)
+        self._on_failure(pb.RANK_FAILED, message, failed_ranks=self.layout.nodes[node])
 
     # -- sending ------------------------------------------------------------------------------
 
@@ -377,24 +387,43 @@ class CommPeers:
                         )
             except OSError as exc:
                 raise PeerError(
-                    f"sending to node {self.node_ids[node]} ({self.addresses[node]}) failed: {exc}"
+                    f"sending to node {self.node_ids[node]} ({self.addresses[node]}) failed: {exc}",
+                    failed_ranks=self.layout.nodes[node],
                 ) from None
         if self._metrics is not None and nbytes:
             self._metrics.peer_bytes_sent.labels(self.node_ids[node]).inc(nbytes)
 
-    def abort(self, kind: int, message: str) -> None:
-        """Tells every peer node's Peer service that the communicator failed, without waiting.
+    def abort(
+        self,
+        kind: int,
+        message: str,
+        failed_ranks: Sequence[int] = (),
+        on_answer: Callable[[int, Sequence[int]], object] | None = None,
+        skip: Collection[int] = (),
+    ) -> None:
+        """Tells every peer node's Peer service (but those in ``skip``) that the communicator
+        failed, with the ranks this node holds failed, without waiting.
 
-        ``close`` waits for these calls (up to ``ABORT_WAIT_S``) before it says BYE, so that
-        the news arrives before the BYE, which would otherwise read as a clean leave. A node
-        that cannot be told learns it anyway: its data connections break or fall silent.
+        ``on_answer(node, ranks)`` gets each node's failed ranks from its answer, or none when
+        it cannot be told (it is then dead, or its ranks have all left): either way that node
+        has been heard from. ``close`` waits for these calls (up to ``ABORT_WAIT_S``) before it
+        says BYE, so that the news arrives before the BYE, which would otherwise read as a
+        clean leave. A node that cannot be told learns it anyway: its data connections break
+        or fall silent.
         """
         control, peer = self.network.control, self.peer_request()
 
         def tell(node: int) -> None:
+            answer: Sequence[int] = ()
             try:
-                control.abort(
-                    self.addresses[node], self.node_ids[node], peer, kind, message, ABORT_WAIT_S
+                answer = control.abort(
+                    self.addresses[node],
+                    self.node_ids[node],
+                    peer,
+                    kind,
+                    message,
+                    ABORT_WAIT_S,
+                    failed_ranks,
                 )
             except grpc.RpcError as exc:
                 log.info(
@@ -403,8 +432,12 @@ class CommPeers:
                     self.node_ids[node],
                     exc.details(),
                 )
+            if on_answer is not None:
+                on_answer(node, answer)
 
         for node in self.peer_nodes():
+            if node in skip:
+                continue
             thread = threading.Thread(
                 target=tell, args=(node,), name="smddp-peer-abort", daemon=True
             )
@@ -557,7 +590,8 @@ class CommPeers:
                 if node in self._gone:
                     raise PeerError(
                         f"op #{seq}: "
-                        f"the ranks of node {self.node_ids[node]} have all left the communicator"
+                        f"the ranks of node {self.node_ids[node]} have all left the communicator",
+                        failed_ranks=self.layout.nodes[node],
                     )
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from smddp.core.wire import rank_list
 from smddp.server import supervise
 from smddp.server.algorithms import Selector
 from smddp.server.arena import Arena
@@ -163,8 +164,10 @@ class Registry:
             )
         timeout_s = self._timeout_s(where, req.timeout_ms)
         nodes, my_node = self._layout(req, where)
+        self._check_shrink(req, where)
         claimed_uid = _uid_of(req.pid)
         evicted: list[Session] = []
+        mismatch = ""  # a survivor's shrink_group differs from those registered before it
         with self._lock:
             job = self._job(req.job_id, req.job_token)
             if job is None:
@@ -201,6 +204,9 @@ class Registry:
                     gpu=self._gpu,
                 )
                 comm.buffers = job.buffers
+                comm.parent_comm_id = req.parent_comm_id
+                comm.excluded = req.excluded
+                comm.generation = req.generation
                 comm.max_pending_ops = self.config.max_pending_ops
                 comm.algorithms = Selector(comm.layout.name(), self.config.algo)
                 if len(comm.nodes) > 1:
@@ -214,9 +220,18 @@ class Registry:
                             comm.fail,
                             buffers=job.buffers,
                             metrics=self.metrics,
+                            excluded=req.excluded,
                         )
                     )
                 job.comms[req.comm_id] = comm
+                if req.generation and self.metrics is not None:
+                    self.metrics.shrinks.inc()
+            elif (req.parent_comm_id, req.excluded, req.generation) != (
+                comm.parent_comm_id,
+                comm.excluded,
+                comm.generation,
+            ):
+                mismatch = self._shrink_mismatch(comm, req, where)
             else:
                 if comm.world_size != req.world_size:
                     raise FailedPrecondition(
@@ -241,22 +256,31 @@ class Registry:
                         f"{where} rank {req.rank}: "
                         f"arena of {req.arena_bytes} bytes is smaller than 4 x the communicator's chunk of {comm.chunk_bytes} bytes"  # noqa: E501
                     )
-            session = Session(
-                session_id=secrets.token_hex(16),
-                secret=secrets.token_bytes(32),
-                comm=comm,
-                rank=req.rank,
-                global_rank=req.global_rank,
-                pid=0,  # the kernel's, at attach
-                claimed_pid=req.pid,
-                node_id=req.node_id or "?",
-                arena_bytes=req.arena_bytes,
-            )
-            comm.add(session)
-            self._sessions[session.session_id] = session
-            self._unattached[session.session_id] = session
-            while len(self._unattached) > cfg.max_unattached:
-                evicted.append(self._unattached.popitem(last=False)[1])
+            if mismatch:
+                mismatched: Communicator | None = comm
+            else:
+                mismatched = None
+                session = Session(
+                    session_id=secrets.token_hex(16),
+                    secret=secrets.token_bytes(32),
+                    comm=comm,
+                    rank=req.rank,
+                    global_rank=req.global_rank,
+                    pid=0,  # the kernel's, at attach
+                    claimed_pid=req.pid,
+                    node_id=req.node_id or "?",
+                    arena_bytes=req.arena_bytes,
+                )
+                comm.add(session)
+                self._sessions[session.session_id] = session
+                self._unattached[session.session_id] = session
+                while len(self._unattached) > cfg.max_unattached:
+                    evicted.append(self._unattached.popitem(last=False)[1])
+        if mismatched is not None:
+            # The ranks registered before it would otherwise wait for it until the group's
+            # timeout: the communicator fails for them too, with the same message.
+            mismatched.fail(pb.MISMATCH, mismatch)
+            raise FailedPrecondition(mismatch)
         for old in evicted:
             self._drop(
                 old,
@@ -276,6 +300,39 @@ class Registry:
             extra=session.log_fields(),
         )
         return session
+
+    @staticmethod
+    def _check_shrink(req: Registration, where: str) -> None:
+        """Checks the shrink_group fields of a registration (all empty for any other)."""
+        if not req.parent_comm_id:
+            if req.excluded or req.generation:
+                raise InvalidRequest(
+                    f"{where}: excluded_ranks and generation come with a parent_comm_id (shrink_group)"  # noqa: E501
+                )
+            return
+        if not COMM_ID.match(req.parent_comm_id) or req.parent_comm_id == req.comm_id:
+            raise InvalidRequest(
+                f"{where}: parent_comm_id {quote(req.parent_comm_id)} must name another communicator"  # noqa: E501
+            )
+        excluded = list(req.excluded)
+        parent_size = req.world_size + len(excluded)
+        if not excluded or excluded != sorted(set(excluded)) or excluded[-1] >= parent_size:
+            raise InvalidRequest(
+                f"{where}: "
+                f"excluded_ranks {excluded[:16]} must be ascending, distinct ranks of the parent's {parent_size}"  # noqa: E501
+            )
+        if req.generation < 1:
+            raise InvalidRequest(f"{where}: a shrunk communicator's generation is at least 1")
+
+    @staticmethod
+    def _shrink_mismatch(comm: Communicator, req: Registration, where: str) -> str:
+        """The error for a survivor whose shrink_group differs from the ranks' before it."""
+        before = sorted(comm.members)
+        return (
+            f"{where}: "
+            f"rank {req.rank} called shrink_group on comm {req.parent_comm_id or '(none)'} excluding ranks {list(req.excluded)} (generation {req.generation}), but {rank_list(before)} excluded ranks {list(comm.excluded)} of comm {comm.parent_comm_id or '(none)'} (generation {comm.generation}): "  # noqa: E501
+            "every surviving rank must exclude the same ranks"
+        )
 
     def _layout(self, req: Registration, where: str) -> tuple[list[list[int]] | None, int]:
         """Checks the node layout of a registration; returns (ranks per node, this node's index)."""
@@ -579,8 +636,16 @@ class Registry:
 
     # -- leaving ------------------------------------------------------------------------------
 
-    def deregister(self, session: Session) -> None:
-        """Removes a rank that left cleanly (destroy_process_group)."""
+    def deregister(self, session: Session, shrink: str = "") -> None:
+        """Removes a rank that left cleanly (destroy_process_group), or for the survivors'
+        new group (``shrink`` says which: it is then not one of the failed ranks)."""
+        if shrink:
+            why = (
+                f"{session.comm.name()}: "
+                f"{session.label()} has left the communicator for a shrunk group: {shrink}"
+            )
+            self._drop(session, why, pb.ABORTED, logging.INFO, gone=False)
+            return
         why = (
             f"{session.comm.name()}: "
             f"{session.label()} has left the communicator (destroy_process_group)"
@@ -603,6 +668,7 @@ class Registry:
         kind: int,
         log_level: int = logging.WARNING,
         fail: bool = True,
+        gone: bool = True,
     ) -> None:
         with self._lock:
             if session.closed:
@@ -618,7 +684,7 @@ class Registry:
         steps = supervise.Steps("removing a rank", comm.name(), session.log_fields())
         empty = steps.run(
             "taking it out of its communicator",
-            lambda: comm.remove(session, why, kind, log_level, fail),
+            lambda: comm.remove(session, why, kind, log_level, fail, gone),
             on_error=functools.partial(comm.internal_error, f"removing {session.label()}"),
         )
         if empty is None:  # remove raised: whether others are left, from its members

@@ -7,11 +7,12 @@ import os
 import queue
 import threading
 from collections.abc import Iterator
+from typing import cast
 
 import grpc
 
 from smddp.server import __version__
-from smddp.server.communicator import Session
+from smddp.server.communicator import AGREE_WAIT_S, Session
 from smddp.server.domain import Registration
 from smddp.server.errors import PermissionDenied, SmddpError
 from smddp.server.grpc_edge import EdgeService, edge
@@ -117,8 +118,35 @@ class NodeService(pb_grpc.NodeServicer, EdgeService):
         self, request: pb.DeregisterRequest, context: grpc.ServicerContext
     ) -> pb.DeregisterReply:
         session = self._registry.authenticate(request.session_id, request.session_secret)
-        self._registry.deregister(session)
+        self._registry.deregister(session, request.shrink[:4096])
         return pb.DeregisterReply()
+
+    @edge()
+    def Failure(self, request: pb.FailureRequest, context: grpc.ServicerContext) -> pb.FailureReply:
+        session = self._registry.authenticate(request.session_id, request.session_secret)
+        comm = session.comm
+        wait_s = min(request.wait_ms / 1000, AGREE_WAIT_S) if request.wait_ms else AGREE_WAIT_S
+        record = comm.failure_record(wait_s)
+        if record is None:
+            return pb.FailureReply(failed=False, generation=comm.generation)
+        kind, message, ranks, agreed = record
+        # cast: protoc's stubs type an enum field as its enum class alone; an int is what it holds.
+        return pb.FailureReply(
+            failed=True,
+            kind=cast("pb.ErrorKind", kind),
+            message=message,
+            failed_ranks=ranks,
+            generation=comm.generation,
+            agreed=agreed,
+        )
+
+    @edge()
+    def Revoke(self, request: pb.RevokeRequest, context: grpc.ServicerContext) -> pb.RevokeReply:
+        session = self._registry.authenticate(request.session_id, request.session_secret)
+        comm = session.comm
+        reason = request.reason[:4096] or "a rank revoked the communicator"
+        comm.fail(pb.ABORTED, f"{comm.name()}: {session.label()}: {reason}", culprit=session)
+        return pb.RevokeReply()
 
     # gRPC on a unix socket does not tell who calls. Without --socket-group only the daemon's
     # own uid and root can reach the socket, so a caller may see every job; with it, users of

@@ -143,6 +143,25 @@ class _RegisterAfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
+# The backend's public calls, imported (with torch) when first asked for.
+_BACKEND_CALLS = {
+    "shrink_group": "smddp.backend.shrink",
+    "SHRINK_DEFAULT": "smddp.backend.shrink",
+    "SHRINK_ABORT": "smddp.backend.shrink",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """``smddp.shrink_group`` and its flags, from the backend, on first use (they need torch,
+    which ``import smddp`` does not import)."""
+    module = _BACKEND_CALLS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
+
+
 if _TRIGGER in sys.modules:
     _register()
 elif not any(isinstance(f, _RegisterAfterImport) for f in sys.meta_path):

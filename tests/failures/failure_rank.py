@@ -11,6 +11,9 @@ Programs:
   prints ``ready`` after the first; returns how many ran and when each one ended.
 - ``late_rank``: one all_reduce, then rank ``spec["late"]`` sleeps ``spec["late_s"]``
   before the second; returns the second's error class and message.
+- ``shrink_on_failure``: all_reduces (checked) until SmddpRankFailedError, then
+  ``smddp.shrink_group`` by the failed ranks it names and two checked all_reduces on the
+  shrunk default group; returns the failed ranks, generation and timings.
 """
 
 from __future__ import annotations
@@ -108,7 +111,42 @@ def late_rank(spec: dict[str, Any]) -> dict[str, Any]:
     return {"type": None}
 
 
+def shrink_on_failure(spec: dict[str, Any]) -> dict[str, Any]:
+    """all_reduces (checked) until one fails with SmddpRankFailedError, shrinks the default
+    group by the failed ranks it names, and all_reduces (checked) twice on the new group;
+    returns the failure as it was told and what the new group is."""
+    import os
+
+    import smddp
+    from smddp.backend.errors import SmddpRankFailedError
+
+    _checked_all_reduce(0)
+    print(f"pid {os.getpid()}", flush=True)
+    print("ready", flush=True)
+    step = 1
+    try:
+        while True:
+            _checked_all_reduce(step)
+            step += 1
+    except SmddpRankFailedError as exc:
+        failed_at = time.time()
+        told = {"failed": sorted(exc.failed_ranks), "generation": exc.generation}
+        told["message"] = str(exc)
+    smddp.shrink_group(told["failed"])
+    _checked_all_reduce(1000)
+    first_op_at = time.time()
+    _checked_all_reduce(1001)
+    return {
+        **told,
+        "failed_at": failed_at,
+        "first_op_at": first_op_at,
+        "rank": dist.get_rank(),
+        "world_size": dist.get_world_size(),
+    }
+
+
 PROGRAMS = {
+    "shrink_on_failure": shrink_on_failure,
     "until_failure": until_failure,
     "until_stopped": until_stopped,
     "checked_ops": checked_ops,

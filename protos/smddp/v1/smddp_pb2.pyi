@@ -121,16 +121,18 @@ class PeerRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., comm_id: _Optional[str] = ..., node: _Optional[int] = ..., proof: _Optional[bytes] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("peer", "node_ids", "transport", "exchange")
+    __slots__ = ("peer", "node_ids", "transport", "excluded_ranks", "exchange")
     PEER_FIELD_NUMBER: _ClassVar[int]
     NODE_IDS_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDED_RANKS_FIELD_NUMBER: _ClassVar[int]
     EXCHANGE_FIELD_NUMBER: _ClassVar[int]
     peer: PeerRequest
     node_ids: _containers.RepeatedScalarFieldContainer[str]
     transport: Transport
+    excluded_ranks: _containers.RepeatedScalarFieldContainer[int]
     exchange: str
-    def __init__(self, peer: _Optional[_Union[PeerRequest, _Mapping]] = ..., node_ids: _Optional[_Iterable[str]] = ..., transport: _Optional[_Union[Transport, str]] = ..., exchange: _Optional[str] = ...) -> None: ...
+    def __init__(self, peer: _Optional[_Union[PeerRequest, _Mapping]] = ..., node_ids: _Optional[_Iterable[str]] = ..., transport: _Optional[_Union[Transport, str]] = ..., excluded_ranks: _Optional[_Iterable[int]] = ..., exchange: _Optional[str] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("node_id", "data_port")
@@ -141,18 +143,22 @@ class JoinReply(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
-    __slots__ = ("peer", "kind", "message")
+    __slots__ = ("peer", "kind", "message", "failed_ranks")
     PEER_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    FAILED_RANKS_FIELD_NUMBER: _ClassVar[int]
     peer: PeerRequest
     kind: ErrorKind
     message: str
-    def __init__(self, peer: _Optional[_Union[PeerRequest, _Mapping]] = ..., kind: _Optional[_Union[ErrorKind, str]] = ..., message: _Optional[str] = ...) -> None: ...
+    failed_ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, peer: _Optional[_Union[PeerRequest, _Mapping]] = ..., kind: _Optional[_Union[ErrorKind, str]] = ..., message: _Optional[str] = ..., failed_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AbortReply(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("failed_ranks",)
+    FAILED_RANKS_FIELD_NUMBER: _ClassVar[int]
+    failed_ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, failed_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PeerStatusRequest(_message.Message):
     __slots__ = ("peer",)
@@ -211,7 +217,7 @@ class MeetRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., proof: _Optional[bytes] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., node_id: _Optional[str] = ..., peer_address: _Optional[str] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("job_id", "job_token", "comm_id", "rank", "world_size", "global_rank", "node_id", "pid", "arena_bytes", "timeout_ms", "nodes")
+    __slots__ = ("job_id", "job_token", "comm_id", "rank", "world_size", "global_rank", "node_id", "pid", "arena_bytes", "timeout_ms", "nodes", "parent_comm_id", "excluded_ranks", "generation")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_TOKEN_FIELD_NUMBER: _ClassVar[int]
     COMM_ID_FIELD_NUMBER: _ClassVar[int]
@@ -223,6 +229,9 @@ class RegisterRequest(_message.Message):
     ARENA_BYTES_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
+    PARENT_COMM_ID_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDED_RANKS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     job_token: bytes
     comm_id: str
@@ -234,7 +243,10 @@ class RegisterRequest(_message.Message):
     arena_bytes: int
     timeout_ms: int
     nodes: _containers.RepeatedCompositeFieldContainer[NodeSpec]
-    def __init__(self, job_id: _Optional[str] = ..., job_token: _Optional[bytes] = ..., comm_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., global_rank: _Optional[int] = ..., node_id: _Optional[str] = ..., pid: _Optional[int] = ..., arena_bytes: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeSpec, _Mapping]]] = ...) -> None: ...
+    parent_comm_id: str
+    excluded_ranks: _containers.RepeatedScalarFieldContainer[int]
+    generation: int
+    def __init__(self, job_id: _Optional[str] = ..., job_token: _Optional[bytes] = ..., comm_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., global_rank: _Optional[int] = ..., node_id: _Optional[str] = ..., pid: _Optional[int] = ..., arena_bytes: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeSpec, _Mapping]]] = ..., parent_comm_id: _Optional[str] = ..., excluded_ranks: _Optional[_Iterable[int]] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class NodeSpec(_message.Message):
     __slots__ = ("node_id", "peer_address", "ranks")
@@ -463,12 +475,14 @@ class OpReply(_message.Message):
     def __init__(self, request_id: _Optional[int] = ..., ok: _Optional[bool] = ..., error_kind: _Optional[_Union[ErrorKind, str]] = ..., error: _Optional[str] = ..., source_rank: _Optional[int] = ...) -> None: ...
 
 class DeregisterRequest(_message.Message):
-    __slots__ = ("session_id", "session_secret")
+    __slots__ = ("session_id", "session_secret", "shrink")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_SECRET_FIELD_NUMBER: _ClassVar[int]
+    SHRINK_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     session_secret: bytes
-    def __init__(self, session_id: _Optional[str] = ..., session_secret: _Optional[bytes] = ...) -> None: ...
+    shrink: str
+    def __init__(self, session_id: _Optional[str] = ..., session_secret: _Optional[bytes] = ..., shrink: _Optional[str] = ...) -> None: ...
 
 class DeregisterReply(_message.Message):
     __slots__ = ()
@@ -511,7 +525,7 @@ class RankStatus(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., global_rank: _Optional[int] = ..., pid: _Optional[int] = ..., node_id: _Optional[str] = ..., attached: _Optional[bool] = ..., ops_completed: _Optional[int] = ...) -> None: ...
 
 class CommStatus(_message.Message):
-    __slots__ = ("job_id", "comm_id", "world_size", "ranks", "pending", "failed", "ops_completed", "algorithms")
+    __slots__ = ("job_id", "comm_id", "world_size", "ranks", "pending", "failed", "ops_completed", "algorithms", "generation", "parent_comm_id", "excluded_ranks", "failed_ranks")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     COMM_ID_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -520,6 +534,10 @@ class CommStatus(_message.Message):
     FAILED_FIELD_NUMBER: _ClassVar[int]
     OPS_COMPLETED_FIELD_NUMBER: _ClassVar[int]
     ALGORITHMS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    PARENT_COMM_ID_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDED_RANKS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_RANKS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     comm_id: str
     world_size: int
@@ -528,7 +546,11 @@ class CommStatus(_message.Message):
     failed: str
     ops_completed: int
     algorithms: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, job_id: _Optional[str] = ..., comm_id: _Optional[str] = ..., world_size: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., pending: _Optional[_Iterable[_Union[PendingOp, _Mapping]]] = ..., failed: _Optional[str] = ..., ops_completed: _Optional[int] = ..., algorithms: _Optional[_Iterable[str]] = ...) -> None: ...
+    generation: int
+    parent_comm_id: str
+    excluded_ranks: _containers.RepeatedScalarFieldContainer[int]
+    failed_ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, job_id: _Optional[str] = ..., comm_id: _Optional[str] = ..., world_size: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., pending: _Optional[_Iterable[_Union[PendingOp, _Mapping]]] = ..., failed: _Optional[str] = ..., ops_completed: _Optional[int] = ..., algorithms: _Optional[_Iterable[str]] = ..., generation: _Optional[int] = ..., parent_comm_id: _Optional[str] = ..., excluded_ranks: _Optional[_Iterable[int]] = ..., failed_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StatusReply(_message.Message):
     __slots__ = ("node_id", "version", "uptime_seconds", "comms")
@@ -551,3 +573,43 @@ class MetricsReply(_message.Message):
     EXPOSITION_FIELD_NUMBER: _ClassVar[int]
     exposition: str
     def __init__(self, exposition: _Optional[str] = ...) -> None: ...
+
+class FailureRequest(_message.Message):
+    __slots__ = ("session_id", "session_secret", "wait_ms")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_SECRET_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    session_secret: bytes
+    wait_ms: int
+    def __init__(self, session_id: _Optional[str] = ..., session_secret: _Optional[bytes] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+
+class FailureReply(_message.Message):
+    __slots__ = ("failed", "kind", "message", "failed_ranks", "generation", "agreed")
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    FAILED_RANKS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    AGREED_FIELD_NUMBER: _ClassVar[int]
+    failed: bool
+    kind: ErrorKind
+    message: str
+    failed_ranks: _containers.RepeatedScalarFieldContainer[int]
+    generation: int
+    agreed: bool
+    def __init__(self, failed: _Optional[bool] = ..., kind: _Optional[_Union[ErrorKind, str]] = ..., message: _Optional[str] = ..., failed_ranks: _Optional[_Iterable[int]] = ..., generation: _Optional[int] = ..., agreed: _Optional[bool] = ...) -> None: ...
+
+class RevokeRequest(_message.Message):
+    __slots__ = ("session_id", "session_secret", "reason")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_SECRET_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    session_secret: bytes
+    reason: str
+    def __init__(self, session_id: _Optional[str] = ..., session_secret: _Optional[bytes] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class RevokeReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

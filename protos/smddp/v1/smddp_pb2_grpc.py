@@ -75,6 +75,16 @@ class NodeStub:
                 request_serializer=smddp_dot_v1_dot_smddp__pb2.MetricsRequest.SerializeToString,
                 response_deserializer=smddp_dot_v1_dot_smddp__pb2.MetricsReply.FromString,
                 _registered_method=True)
+        self.Failure = channel.unary_unary(
+                '/smddp.v1.Node/Failure',
+                request_serializer=smddp_dot_v1_dot_smddp__pb2.FailureRequest.SerializeToString,
+                response_deserializer=smddp_dot_v1_dot_smddp__pb2.FailureReply.FromString,
+                _registered_method=True)
+        self.Revoke = channel.unary_unary(
+                '/smddp.v1.Node/Revoke',
+                request_serializer=smddp_dot_v1_dot_smddp__pb2.RevokeRequest.SerializeToString,
+                response_deserializer=smddp_dot_v1_dot_smddp__pb2.RevokeReply.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -143,6 +153,23 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Failure(self, request, context):
+        """Why the rank's communicator failed, as the daemons agreed: the failed ranks (the same set
+        on every surviving rank, on every node) and the communicator's generation. Waits (up to
+        wait_ms) until the daemons of a communicator spanning nodes have heard from each other.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Revoke(self, request, context):
+        """Fails every pending and later op of the rank's communicator on every rank, with the
+        reason given (shrink_group's SHRINK_ABORT); the session stays registered until it leaves.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -185,6 +212,16 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.Metrics,
                     request_deserializer=smddp_dot_v1_dot_smddp__pb2.MetricsRequest.FromString,
                     response_serializer=smddp_dot_v1_dot_smddp__pb2.MetricsReply.SerializeToString,
+            ),
+            'Failure': grpc.unary_unary_rpc_method_handler(
+                    servicer.Failure,
+                    request_deserializer=smddp_dot_v1_dot_smddp__pb2.FailureRequest.FromString,
+                    response_serializer=smddp_dot_v1_dot_smddp__pb2.FailureReply.SerializeToString,
+            ),
+            'Revoke': grpc.unary_unary_rpc_method_handler(
+                    servicer.Revoke,
+                    request_deserializer=smddp_dot_v1_dot_smddp__pb2.RevokeRequest.FromString,
+                    response_serializer=smddp_dot_v1_dot_smddp__pb2.RevokeReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -404,6 +441,60 @@ class Node:
             '/smddp.v1.Node/Metrics',
             smddp_dot_v1_dot_smddp__pb2.MetricsRequest.SerializeToString,
             smddp_dot_v1_dot_smddp__pb2.MetricsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Failure(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/smddp.v1.Node/Failure',
+            smddp_dot_v1_dot_smddp__pb2.FailureRequest.SerializeToString,
+            smddp_dot_v1_dot_smddp__pb2.FailureReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Revoke(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/smddp.v1.Node/Revoke',
+            smddp_dot_v1_dot_smddp__pb2.RevokeRequest.SerializeToString,
+            smddp_dot_v1_dot_smddp__pb2.RevokeReply.FromString,
             options,
             channel_credentials,
             insecure,

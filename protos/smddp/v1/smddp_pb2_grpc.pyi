@@ -65,6 +65,15 @@ class NodeStub:
     """The daemon's Prometheus metrics, as /metrics on --http-bind serves them, so that smddpctl
     reads the metrics of the daemon it talks to, whatever --http-bind says (off included).
     """
+    Failure: _grpc.UnaryUnaryMultiCallable[_smddp_pb2.FailureRequest, _smddp_pb2.FailureReply]
+    """Why the rank's communicator failed, as the daemons agreed: the failed ranks (the same set
+    on every surviving rank, on every node) and the communicator's generation. Waits (up to
+    wait_ms) until the daemons of a communicator spanning nodes have heard from each other.
+    """
+    Revoke: _grpc.UnaryUnaryMultiCallable[_smddp_pb2.RevokeRequest, _smddp_pb2.RevokeReply]
+    """Fails every pending and later op of the rank's communicator on every rank, with the
+    reason given (shrink_group's SHRINK_ABORT); the session stays registered until it leaves.
+    """
 
 @_typing.type_check_only
 class NodeAsyncStub(NodeStub):
@@ -97,6 +106,15 @@ class NodeAsyncStub(NodeStub):
     Metrics: _aio.UnaryUnaryMultiCallable[_smddp_pb2.MetricsRequest, _smddp_pb2.MetricsReply]  # type: ignore[assignment]
     """The daemon's Prometheus metrics, as /metrics on --http-bind serves them, so that smddpctl
     reads the metrics of the daemon it talks to, whatever --http-bind says (off included).
+    """
+    Failure: _aio.UnaryUnaryMultiCallable[_smddp_pb2.FailureRequest, _smddp_pb2.FailureReply]  # type: ignore[assignment]
+    """Why the rank's communicator failed, as the daemons agreed: the failed ranks (the same set
+    on every surviving rank, on every node) and the communicator's generation. Waits (up to
+    wait_ms) until the daemons of a communicator spanning nodes have heard from each other.
+    """
+    Revoke: _aio.UnaryUnaryMultiCallable[_smddp_pb2.RevokeRequest, _smddp_pb2.RevokeReply]  # type: ignore[assignment]
+    """Fails every pending and later op of the rank's communicator on every rank, with the
+    reason given (shrink_group's SHRINK_ABORT); the session stays registered until it leaves.
     """
 
 class NodeServicer(metaclass=_abc_1.ABCMeta):
@@ -175,6 +193,27 @@ class NodeServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_smddp_pb2.MetricsReply, _abc.Awaitable[_smddp_pb2.MetricsReply]]:
         """The daemon's Prometheus metrics, as /metrics on --http-bind serves them, so that smddpctl
         reads the metrics of the daemon it talks to, whatever --http-bind says (off included).
+        """
+
+    @_abc_1.abstractmethod
+    def Failure(
+        self,
+        request: _smddp_pb2.FailureRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_smddp_pb2.FailureReply, _abc.Awaitable[_smddp_pb2.FailureReply]]:
+        """Why the rank's communicator failed, as the daemons agreed: the failed ranks (the same set
+        on every surviving rank, on every node) and the communicator's generation. Waits (up to
+        wait_ms) until the daemons of a communicator spanning nodes have heard from each other.
+        """
+
+    @_abc_1.abstractmethod
+    def Revoke(
+        self,
+        request: _smddp_pb2.RevokeRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_smddp_pb2.RevokeReply, _abc.Awaitable[_smddp_pb2.RevokeReply]]:
+        """Fails every pending and later op of the rank's communicator on every rank, with the
+        reason given (shrink_group's SHRINK_ABORT); the session stays registered until it leaves.
         """
 
 def add_NodeServicer_to_server(servicer: NodeServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
