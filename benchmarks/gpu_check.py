@@ -205,7 +205,6 @@ class Check:
         if self.args.fake_gpu:
             env.update(
                 SMDDP_TEST_CUDA_DEVICE=f"{REPO / 'tests' / 'gpu' / 'fake_device.py'}:get",
-                SMDDP_TEST_GPU_RUNTIME=f"{REPO / 'benchmarks' / 'gpu_check_fake.py'}:runtime",
                 SMDDP_CHECK_KERNEL_LEDGER=str(self.scratch / "kernels.ledger"),
             )
         return None

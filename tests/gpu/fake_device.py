@@ -4,7 +4,7 @@
 ``SMDDP_TEST_CUDA_DEVICE=<this file>:FakeDevice`` a rank gets this class instead of
 torch.cuda. Its tensors are CPU tensors over files in /dev/shm ("allocations"); its CUDA
 driver exports an allocation's "IPC handle" as the file's path, which the daemon's fake
-runtime (``tests/server/gpu_fakes.py:ipc_runtime``, ``SMDDP_TEST_GPU_RUNTIME``) maps, so
+runtime (``tests/server/gpu_fakes.py:ipc_runtime``, ``tests/gpu/fake_smddpd.py``) maps, so
 the real daemon reads and writes the ranks' tensors. Events are small shared files too: a
 record bumps a counter, so a rank checks that the daemon recorded its done event before it
 replied. Work on this "GPU" happens at once, so streams only check and log; only

@@ -142,7 +142,8 @@ def test_a_rank_killed_mid_op_on_the_fake_gpu(start_daemon, spawn_ranks, tmp_pat
     same daemon is right, and SIGTERM then stops it with status 0."""
     ledger = tmp_path / "ledger"
     daemon = start_daemon(
-        env=dict(os.environ, SMDDP_TEST_GPU_RUNTIME=QUEUED_RUNTIME, **{LEDGER_ENV: str(ledger)})
+        command=(sys.executable, str(HERE / "fake_smddpd.py"), QUEUED_RUNTIME),
+        env=dict(os.environ, **{LEDGER_ENV: str(ledger)}),
     )
     env = dict(
         os.environ,
