@@ -1,13 +1,13 @@
 """The GPU rank programs without a GPU: on the CPU (the host path), and on the fake GPU
 through every layer of the GPU path.
 
-The fake GPU (tests/gpu/fake_device.py, SMDDP_TEST_CUDA_DEVICE) gives the ranks tensors
-in host shared memory; a real smddpd runs their GPU ops on its fake runtime
-(tests/server/gpu_fakes.py:ipc_runtime, given by tests/gpu/fake_smddpd.py), whose reductions run the
-generated kernels' code (interpreted). So backend/cuda.py -> client/cuda_ops.py and
-cuda_ipc.py -> the daemon's GPU branches and server/gpu.py -> back run for every
-collective over real processes, checked bitwise against the host path. What only a GPU
-shows (streams really running concurrently, CUDA IPC itself, the PTX) is not checked here.
+The fake GPU (tests/gpu/fake_device.py, given to the backend by cuda_ranks.init) gives the
+ranks tensors in host shared memory; a real smddpd runs their GPU ops on its fake runtime
+(tests/server/gpu_fakes.py:ipc_runtime, given by tests/gpu/fake_smddpd.py), whose reductions
+run the generated kernels' code (interpreted). So backend/cuda.py -> client/cuda_ops.py and
+cuda_ipc.py -> the daemon's GPU branches and server/gpu.py -> back run for every collective
+over real processes, checked bitwise against the host path. What only a GPU shows (streams
+really running concurrently, CUDA IPC itself, the PTX) is not checked here.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from typing import Any
 import pytest
 
 HERE = Path(__file__).resolve().parent
-FAKE_DEVICE = f"{HERE / 'fake_device.py'}:get"
 FAKE_RUNTIME = f"{HERE.parent / 'server' / 'gpu_fakes.py'}:ipc_runtime"
 # smddpd with FAKE_RUNTIME given to its constructor (start_daemon's ``command``).
 FAKE_SMDDPD = (sys.executable, str(HERE / "fake_smddpd.py"), FAKE_RUNTIME)
@@ -76,7 +75,6 @@ def test_every_collective_through_a_real_daemon_on_the_fake_gpu(
         os.environ,
         SMDDP_SOCKET=daemon.socket,
         SMDDP_EMBEDDED="0",
-        SMDDP_TEST_CUDA_DEVICE=FAKE_DEVICE,
     )
     results = spawn_ranks(
         fake_gpu_rank, world, world, str(tmp_path / "init"), [1, 1003], env=env, timeout_s=360
@@ -112,7 +110,6 @@ def test_a_freed_allocation_is_unmapped_by_the_rank_s_next_op(
         os.environ,
         SMDDP_SOCKET=daemon.socket,
         SMDDP_EMBEDDED="0",
-        SMDDP_TEST_CUDA_DEVICE=FAKE_DEVICE,
     )
     results = spawn_ranks(free_rank, 2, 2, str(tmp_path / "init"), env=env, timeout_s=240).join()
     for rank, r in enumerate(results):
@@ -138,7 +135,6 @@ def test_close_before_free_through_the_allocator_hook_s_entry_point(
         os.environ,
         SMDDP_SOCKET=daemon.socket,
         SMDDP_EMBEDDED="0",
-        SMDDP_TEST_CUDA_DEVICE=FAKE_DEVICE,
         SMDDP_FREE_WAIT_MS="1500",
     )
     results = spawn_ranks(
@@ -279,7 +275,6 @@ def test_the_free_channel_follows_a_restarted_daemon(start_daemon, spawn_ranks, 
         os.environ,
         SMDDP_SOCKET=daemon.socket,
         SMDDP_EMBEDDED="0",
-        SMDDP_TEST_CUDA_DEVICE=FAKE_DEVICE,
         SMDDP_FREE_WAIT_MS="5000",
     )
     ranks = spawn_ranks(

@@ -25,7 +25,6 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
-FAKE_DEVICE = f"{HERE.parent / 'gpu' / 'fake_device.py'}:get"
 FAKE_RUNTIME = f"{HERE.parent / 'server' / 'gpu_fakes.py'}:ipc_queued_runtime"
 FAKE_SMDDPD = HERE.parent / "gpu" / "fake_smddpd.py"  # smddpd given FAKE_RUNTIME
 DTYPES = ["float16", "bfloat16", "float32", "float64", "int8", "uint8", "int16", "int32",
@@ -49,13 +48,13 @@ def test_every_collective_on_gpu_tensors_across_two_nodes_is_the_host_path(
     # Every dtype at 7 elements; float32 and bfloat16 also past a chunk (20001 elements:
     # several chunks of every kind); one float32 all_reduce and broadcast of 100003.
     spec = {
+        "fake_gpu": True,  # rank_main gives each rank's backend the fake device
         "dtypes": DTYPES,
         "small": 7,
         "chunked": {"float32": [20001], "bfloat16": [20001]},
         "large": 100_003,
     }
     env = {
-        "SMDDP_TEST_CUDA_DEVICE": FAKE_DEVICE,
         "SMDDP_ARENA_BYTES": str(1 << 18),  # chunks of 64 KiB
         "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
     }
