@@ -8,10 +8,10 @@ daemon and returns at once. When the op's reply is retired, that stream waits on
 daemon's "done" event; ``SmddpWork.wait()`` then orders the caller's current stream after
 it and copies non-contiguous outputs back. The host never blocks on the GPU.
 
-Every device call goes through ``device_api()``: torch.cuda, or (TEST ONLY, where
-``SMDDP_TEST_CUDA_DEVICE`` names FILE.py:FUNCTION) a fake device whose "GPU memory" is
-host shared memory, so that tests without a GPU run this path against a real smddpd (itself
-on a fake runtime, ``SMDDP_TEST_GPU_RUNTIME``). Never set it outside tests.
+Every device call goes through ``device_api()``: torch.cuda, or (TEST ONLY, given by the
+rank process to ``use_device()``) a fake device whose "GPU memory" is host shared memory, so
+that tests without a GPU run this path against a real smddpd (itself on a fake runtime,
+``tests/gpu/fake_smddpd.py``).
 
 Under CUDA graph capture every call is refused: the ready event would become a node of the
 graph, the daemon would read the inputs when the call is made rather than when the graph
@@ -20,10 +20,7 @@ runs, and replays would never reach the daemon.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
-import os
-import sys
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -102,39 +99,42 @@ class TorchCuda:
         return int(stats.get("segment", {}).get("all", {}).get("freed", 0))
 
 
-# TEST ONLY: FILE.py:FUNCTION returning a device to use instead of torch.cuda. The one SMDDP_*
-# variable read outside ClientConfig (client/config.py says so; the check in
-# tests/client/test_client_config.py allows it by name): the device is the process's, chosen
-# at its first device call, which may come before any process group and its config exist
+# The process's device: torch.cuda's calls, unless a test gave another (``use_device``) before
+# the first device call. One per process, since the tensors are the process's; chosen at its
+# first device call, which may come before any process group exists
 # (benchmarks/gpu_check_stages.py calls device_api() with no group).
-TEST_DEVICE_ENV = "SMDDP_TEST_CUDA_DEVICE"
 _api: Any = None
 _api_lock = threading.Lock()
 
 
+def use_device(api: Any) -> None:
+    """TEST ONLY: makes ``api`` this process's device instead of torch.cuda (the fake GPU of
+    ``tests/gpu/fake_device.py``, whose "GPU memory" is host shared memory, so that tests
+    without a GPU run this path against a real smddpd on a fake runtime). Call it in the rank
+    process before its first collective or device call.
+
+    Raises:
+        UnsupportedError: this process already makes its device calls on another device.
+    """
+    global _api
+    with _api_lock:
+        if _api is not None and _api is not api:
+            raise UnsupportedError(
+                f"smddp: this process already makes its device calls on {type(_api).__name__}; "
+                "use_device() must come before its first collective"
+            )
+        if _api is None:
+            log.warning("smddp: GPU tensors on the TEST device %s", type(api).__name__)
+        _api = api
+
+
 def device_api() -> Any:
-    """torch.cuda's calls, or the test device named by SMDDP_TEST_CUDA_DEVICE (only if set)."""
+    """The process's device: torch.cuda's calls, or the one a test gave ``use_device``."""
     global _api
     if _api is None:
         with _api_lock:
             if _api is None:
-                spec = os.environ.get(TEST_DEVICE_ENV)
-                if not spec:
-                    _api = TorchCuda()
-                else:
-                    path, _, name = spec.rpartition(":")
-                    module_spec = importlib.util.spec_from_file_location("smddp_test_device", path)
-                    if module_spec is None or module_spec.loader is None:
-                        raise UnsupportedError(
-                            f"{TEST_DEVICE_ENV}={spec!r} names no FILE.py:FUNCTION"
-                        )
-                    module = importlib.util.module_from_spec(module_spec)
-                    sys.modules[module_spec.name] = module
-                    module_spec.loader.exec_module(module)
-                    log.warning(
-                        "smddp: GPU tensors on the TEST device %s (%s)", spec, TEST_DEVICE_ENV
-                    )
-                    _api = getattr(module, name)()
+                _api = TorchCuda()
     return _api
 
 

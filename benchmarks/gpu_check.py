@@ -204,8 +204,7 @@ class Check:
         env.pop("SMDDP_SOCKET", None)
         if self.args.fake_gpu:
             env.update(
-                SMDDP_TEST_CUDA_DEVICE=f"{REPO / 'tests' / 'gpu' / 'fake_device.py'}:get",
-                SMDDP_TEST_GPU_RUNTIME=f"{REPO / 'benchmarks' / 'gpu_check_fake.py'}:runtime",
+                SMDDP_CHECK_FAKE_GPU="1",
                 SMDDP_CHECK_KERNEL_LEDGER=str(self.scratch / "kernels.ledger"),
             )
         return None

@@ -2,10 +2,11 @@
 fake GPU of the dry run), rank processes with a deadline, and each stage's verdict file.
 
 The fake GPU (``benchmarks/gpu_check.py --fake-gpu``): ranks get ``tests/gpu/fake_device.py``
-(``SMDDP_TEST_CUDA_DEVICE``: "GPU memory" is host shared memory exported by fake IPC
-handles) and daemons ``benchmarks/gpu_check_fake.py`` (``SMDDP_TEST_GPU_RUNTIME``: the
-tests' fake runtime, whose kernels are the generated ones interpreted, and which looks each
-module up in the prepared kernel cache). ``Gpu`` hides the difference from the rank programs.
+(given to ``backend.cuda.use_device`` by ``Gpu``: "GPU memory" is host shared memory exported
+by fake IPC handles) and daemons ``benchmarks/gpu_check_fake.py`` (given by
+``tests/gpu/fake_smddpd.py``: the tests' fake runtime, whose kernels are the generated ones
+interpreted, and which looks each module up in the prepared kernel cache). ``Gpu`` hides the
+difference from the rank programs.
 """
 
 from __future__ import annotations
@@ -24,7 +25,12 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-FAKE_DEVICE_ENV = "SMDDP_TEST_CUDA_DEVICE"
+# Set by gpu_check.py --fake-gpu for every stage: ranks give the backend the fake device
+# (``Gpu``), daemons are FAKE_SMDDPD.
+FAKE_GPU_ENV = "SMDDP_CHECK_FAKE_GPU"
+# The dry run's daemons: smddpd with this fake runtime given to its constructor.
+FAKE_SMDDPD = REPO / "tests" / "gpu" / "fake_smddpd.py"
+FAKE_RUNTIME = f"{REPO / 'benchmarks' / 'gpu_check_fake.py'}:runtime"
 # Set by gpu_check.py for every stage: the scratch folder (outside OUT) and the stage's end.
 SCRATCH_ENV = "SMDDP_CHECK_SCRATCH"
 DEADLINE_ENV = "SMDDP_CHECK_DEADLINE"  # time.time() by which the stage must be done
@@ -45,7 +51,7 @@ def deadline() -> float:
 
 def fake_gpu() -> bool:
     """Whether this is the dry run on the fake GPU."""
-    return bool(os.environ.get(FAKE_DEVICE_ENV))
+    return os.environ.get(FAKE_GPU_ENV) == "1"
 
 
 def quick() -> bool:
@@ -104,8 +110,8 @@ class Daemon:
 def start_daemon(
     name: str, node_id: str = "", http: bool = False, timeout_s: float = 60.0
 ) -> Daemon:
-    """Starts ``python -m smddp.server`` on a private socket (free peer ports, HTTP only when
-    ``http``) and waits for its "smddpd serving" line.
+    """Starts ``python -m smddp.server`` (the dry run: ``FAKE_SMDDPD``) on a private socket
+    (free peer ports, HTTP only when ``http``) and waits for its "smddpd serving" line.
 
     Raises:
         RuntimeError: it exited or did not serve within ``timeout_s``; the log is in the message.
@@ -114,10 +120,13 @@ def start_daemon(
     folder.mkdir(exist_ok=True)
     sock = str(folder / f"{name}.sock")
     log_path = folder / f"{name}.log"
+    # The dry run's daemon is smddpd given the fake runtime through its constructor.
+    if fake_gpu():
+        program = [sys.executable, str(FAKE_SMDDPD), FAKE_RUNTIME]
+    else:
+        program = [sys.executable, "-m", "smddp.server"]
     cmd = [
-        sys.executable,
-        "-m",
-        "smddp.server",
+        *program,
         "--socket",
         sock,
         "--http-bind",
@@ -263,8 +272,13 @@ class Gpu:
         self.torch = torch
         self.fake: Any = None
         if fake_gpu():
-            from smddp.backend.cuda import device_api
+            from smddp.backend.cuda import device_api, use_device
 
+            if str(REPO / "tests" / "gpu") not in sys.path:
+                sys.path.append(str(REPO / "tests" / "gpu"))
+            import fake_device
+
+            use_device(fake_device.get())  # before the process's first device call
             self.fake = device_api()
             self.index = 0
             self.device = torch.device("cpu")

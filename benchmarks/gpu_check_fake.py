@@ -1,6 +1,6 @@
 """TEST ONLY: the daemon's fake GPU runtime for the GPU check's dry run (``--fake-gpu``).
 
-``SMDDP_TEST_GPU_RUNTIME=benchmarks/gpu_check_fake.py:runtime``: the tests' fake runtime
+``tests/gpu/fake_smddpd.py benchmarks/gpu_check_fake.py:runtime``: the tests' fake runtime
 (``tests/server/gpu_fakes.py:ipc_runtime``: the ranks' fake GPU memory mapped, the generated
 kernels interpreted), whose ``prepare`` also looks the module up where the real runtime looks
 first, in the prepared kernel cache (``SMDDP_KERNEL_CACHE``, ``gpu_runtime.PreparedKernels``,
@@ -38,7 +38,7 @@ def _fakes() -> Any:
 
 
 def runtime() -> Any:
-    """The factory ``SMDDP_TEST_GPU_RUNTIME`` names: fake GPU 0, modules looked up in the cache."""
+    """The factory fake_smddpd.py is given: fake GPU 0, modules looked up in the cache."""
     from smddp.server import gpu_kernels
     from smddp.server.gpu_runtime import PreparedKernels
 

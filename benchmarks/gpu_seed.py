@@ -11,7 +11,7 @@ parameters (all_reduce MAX and MIN of the flat parameters agree), and prints one
 ``SEED_RESULT {json}`` that ``gpu_check_stages.py seed`` reads.
 
 The data: a fixed synthetic 10-class problem (64 features, as sklearn's digits), so the
-script needs nothing beyond torch. Under the dry run's fake GPU (SMDDP_TEST_CUDA_DEVICE) the
+script needs nothing beyond torch. Under the dry run's fake GPU (SMDDP_CHECK_FAKE_GPU) the
 model's parameters and the checksums live in fake GPU memory (``gpu_check_common.Gpu``).
 """
 

@@ -7,11 +7,8 @@ creates a process group and hands it to the rendezvous, the embedded daemon and 
 a numpy user's entry points (``connect``, ``rendezvous``, ``find_or_start_daemon``,
 ``start_embedded_daemon``) take one or build it there, once, and pass it down. The modules
 below take their settings from it, never from ``os.environ``. Values that every rank of a
-communicator must share (the direct path's thresholds) say so.
-
-The one exception is ``SMDDP_TEST_CUDA_DEVICE`` (``backend/cuda.py``), a test seam read once
-per process at the first device call, which may come before any process group (and config)
-exists.
+communicator must share (the direct path's thresholds) say so. There is no exception: the
+fake device of the tests is given to ``backend.cuda.use_device()``, not named by a variable.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from smddp.server import notify, supervise, tls
 from smddp.server.config import DaemonConfig
 from smddp.server.data_socket import DataSocketServer
 from smddp.server.errors import SmddpError
-from smddp.server.gpu_supply import DaemonGpu
+from smddp.server.gpu_supply import DaemonGpu, RuntimeFactory
 from smddp.server.http import HttpServer
 from smddp.server.metrics import Metrics
 from smddp.server.peer_control import PeerControl
@@ -105,11 +105,20 @@ def _answers(data_socket: str) -> bool:
 
 
 class Daemon:
-    """One smddpd: start(), then stop() from a signal handler or a test."""
+    """One smddpd: start(), then stop() from a signal handler or a test.
 
-    def __init__(self, config: DaemonConfig) -> None:
+    Args:
+        config: its configuration.
+        gpu_runtime: makes the CUDA runtime of its GPU ops at the first GPU op (or at start
+            with ``--gpu-warm start``); CuPy's when None. Tests pass a fake one
+            (``tests/gpu/fake_smddpd.py``).
+    """
+
+    def __init__(self, config: DaemonConfig, gpu_runtime: RuntimeFactory | None = None) -> None:
         self.config = config
-        self.gpu = DaemonGpu(config.gpu_chunk_bytes)  # CuPy itself waits for the first GPU op
+        # Its one GPU side, handed to the registry and the data socket; CuPy (or the given
+        # runtime) waits for the first GPU op.
+        self.gpu = DaemonGpu(config.gpu_chunk_bytes, runtime_factory=gpu_runtime)
         self.metrics = Metrics()
         # Made by start(), once the peer listener (if any) knows its address.
         self.registry: Registry
@@ -211,7 +220,7 @@ class Daemon:
             self.listeners.append(f"gRPC health {cfg.grpc_bind.rpartition(':')[0]}:{port}")
             tcp.start()
             self._tcp = tcp
-        self._data = DataSocketServer(self.data_socket_path, self.registry, mode, gid)
+        self._data = DataSocketServer(self.data_socket_path, self.registry, self.gpu, mode, gid)
         self._data.start()
         self.listeners.append(f"data {self.data_socket_path}")
         if cfg.http_bind and cfg.http_bind != "off":

@@ -45,6 +45,7 @@ from smddp.core.wire import (
 from smddp.server import __version__, gpu_free, supervise
 from smddp.server.communicator import Session
 from smddp.server.errors import LimitExceeded, SmddpError
+from smddp.server.gpu_supply import DaemonGpu
 from smddp.server.limits import Counts
 from smddp.server.logthrottle import refusals
 from smddp.server.registry import Registry
@@ -91,9 +92,12 @@ class _FreeChannel:
 class DataSocketServer:
     """Accepts data-socket connections and serves each in its own thread."""
 
-    def __init__(self, path: str, registry: Registry, mode: int, gid: int | None) -> None:
+    def __init__(
+        self, path: str, registry: Registry, gpu: DaemonGpu, mode: int, gid: int | None
+    ) -> None:
         self.path = path
         self._registry = registry
+        self._gpu = gpu  # the daemon's GPU side, which a rank's free channel asks to unmap
         self._mode = mode
         self._gid = gid
         self._sock: socket.socket | None = None
@@ -242,7 +246,7 @@ class DataSocketServer:
                 self._handshakes.give(uid)  # attached or not, its handshake is over
             if isinstance(attached, _FreeChannel):
                 # Not the rank's op channel: its loss fails nothing (session stays None).
-                gpu_free.serve(conn, pid, attached.label)
+                gpu_free.serve(self._gpu, conn, pid, attached.label)
                 return
             session = attached
             if session is None:

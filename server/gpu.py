@@ -22,9 +22,10 @@ by a new allocation at the same base are closed once the work the rank's streams
 has passed them, as are all of a rank's when it leaves: the gate thread closes each as soon
 as that work is done (``collect``), so none waits for an op that may never come.
 
-CuPy is imported on the first GPU op (``ops()``), never before: the daemon runs without it
-and answers a GPU op there with a clear error. All CUDA calls go through ``Runtime``, so the
-logic here is tested with a fake runtime on machines without a GPU.
+The daemon makes one ``GpuOps`` at its first GPU op (``gpu_supply.DaemonGpu``), which is
+when CuPy is imported, never before: the daemon runs without it and answers a GPU op there
+with a clear error. All CUDA calls go through ``Runtime``, given to ``GpuOps`` by whoever
+makes it, so the logic here is tested with a fake runtime on machines without a GPU.
 """
 
 from __future__ import annotations
@@ -1554,73 +1555,6 @@ class _Work:
         ticket = self.ops._gate(cs, marks)
         for device in involved:
             self.rt.wait_flag(streams[device], cs.flag(device), ticket & 0xFFFFFFFF, device)
-
-
-# -- the process's instance ---------------------------------------------------------------------
-
-_ops: GpuOps | None = None
-_ops_lock = threading.Lock()
-_chunk_bytes = LAUNCH_CHUNK_BYTES
-
-
-def configure(chunk_bytes: int) -> None:
-    """Sets the daemon's launch size (its configuration's gpu_chunk_bytes); imports nothing."""
-    global _chunk_bytes
-    _chunk_bytes = max(1 << 16, chunk_bytes)
-
-
-def ops(node_id: str = "") -> GpuOps:
-    """The daemon's GpuOps, creating it (and importing CuPy) on the first GPU op.
-
-    Raises:
-        FailedPrecondition: CuPy is not installed or no GPU is usable.
-    """
-    global _ops
-    with _ops_lock:
-        if _ops is None:
-            from smddp.server.gpu_runtime import CupyRuntime, GpuUnavailable
-
-            try:
-                test_runtime = _test_runtime()
-                runtime = test_runtime if test_runtime is not None else CupyRuntime(warm=True)
-                _ops = GpuOps(runtime, chunk_bytes=_chunk_bytes)
-            except GpuUnavailable as exc:
-                where = f"smddpd on node {node_id}" if node_id else "smddpd"
-                raise FailedPrecondition(f"{where} cannot carry GPU tensors: {exc}") from None
-        return _ops
-
-
-# TEST ONLY. Names a factory of a ``Runtime`` to use instead of CuPy, as FILE.py:FUNCTION
-# (tests/server/gpu_fakes.py:ipc_runtime), so that a real smddpd runs GPU ops on a fake GPU
-# in tests without one. Honoured only when set; never set it on a real node.
-TEST_RUNTIME_ENV = "SMDDP_TEST_GPU_RUNTIME"
-
-
-def _test_runtime() -> Runtime | None:
-    import os
-
-    spec = os.environ.get(TEST_RUNTIME_ENV)
-    if not spec:
-        return None
-    import importlib.util
-
-    path, _, name = spec.rpartition(":")
-    module_spec = importlib.util.spec_from_file_location("smddp_test_gpu_runtime", path)
-    if module_spec is None or module_spec.loader is None or not name:
-        raise FailedPrecondition(f"{TEST_RUNTIME_ENV}={spec!r} does not name FILE.py:FUNCTION")
-    module = importlib.util.module_from_spec(module_spec)
-    import sys
-
-    sys.modules[module_spec.name] = module  # dataclasses look their module up there
-    module_spec.loader.exec_module(module)
-    log.warning("smddpd runs GPU ops on the TEST runtime %s (%s is set)", spec, TEST_RUNTIME_ENV)
-    runtime: Runtime = getattr(module, name)()
-    return runtime
-
-
-def active() -> GpuOps | None:
-    """The GpuOps if a GPU op has run in this daemon, else None (nothing is imported)."""
-    return _ops
 
 
 def request_bytes(req: pb.OpRequest) -> int:

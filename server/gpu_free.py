@@ -20,7 +20,7 @@ import socket
 from google.protobuf.message import DecodeError
 
 from smddp.core.wire import MSG_FREE, MSG_FREE_REPLY, pack
-from smddp.server import gpu
+from smddp.server.gpu_supply import DaemonGpu
 from smddp.v1 import smddp_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -33,8 +33,9 @@ MAX_WAIT_S = 10.0
 MAX_REQUEST_BYTES = 4096
 
 
-def answer(pid: int, req: pb.SegmentFree) -> pb.SegmentFreeReply:
-    """Unmaps the segment of ``req`` in process ``pid``'s sessions; the reply to send."""
+def answer(gpu: DaemonGpu, pid: int, req: pb.SegmentFree) -> pb.SegmentFreeReply:
+    """Unmaps the segment of ``req`` in process ``pid``'s sessions (in the daemon's GPU ops,
+    ``gpu``); the reply to send."""
     reply = pb.SegmentFreeReply(seq=req.seq)
     ops = gpu.active()
     if ops is None:
@@ -52,10 +53,11 @@ def answer(pid: int, req: pb.SegmentFree) -> pb.SegmentFreeReply:
     return reply
 
 
-def serve(conn: socket.socket, pid: int, label: str) -> None:
+def serve(gpu: DaemonGpu, conn: socket.socket, pid: int, label: str) -> None:
     """Answers ``conn``'s SegmentFree requests until it closes (in the connection's thread).
 
     Args:
+        gpu: the daemon's GPU side, whose ops (once a GPU op made them) hold the mappings.
         conn: the attached free channel.
         pid: its process, as the kernel names it (SO_PEERCRED).
         label: the session it attached with, for messages (not the session: the channel
@@ -82,7 +84,7 @@ def serve(conn: socket.socket, pid: int, label: str) -> None:
         except DecodeError:
             log.warning("%s: closed its free channel: undecodable SegmentFree", label)
             return
-        reply = answer(pid, req)
+        reply = answer(gpu, pid, req)
         try:
             conn.sendall(pack(MSG_FREE_REPLY, reply.SerializeToString()))
         except OSError:

@@ -1,6 +1,6 @@
 """``gpu.Runtime`` on CuPy: the daemon's real CUDA calls.
 
-Imported only by ``gpu.ops()`` on the first GPU op; CuPy itself is imported by
+Imported only by ``gpu_supply.DaemonGpu`` at the first GPU op; CuPy itself is imported by
 ``CupyRuntime``. Kernels come from ``gpu_kernels``; each module's cubin (one per combination
 of dtype, reduce op, fan-in/fan-out and GPU architecture) is found, in this order, in the
 process's memory, in the prepared archives of ``SMDDP_KERNEL_CACHE`` (``PreparedKernels``,

@@ -11,6 +11,7 @@ import time
 
 from smddp.server import config as config_mod
 from smddp.server.daemon import Daemon
+from smddp.server.gpu_supply import RuntimeFactory
 from smddp.server.logthrottle import SafeText
 
 
@@ -49,15 +50,20 @@ def setup_logging(level: str, fmt: str) -> None:
     root.setLevel(level.upper())
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, gpu_runtime: RuntimeFactory | None = None) -> int:
     """Runs smddpd until SIGTERM or SIGINT.
+
+    Args:
+        argv: the command line after the program's name (``sys.argv[1:]`` when None).
+        gpu_runtime: the CUDA runtime's factory for the daemon's GPU ops; CuPy's when None
+            (the ``smddpd`` command). Tests pass a fake one (``tests/gpu/fake_smddpd.py``).
 
     Returns:
         The process exit status.
     """
     cfg = config_mod.load(argv)
     setup_logging(cfg.log_level, cfg.log_format)
-    daemon = Daemon(cfg)
+    daemon = Daemon(cfg, gpu_runtime=gpu_runtime)
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:

@@ -123,10 +123,10 @@ def test_the_native_advertise_and_free_hook_variables() -> None:
 
 # -- who reads the environment ------------------------------------------------------------------
 
-# The one SMDDP_* variable read outside client/config.py, and why (client/config.py's
-# docstring names it): a test seam chosen at the process's first device call, which may come
-# before any process group and its config exist.
-OUTSIDE_CONFIG = {("backend/cuda.py", "SMDDP_TEST_CUDA_DEVICE")}
+# SMDDP_* variables read outside client/config.py, each with why (client/config.py's docstring
+# names it): none since the rank's test device is given to backend.cuda.use_device() instead of
+# named by SMDDP_TEST_CUDA_DEVICE.
+OUTSIDE_CONFIG: set[tuple[str, str]] = set()
 # Where a ClientConfig may be built from the environment: the entry points a user calls
 # (connect, rendezvous, find_or_start_daemon, start_embedded_daemon) and the backend's
 # creator of a process group. Everything they call takes the config they built.

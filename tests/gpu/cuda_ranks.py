@@ -58,7 +58,7 @@ _NP = {
 
 # Where a rank's tensors live: a GPU ordinal, CPU (the host path: checks these programs
 # themselves without a GPU), or the fake GPU of tests/gpu/fake_device.py (the GPU path of the
-# backend, client and a real daemon on its fake runtime; SMDDP_TEST_CUDA_DEVICE must be set).
+# backend, client and a real daemon on its fake runtime; ``init`` gives it to the backend).
 CPU = -1
 FAKE = -2
 _fake: Any = None
@@ -72,10 +72,13 @@ def init(rank: int, world: int, init_file: str, device: int) -> torch.device:
     if device >= 0:
         torch.cuda.set_device(device)
     elif device == FAKE:
-        from smddp.backend.cuda import device_api
+        import fake_device
 
+        from smddp.backend.cuda import device_api, use_device
+
+        use_device(fake_device.get())  # before the process's first device call
         _fake = device_api()
-        assert hasattr(_fake, "allocations"), "SMDDP_TEST_CUDA_DEVICE names no fake device"
+        assert hasattr(_fake, "allocations"), "the backend did not take the fake device"
     dist.init_process_group("smddp", init_method=f"file://{init_file}", rank=rank, world_size=world)
     return torch.device("cuda", device) if device >= 0 else torch.device("cpu")
 

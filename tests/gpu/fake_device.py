@@ -1,15 +1,15 @@
 """TEST ONLY: a fake GPU for the ranks, where "device memory" is host shared memory.
 
-``backend/cuda.py`` makes every device call through ``device_api()``; with
-``SMDDP_TEST_CUDA_DEVICE=<this file>:FakeDevice`` a rank gets this class instead of
-torch.cuda. Its tensors are CPU tensors over files in /dev/shm ("allocations"); its CUDA
-driver exports an allocation's "IPC handle" as the file's path, which the daemon's fake
-runtime (``tests/server/gpu_fakes.py:ipc_runtime``, ``SMDDP_TEST_GPU_RUNTIME``) maps, so
-the real daemon reads and writes the ranks' tensors. Events are small shared files too: a
-record bumps a counter, so a rank checks that the daemon recorded its done event before it
-replied. Work on this "GPU" happens at once, so streams only check and log; only
-``FakeStream.synchronize`` waits, for the done events the stream waited on (which the
-daemon's blocking fake runtime, ``ipc_queued_runtime``, bumps when its stream gets there).
+``backend/cuda.py`` makes every device call through ``device_api()``; a rank process that calls
+``backend.cuda.use_device(get())`` first gets this class instead of torch.cuda. Its tensors are
+CPU tensors over files in /dev/shm ("allocations"); its CUDA driver exports an allocation's
+"IPC handle" as the file's path, which the daemon's fake runtime
+(``tests/server/gpu_fakes.py:ipc_runtime``, ``tests/gpu/fake_smddpd.py``) maps, so the real
+daemon reads and writes the ranks' tensors. Events are small shared files too: a record bumps a
+counter, so a rank checks that the daemon recorded its done event before it replied. Work on
+this "GPU" happens at once, so streams only check and log; only ``FakeStream.synchronize``
+waits, for the done events the stream waited on (which the daemon's blocking fake runtime,
+``ipc_queued_runtime``, bumps when its stream gets there).
 """
 
 from __future__ import annotations
@@ -247,7 +247,7 @@ _device: FakeDevice | None = None
 
 
 def get() -> FakeDevice:
-    """The process's fake device (what SMDDP_TEST_CUDA_DEVICE names)."""
+    """The process's fake device (for ``backend.cuda.use_device``)."""
     global _device
     if _device is None:
         _device = FakeDevice()

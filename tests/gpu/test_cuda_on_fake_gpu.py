@@ -1,26 +1,28 @@
 """The GPU rank programs without a GPU: on the CPU (the host path), and on the fake GPU
 through every layer of the GPU path.
 
-The fake GPU (tests/gpu/fake_device.py, SMDDP_TEST_CUDA_DEVICE) gives the ranks tensors
-in host shared memory; a real smddpd runs their GPU ops on its fake runtime
-(tests/server/gpu_fakes.py:ipc_runtime, SMDDP_TEST_GPU_RUNTIME), whose reductions run the
-generated kernels' code (interpreted). So backend/cuda.py -> client/cuda_ops.py and
-cuda_ipc.py -> the daemon's GPU branches and server/gpu.py -> back run for every
-collective over real processes, checked bitwise against the host path. What only a GPU
-shows (streams really running concurrently, CUDA IPC itself, the PTX) is not checked here.
+The fake GPU (tests/gpu/fake_device.py, given to the backend by cuda_ranks.init) gives the
+ranks tensors in host shared memory; a real smddpd runs their GPU ops on its fake runtime
+(tests/server/gpu_fakes.py:ipc_runtime, given by tests/gpu/fake_smddpd.py), whose reductions
+run the generated kernels' code (interpreted). So backend/cuda.py -> client/cuda_ops.py and
+cuda_ipc.py -> the daemon's GPU branches and server/gpu.py -> back run for every collective
+over real processes, checked bitwise against the host path. What only a GPU shows (streams
+really running concurrently, CUDA IPC itself, the PTX) is not checked here.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 HERE = Path(__file__).resolve().parent
-FAKE_DEVICE = f"{HERE / 'fake_device.py'}:get"
 FAKE_RUNTIME = f"{HERE.parent / 'server' / 'gpu_fakes.py'}:ipc_runtime"
+# smddpd with FAKE_RUNTIME given to its constructor (start_daemon's ``command``).
+FAKE_SMDDPD = (sys.executable, str(HERE / "fake_smddpd.py"), FAKE_RUNTIME)
 
 
 @pytest.mark.timeout(300)
@@ -68,12 +70,11 @@ def test_every_collective_through_a_real_daemon_on_the_fake_gpu(
 ) -> None:
     from cuda_ranks import fake_gpu_rank
 
-    daemon = start_daemon(env=dict(os.environ, SMDDP_TEST_GPU_RUNTIME=FAKE_RUNTIME))
+    daemon = start_daemon(command=FAKE_SMDDPD)
     env = dict(
         os.environ,
         SMDDP_SOCKET=daemon.socket,
         SMDDP_EMBEDDED="0",
-        SMDDP_TEST_CUDA_DEVICE=FAKE_DEVICE,
     )
     results = spawn_ranks(
         fake_gpu_rank, world, world, str(tmp_path / "init"), [1, 1003], env=env, timeout_s=360
@@ -104,12 +105,11 @@ def test_a_freed_allocation_is_unmapped_by_the_rank_s_next_op(
     has unmapped it by the time that op completes."""
     from cuda_ranks import free_rank
 
-    daemon = start_daemon(env=dict(os.environ, SMDDP_TEST_GPU_RUNTIME=FAKE_RUNTIME))
+    daemon = start_daemon(command=FAKE_SMDDPD)
     env = dict(
         os.environ,
         SMDDP_SOCKET=daemon.socket,
         SMDDP_EMBEDDED="0",
-        SMDDP_TEST_CUDA_DEVICE=FAKE_DEVICE,
     )
     results = spawn_ranks(free_rank, 2, 2, str(tmp_path / "init"), env=env, timeout_s=240).join()
     for rank, r in enumerate(results):
@@ -130,12 +130,11 @@ def test_close_before_free_through_the_allocator_hook_s_entry_point(
     from smddp.backend import cuda_free_hook
 
     library = cuda_free_hook.compile_library(cuda_free_hook.CHANNEL_SOURCES, tmp_path)
-    daemon = start_daemon(env=dict(os.environ, SMDDP_TEST_GPU_RUNTIME=FAKE_RUNTIME))
+    daemon = start_daemon(command=FAKE_SMDDPD)
     env = dict(
         os.environ,
         SMDDP_SOCKET=daemon.socket,
         SMDDP_EMBEDDED="0",
-        SMDDP_TEST_CUDA_DEVICE=FAKE_DEVICE,
         SMDDP_FREE_WAIT_MS="1500",
     )
     results = spawn_ranks(
@@ -271,13 +270,11 @@ def test_the_free_channel_follows_a_restarted_daemon(start_daemon, spawn_ranks, 
     from smddp.backend import cuda_free_hook
 
     library = cuda_free_hook.compile_library(cuda_free_hook.CHANNEL_SOURCES, tmp_path)
-    daemon_env = dict(os.environ, SMDDP_TEST_GPU_RUNTIME=FAKE_RUNTIME)
-    daemon = start_daemon(env=daemon_env)
+    daemon = start_daemon(command=FAKE_SMDDPD)
     env = dict(
         os.environ,
         SMDDP_SOCKET=daemon.socket,
         SMDDP_EMBEDDED="0",
-        SMDDP_TEST_CUDA_DEVICE=FAKE_DEVICE,
         SMDDP_FREE_WAIT_MS="5000",
     )
     ranks = spawn_ranks(
@@ -292,7 +289,7 @@ def test_the_free_channel_follows_a_restarted_daemon(start_daemon, spawn_ranks, 
     )
     ranks.wait_for("restart-me")
     daemon.stop(signal.SIGKILL)
-    restarted = start_daemon(env=daemon_env)
+    restarted = start_daemon(command=FAKE_SMDDPD)
     assert restarted.socket == daemon.socket
     ranks.send("go")
     results = ranks.join()
@@ -320,10 +317,6 @@ def test_gpu_warm_start_makes_the_gpu_ops_before_any_op(start_daemon) -> None:
     op does; where no GPU is usable (this machine without the fake) it says so and serves on."""
     import time
 
-    from smddp.server.gpu import TEST_RUNTIME_ENV
-
-    fake = dict(os.environ, SMDDP_TEST_GPU_RUNTIME=FAKE_RUNTIME)
-
     def logged(daemon, text: str, timeout_s: float = 30.0) -> bool:
         deadline = time.monotonic() + timeout_s
         while text not in daemon.log():
@@ -332,14 +325,13 @@ def test_gpu_warm_start_makes_the_gpu_ops_before_any_op(start_daemon) -> None:
             time.sleep(0.05)
         return True
 
-    warm = start_daemon(args=["--gpu-warm", "start"], env=fake, name="warm")
+    warm = start_daemon(args=["--gpu-warm", "start"], command=FAKE_SMDDPD, name="warm")
     assert logged(warm, "--gpu-warm start: GPU ops ready in"), warm.log()
-    assert f"on the TEST runtime {FAKE_RUNTIME} ({TEST_RUNTIME_ENV} is set)" in warm.log()
-    plain = start_daemon(env=fake, name="plain")
+    assert f"on the TEST runtime {FAKE_RUNTIME} (tests/gpu/fake_smddpd.py)" in warm.log()
+    plain = start_daemon(command=FAKE_SMDDPD, name="plain")
     time.sleep(1.0)
     assert "TEST runtime" not in plain.log() and "--gpu-warm" not in plain.log(), plain.log()
-    no_gpu_env = {k: v for k, v in os.environ.items() if k != TEST_RUNTIME_ENV}
-    no_gpu = start_daemon(args=["--gpu-warm", "start"], env=no_gpu_env, name="nogpu")
+    no_gpu = start_daemon(args=["--gpu-warm", "start"], name="nogpu")
     assert logged(no_gpu, "--gpu-warm start: no GPU ops at start: smddpd on node"), no_gpu.log()
     assert "cannot carry GPU tensors" in no_gpu.log()
     assert no_gpu.proc.poll() is None and warm.proc.poll() is None

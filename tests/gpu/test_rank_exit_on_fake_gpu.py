@@ -23,7 +23,6 @@ from typing import Any
 import pytest
 
 HERE = Path(__file__).resolve().parent
-FAKE_DEVICE = f"{HERE / 'fake_device.py'}:get"
 QUEUED_RUNTIME = f"{HERE.parent / 'server' / 'gpu_fakes.py'}:ipc_queued_runtime"
 LEDGER_ENV = "SMDDP_TEST_GPU_LEDGER"  # gpu_fakes.LEDGER_ENV
 
@@ -142,13 +141,13 @@ def test_a_rank_killed_mid_op_on_the_fake_gpu(start_daemon, spawn_ranks, tmp_pat
     same daemon is right, and SIGTERM then stops it with status 0."""
     ledger = tmp_path / "ledger"
     daemon = start_daemon(
-        env=dict(os.environ, SMDDP_TEST_GPU_RUNTIME=QUEUED_RUNTIME, **{LEDGER_ENV: str(ledger)})
+        command=(sys.executable, str(HERE / "fake_smddpd.py"), QUEUED_RUNTIME),
+        env=dict(os.environ, **{LEDGER_ENV: str(ledger)}),
     )
     env = dict(
         os.environ,
         SMDDP_SOCKET=daemon.socket,
         SMDDP_EMBEDDED="0",
-        SMDDP_TEST_CUDA_DEVICE=FAKE_DEVICE,
     )
     ranks = spawn_ranks(
         stalled_world_rank, WORLD, WORLD, str(tmp_path / "init"), VICTIM, env=env, timeout_s=120

@@ -111,15 +111,22 @@ def peer_transport(request) -> Transport:
 
 @pytest.fixture
 def loopback_nodes(start_daemon) -> Iterator[Callable[[int], list[Node]]]:
-    """``loopback_nodes(n, args=(), env=None)``: ``n`` daemons on this host, node ids
-    ``node0..``; ``args`` go to every daemon, ``env`` adds to their environment."""
+    """``loopback_nodes(n, args=(), env=None, command=DAEMON)``: ``n`` daemons on
+    this host, node ids ``node0..``; ``args`` go to every daemon, ``env`` adds to their
+    environment, ``command`` starts each (``start_daemon``'s)."""
     started: list[Node] = []
 
-    def start(n: int, args: Sequence[str] = (), env: dict[str, str] | None = None) -> list[Node]:
+    def start(
+        n: int,
+        args: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+        command: Sequence[str] = DAEMON,
+    ) -> list[Node]:
         nodes = []
         for i in range(n):
             d = start_daemon(
                 args=("--node-id", f"node{i}", *args),
+                command=command,
                 name=f"node{i}",
                 env={**os.environ, **(env or {})},
             )

@@ -1,6 +1,6 @@
 """What the ranks of tests/multinode/test_multinode_gpu.py run (``rank_main.py gpu_collectives``).
 
-Each rank's GPU is the fake one of tests/gpu/fake_device.py (``SMDDP_TEST_CUDA_DEVICE``):
+Each rank's GPU is the fake one of tests/gpu/fake_device.py (SPEC's ``fake_gpu``: rank_main):
 "GPU tensors" in host shared memory, exported over fake CUDA IPC to the node's real smddpd,
 whose fake runtime runs the generated kernels. Every collective runs twice on the same
 inputs, on CPU tensors (the host path across nodes) and on fake GPU tensors (the daemon's
@@ -141,7 +141,7 @@ def gpu_collectives(spec: dict[str, Any]) -> dict[str, Any]:
     from smddp.backend.cuda import device_api
 
     fake = device_api()
-    assert hasattr(fake, "allocations"), "SMDDP_TEST_CUDA_DEVICE names no fake device"
+    assert hasattr(fake, "allocations"), "the backend did not take the fake device"
     me = dist.get_rank()
     lay = Layout("world", spec["node_of_rank"])
     c = Checks()

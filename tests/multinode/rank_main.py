@@ -15,7 +15,7 @@ Programs:
   every rank must hold are hashed, and the parent compares the hashes.
 - ``ddp``: a few DDP steps of a small MLP; returns the final parameters.
 - ``gpu_collectives``: every collective on fake GPU tensors against the host path
-  (``gpu_programs``).
+  (``gpu_programs``; SPEC's ``fake_gpu`` gives the backend the fake device).
 - ``hold``: joins, runs a barrier, prints ``ready`` and waits for a line on stdin, so that
   the parent can look at the daemons while the job is registered.
 - ``recv_any``: ``recv``/``irecv`` from any source, senders on the same node and on another.
@@ -34,6 +34,7 @@ import zlib
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -634,6 +635,15 @@ def main() -> None:
     try:
         import smddp  # noqa: F401  (registers the backend)
 
+        if spec.get("fake_gpu"):
+            # The rank's "GPU" is tests/gpu/fake_device.py's, given to the backend before
+            # the process's first device call.
+            sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
+            import fake_device
+
+            from smddp.backend.cuda import use_device
+
+            use_device(fake_device.get())
         torch.set_num_threads(1)  # many ranks share two cores
         t0 = time.monotonic()
         dist.init_process_group(

@@ -361,7 +361,7 @@ def request(
     )
 
 
-# -- TEST ONLY: the fake runtime of a real smddpd (SMDDP_TEST_GPU_RUNTIME) ------------------------
+# -- TEST ONLY: the fake runtime of a real smddpd (tests/gpu/fake_smddpd.py) ---------------------
 
 MEM_PREFIX = b"fakeipc:"  # tests/gpu/fake_device.py: a rank's "IPC handle" names a shared file
 EVENT_PREFIX = b"fakeevt:"
@@ -451,7 +451,7 @@ class IpcFakeRuntime(FakeRuntime):
 
 
 def ipc_runtime() -> IpcFakeRuntime:
-    """The factory SMDDP_TEST_GPU_RUNTIME names: GPU 0 (fake_device.UUID0)."""
+    """A factory for tests/gpu/fake_smddpd.py: GPU 0 (fake_device.UUID0)."""
     return IpcFakeRuntime(devices={uuid(0): 0})
 
 
@@ -605,5 +605,5 @@ def _bump_if_there(event: SharedEvent) -> None:
 
 
 def ipc_queued_runtime() -> IpcQueuedFakeRuntime:
-    """The factory SMDDP_TEST_GPU_RUNTIME names for a daemon whose fake GPU blocks (GPU 0)."""
+    """A factory for tests/gpu/fake_smddpd.py: a fake GPU that blocks (GPU 0)."""
     return IpcQueuedFakeRuntime(devices={uuid(0): 0}, ledger=os.environ.get(LEDGER_ENV))

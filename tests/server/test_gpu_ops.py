@@ -33,6 +33,7 @@ from smddp.core.reduce import reduce_into
 from smddp.core.wire import dtype_name, numpy_dtype
 from smddp.server import gpu
 from smddp.server.errors import FailedPrecondition, InvalidRequest
+from smddp.server.gpu_supply import DaemonGpu
 from smddp.v1 import smddp_pb2 as pb
 
 
@@ -755,8 +756,7 @@ def test_all_to_all_split_sizes_must_agree() -> None:
 
 
 def test_without_cupy_the_daemon_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(gpu, "_ops", None)
-    monkeypatch.delenv(gpu.TEST_RUNTIME_ENV, raising=False)
+    daemon_gpu = DaemonGpu(gpu.LAUNCH_CHUNK_BYTES)  # the daemon's, on CuPy's runtime
     monkeypatch.setitem(sys.modules, "cupy", None)  # where CuPy is installed: as if it were not
     with pytest.raises(
         FailedPrecondition,
@@ -765,8 +765,8 @@ def test_without_cupy_the_daemon_says_what_to_install(monkeypatch: pytest.Monkey
             r".*pip install '\.\[cuda\]'"
         ),
     ):
-        gpu.ops("n7")
-    assert gpu.active() is None
+        daemon_gpu.ops("n7")
+    assert daemon_gpu.active() is None
 
 
 def test_releasing_a_rank_waits_only_for_its_own_communicators_work() -> None:
