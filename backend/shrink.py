@@ -31,7 +31,6 @@ from torch.distributed import distributed_c10d as c10d
 from smddp.backend.errors import translate
 from smddp.backend.process_group import SmddpProcessGroup
 from smddp.client.communicator import Communicator, connect
-from smddp.client.config import ClientConfig
 from smddp.client.errors import SmddpError
 from smddp.core.wire import node_layout
 
@@ -159,7 +158,7 @@ def shrink_group(
             timeout_s=parent.timeout_s,
             global_rank=new_rank if is_default else parent_globals[rank],
             nodes=node_layout(nodes, job.peer_of_node),
-            config=ClientConfig.from_env(),
+            config=parent.config,  # the group's, built once by the backend
             parent_comm_id=parent.session.comm_id,
             excluded_ranks=excluded,
             generation=generation,
