@@ -8,7 +8,8 @@ first), and both must then train on together. The same scenario runs on torchft'
 ProcessGroupGloo, and both recovery times are printed (``-s`` shows them):
 
 - kill -> the survivor's first step committed alone;
-- restart -> the returning replica's first committed step (its process start included).
+- restart -> the returning replica's first committed step (its process start included), and
+  from its Manager's start (torch and torchft imported) to that step.
 
 Skips only where torchft is not installed (scripts/setup_dev.sh installs it; under CI a skip
 fails, tests/ci_skips.py).
@@ -65,6 +66,7 @@ class Replica:
     proc: subprocess.Popen[str]
     log: Path
     commits: list[Commit] = field(default_factory=list)
+    manager_at: float = 0.0  # when it began to make its Manager (imports done)
     done: bool = False
     changed: threading.Condition = field(default_factory=threading.Condition)
 
@@ -76,6 +78,8 @@ class Replica:
                 if word == "commit":
                     step, participants, at, digest = rest
                     self.commits.append(Commit(int(step), int(participants), float(at), digest))
+                elif word == "manager":
+                    self.manager_at = float(rest[0])
                 elif word == "done":
                     self.done = True
                 self.changed.notify_all()
@@ -176,9 +180,10 @@ def smddp_status(daemon: Any) -> dict[str, object]:
 
 def kill_and_return(
     backend: str, lighthouse: str, env: dict[str, str], folder: Path, while_both: Callable[[], None]
-) -> tuple[float, float]:
+) -> tuple[float, float, float]:
     """The scenario; returns (kill -> survivor's first step alone, restart -> the returning
-    replica's first committed step), in seconds. ``while_both`` runs once both train again."""
+    replica's first committed step, its Manager's start -> that step), in seconds.
+    ``while_both`` runs once both train again."""
     replicas = Replicas(backend, lighthouse, env, folder)
     try:
         a, b = replicas.start(0), replicas.start(1)
@@ -230,7 +235,7 @@ def kill_and_return(
         assert len(common) >= TOGETHER_STEPS
         differ = [s for s in common if mine[s] != theirs[s]]
         assert not differ, f"{backend}: parameters differ at steps {differ} after healing"
-        return alone.at - killed_at, returned.at - restarted_at
+        return alone.at - killed_at, returned.at - restarted_at, returned.at - back.manager_at
     finally:
         replicas.close()
 
@@ -275,7 +280,8 @@ def test_kill_one_replica_then_heal_on_smddp_and_gloo(
     print(
         f"\ntorchft recovery (lighthouse heartbeat timeout {HEARTBEAT_TIMEOUT_MS} ms): "
         f"kill -> survivor's first step alone: smddp {smddp[0]:.2f} s, gloo {gloo[0]:.2f} s; "
-        f"restart -> returning replica's first step: smddp {smddp[1]:.2f} s, gloo {gloo[1]:.2f} s"
+        f"restart -> returning replica's first step: smddp {smddp[1]:.2f} s, gloo {gloo[1]:.2f} s "
+        f"(from its Manager's start: smddp {smddp[2]:.2f} s, gloo {gloo[2]:.2f} s)"
     )
 
 

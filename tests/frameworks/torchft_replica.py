@@ -9,6 +9,7 @@ Optimizer wrapper, healing through PGTransport on the same process group) and pr
 test to read:
 
 - ``pid N`` first;
+- ``manager TIME`` once torch and torchft are imported, as it makes its Manager;
 - ``commit STEP PARTICIPANTS TIME DIGEST`` after every committed step: the step reached, the
   replicas that took part, ``time.time()`` and a digest of the parameters' bytes;
 - ``done`` when it stops.
@@ -78,6 +79,7 @@ def main() -> None:
     def state_dict() -> dict[str, object]:
         return {"model": model.state_dict(), "optim": optimizer.state_dict()}
 
+    print(f"manager {time.time():.6f}", flush=True)
     manager = Manager(
         pg=pg,
         min_replica_size=1,
