@@ -80,18 +80,26 @@ def attempt_prefix(round_in_process: int) -> str:
 
 
 def rendezvous(
-    store: Store, rank: int, world_size: int, timeout: timedelta, config: ClientConfig
+    store: Store,
+    rank: int,
+    world_size: int,
+    timeout: timedelta,
+    config: ClientConfig,
+    attempt: str | None = None,
 ) -> Job:
     """Agrees on the job through ``store`` and finds this node's daemon.
 
     ``config`` (the one the backend built for this process group) names this node
     (``node_id``), where its daemon is or may be started, and the embedded daemon's address.
+    ``attempt`` replaces the attempt's key prefix (``attempt_prefix``) where the caller's store
+    is already fresh for every group it makes and its ranks did not all make as many groups
+    before (torchft: a new store prefix per quorum, and a restarted replica counts from 0).
 
     Raises:
         ConnectError: no daemon could be found or started, or it cannot reach other nodes.
     """
     store.set_timeout(timeout)
-    at = attempt_prefix(next(_rounds))
+    at = attempt if attempt is not None else attempt_prefix(next(_rounds))
     if rank == 0:
         store.set(
             at + "job",

@@ -367,23 +367,30 @@ class DaemonSession:
         )
         self._stub.Revoke(request, timeout=timeout_s)
 
+    def leave(self) -> None:
+        """Leaves the communicator now, keeping socket and arena for ``close``: the daemon
+        fails the communicator's pending and later ops on every rank, this one's included
+        (an abort; torchft's ProcessGroupSmddp.abort). A second call, or ``close``'s, is
+        refused by the daemon and ignored."""
+        if self._closed:
+            return
+        try:
+            self._stub.Deregister(
+                pb.DeregisterRequest(
+                    session_id=self.session_id, session_secret=self._secret, shrink=self.shrink
+                ),
+                timeout=5,
+            )
+        except grpc.RpcError:
+            pass  # the daemon is gone, or the rank has left already: nothing left to leave
+
     def close(self, deregister: bool = True) -> None:
         """Leaves the communicator (when ``deregister``) and releases socket and arena."""
         if self._closed:
             return
-        self._closed = True
         if deregister:
-            try:
-                self._stub.Deregister(
-                    pb.DeregisterRequest(
-                        session_id=self.session_id,
-                        session_secret=self._secret,
-                        shrink=self.shrink,
-                    ),
-                    timeout=5,
-                )
-            except grpc.RpcError:
-                pass  # the daemon is gone; there is nothing left to leave
+            self.leave()
+        self._closed = True
         requests = getattr(self, "_stream_requests", None)  # unset if the attach failed
         if requests is not None:
             requests.put(None)

@@ -9,7 +9,7 @@ bash scripts/setup.sh
 .venv/bin/python -m pip install --quiet -e ".[torch,examples,test,ucx,nvrtc-check]"
 # --- frameworks (tests/frameworks/): Open MPI for the mpirun tests (and mpi4py, for the
 # paired benchmark's Open MPI column); Lightning, transformers,
-# DeepSpeed and torch's test utilities, with torch held at its pin (constraints.txt) so that
+# DeepSpeed, torchft and torch's test utilities, with torch held at its pin (constraints.txt) so that
 # none of them pulls another torch. DeepSpeed builds nothing at install (DS_BUILD_OPS=0) and
 # needs the installed torch (--no-build-isolation); its own dependencies are listed in
 # requirements.txt (--no-deps keeps it from resolving torch).
@@ -21,6 +21,9 @@ if { ! command -v mpirun >/dev/null 2>&1 || ! command -v mpicc >/dev/null 2>&1; 
 fi
 .venv/bin/python -m pip install --quiet -c tests/frameworks/constraints.txt -r tests/frameworks/requirements.txt
 DS_BUILD_OPS=0 .venv/bin/python -m pip install --quiet --no-build-isolation --no-deps "deepspeed==0.19.8"
+# torchft (tests/frameworks/test_torchft.py: ProcessGroupSmddp under its Manager and lighthouse):
+# --no-deps keeps it from resolving torch; its dependencies are in requirements.txt.
+.venv/bin/python -m pip install --quiet --no-deps "torchft==0.2.0"
 .venv/bin/python -m pip install --quiet "mpi4py==4.1.2"
 # DeepSpeed's SHM all_reduce (a peer in the paired benchmark) is built on first use, which takes
 # minutes; built here once (into torch's extension cache) so that no test waits for it.

@@ -129,9 +129,11 @@ def test_the_native_advertise_and_free_hook_variables() -> None:
 OUTSIDE_CONFIG: set[tuple[str, str]] = set()
 # Where a ClientConfig may be built from the environment: the entry points a user calls
 # (connect, rendezvous, find_or_start_daemon, start_embedded_daemon) and the backend's
-# creator of a process group. Everything they call takes the config they built.
+# creators of a process group (torch's, and torchft's ProcessGroupSmddp on each quorum).
+# Everything they call takes the config they built.
 ENTRY_POINTS = {
     ("backend/__init__.py", "_create"),
+    ("backend/torchft.py", "_create_pg"),
     ("client/communicator.py", "connect"),
     ("client/discovery.py", "rendezvous"),
     ("client/embedded.py", "find_or_start_daemon"),
