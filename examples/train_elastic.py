@@ -313,19 +313,16 @@ def _pump(proc: subprocess.Popen[str], lines: list[str]) -> None:
 
 def launch(args: argparse.Namespace) -> int:
     """Starts this node's workers as independent processes: one that dies ends no other."""
-    from smddp.backend.job import peer_host
-    from smddp.client.config import ENV_SOCKET, ClientConfig
     from smddp.client.embedded import find_or_start_daemon
 
     world = args.nnodes * args.nproc
     env = dict(os.environ, MASTER_ADDR=args.master_addr)
-    # The job's daemon, started here when none answers (it outlives any worker, and ends
-    # with this launcher); on several nodes, it must be reachable from the others.
-    spans_nodes = args.nnodes > 1
-    os.environ[ENV_SOCKET] = find_or_start_daemon(
-        peer_host(ClientConfig.from_env()) if spans_nodes else None
-    )
-    env[ENV_SOCKET] = os.environ[ENV_SOCKET]
+    if args.nnodes == 1:
+        # The job's daemon, started here when none answers: it outlives any worker (the one
+        # that would have started it may die first), and ends with this launcher.
+        env["SMDDP_SOCKET"] = find_or_start_daemon()
+    # On several nodes, each node's smddpd (docs/failures.md); where none answers, the
+    # workers' rendezvous starts one that other nodes can reach.
     store = dist.TCPStore(
         args.master_addr,
         args.master_port,

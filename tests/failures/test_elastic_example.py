@@ -40,10 +40,10 @@ def _env(tmp_path: Path) -> dict[str, str]:
     return env
 
 
-def _run(tmp_path: Path, *args: str) -> str:
+def _run(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> str:
     proc = subprocess.run(
         [sys.executable, str(EXAMPLE), *args],
-        env=_env(tmp_path),
+        env=env or _env(tmp_path),
         cwd=tmp_path,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -82,15 +82,17 @@ def _assert_bitwise_equal(got: Any, want: Any, where: str) -> None:
         assert got == want, f"{where}: {got!r} != {want!r}"
 
 
-def _check_against_reference(tmp_path: Path, dumps: Path, steps: int, min_after: int) -> int:
-    """Trains three ranks from the survivors' state at the shrink to ``steps``; the result must
-    be bitwise what the survivors reached. Returns the step the survivors shrank at."""
+def _check_against_reference(
+    tmp_path: Path, dumps: Path, steps: int, min_after: int, world: int = 3
+) -> int:
+    """Trains ``world`` ranks from the survivors' state at the shrink to ``steps``; the result
+    must be bitwise what the survivors reached. Returns the step the survivors shrank at."""
     shrink = _load(dumps / "shrink.pt")
     assert steps - shrink["step"] >= min_after, shrink["step"]
     ref = tmp_path / "reference"
     out = _run(
         tmp_path,
-        "--nproc=3",
+        f"--nproc={world}",
         f"--resume={dumps / 'shrink.pt'}",
         f"--steps={steps}",
         f"--dump-dir={ref}",
@@ -107,16 +109,15 @@ def _check_against_reference(tmp_path: Path, dumps: Path, steps: int, min_after:
     return int(shrink["step"])
 
 
-def _check_survivors(out: str, steps: int, killed: int) -> list[float]:
-    """Every survivor trained every step on three ranks; returns when each one completed its
-    first step on the shrunk group (seconds since the epoch)."""
-    assert f"launcher: ranks [{killed}] were killed; ranks [] failed; the others finished" in out, (
-        out
-    )
-    for r in range(3):
-        assert f"rank {r}: trained {steps} steps on 3 ranks" in out, out
+def _check_survivors(out: str, steps: int, killed: list[int], world: int = 3) -> list[float]:
+    """Every survivor trained every step on ``world`` ranks; returns when each one completed
+    its first step on the shrunk group (seconds since the epoch)."""
+    ended = f"launcher: ranks {killed} were killed; ranks [] failed; the others finished"
+    assert ended in out, out
+    for r in range(world):
+        assert f"rank {r}: trained {steps} steps on {world} ranks" in out, out
     firsts = [float(t) for t in FIRST_SHRUNK.findall(out)]
-    assert len(firsts) == 3, out
+    assert len(firsts) == world, out
     return firsts
 
 
@@ -133,7 +134,7 @@ def test_demo_goes_on_after_a_kill(tmp_path: Path) -> None:
         "--steps=40",
         f"--dump-dir={dumps}",
     )
-    _check_survivors(out, 40, killed=2)
+    _check_survivors(out, 40, killed=[2])
     found = KILL_TO_STEP.findall(out)
     assert len(found) == 1, out
     took = float(found[0])
@@ -186,7 +187,7 @@ def test_rank_0_killed_anywhere(tmp_path: Path) -> None:
     reader.join(timeout=30)
     out = "".join(lines)
     assert rc == 0, out[-8000:]
-    took = max(_check_survivors(out, steps, killed=0)) - killed_at
+    took = max(_check_survivors(out, steps, killed=[0])) - killed_at
     print(f"kill (rank 0, anywhere) -> first step on the shrunk group: {took:.3f} s")
     assert took < KILL_TO_STEP_BOUND_S, out
     _check_against_reference(tmp_path, dumps, steps, min_after=20)
@@ -247,3 +248,122 @@ def test_torchrun_restart_for_comparison(tmp_path: Path) -> None:
         f"torchrun --max-restarts 1: kill -> the restarted job's first step: {took:.3f} s (from step 0)"  # noqa: E501
     )
     assert took < 120.0
+
+
+def _follow(proc: subprocess.Popen[str], lines: list[str], marker: str) -> threading.Event:
+    """Collects ``proc``'s output lines; the event is set at the first line that starts with
+    ``marker``, or when the output ends."""
+    seen = threading.Event()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith(marker):
+                seen.set()
+        seen.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    return seen
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3 * RUN_TIMEOUT_S)
+def test_a_lost_node(tmp_path: Path, loopback_nodes: Any) -> None:
+    """Two nodes (two daemons) x 2 ranks, one launcher per node as docs/failures.md says;
+    node1's daemon is SIGKILLed: node0's ranks go on as a world of two, bitwise as a two-rank
+    run from their state at the shrink; node1's ranks fail (their daemon is gone)."""
+    from ports import free_port
+
+    nodes = loopback_nodes(2)
+    port = free_port()
+    steps = 300
+    dumps = tmp_path / "dumps"
+    launchers = []
+    outputs: list[list[str]] = [[], []]
+    stepping = []
+    for i, node in enumerate(nodes):
+        env = dict(
+            os.environ,
+            SMDDP_SOCKET=node.daemon.socket,
+            SMDDP_NODE_ID=node.node_id,
+            SMDDP_EMBEDDED="0",
+        )
+        cmd = [
+            sys.executable,
+            str(EXAMPLE),
+            "--nnodes=2",
+            f"--node-rank={i}",
+            "--nproc=2",
+            "--master-addr=127.0.0.1",
+            f"--master-port={port}",
+            f"--steps={steps}",
+            *([f"--dump-dir={dumps}"] if i == 0 else []),
+        ]
+        proc = subprocess.Popen(
+            cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        launchers.append(proc)
+        stepping.append(_follow(proc, outputs[i], "rank 0: step 20 loss"))
+    try:
+        assert stepping[0].wait(RUN_TIMEOUT_S) and launchers[0].poll() is None, outputs
+        killed_at = time.time()
+        nodes[1].daemon.proc.kill()
+        nodes[1].daemon.proc.wait()
+        codes = [p.wait(timeout=RUN_TIMEOUT_S) for p in launchers]
+    finally:
+        for p in launchers:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    time.sleep(0.5)  # the pumps' last lines
+    out0, out1 = "".join(outputs[0]), "".join(outputs[1])
+    assert codes == [0, 1], f"{codes}\n--- node0:\n{out0[-6000:]}\n--- node1:\n{out1[-6000:]}"
+    assert "launcher: ranks [] were killed; ranks [2, 3] failed" in out1, out1[-6000:]
+    assert "SmddpDaemonLostError" in out1, out1[-6000:]
+    assert "ranks [2, 3] failed; 2 ranks go on from step" in out0, out0[-6000:]
+    took = max(_check_survivors(out0, steps, killed=[], world=2)) - killed_at
+    print(f"node1's daemon killed -> node0's first step on the shrunk group: {took:.3f} s")
+    assert took < KILL_TO_STEP_BOUND_S, out0
+    _check_against_reference(tmp_path, dumps, steps, min_after=20, world=2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * RUN_TIMEOUT_S)
+def test_two_ranks_lost_one_after_the_other(tmp_path: Path) -> None:
+    """Rank 3 is killed after step 20, then (on the shrunk group) old rank 1 after step 60:
+    the survivors shrink twice, to two ranks, and finish."""
+    steps = 200
+    proc = subprocess.Popen(
+        [sys.executable, str(EXAMPLE), "--nproc=4", f"--steps={steps}"],
+        env=_env(tmp_path),
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines: list[str] = []
+    after_20 = _follow(proc, lines, "rank 0: step 20 loss")
+    try:
+        assert after_20.wait(RUN_TIMEOUT_S) and proc.poll() is None, "".join(lines)
+        found = re.finditer(r"^rank (\d) pid (\d+)$", "".join(lines), re.M)
+        pids = {int(m[1]): int(m[2]) for m in found}
+        os.kill(pids[3], signal.SIGKILL)
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while not any(re.match(r"rank 0: step 60 loss [\d.]+ on 3 ranks", x) for x in lines):
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
+            time.sleep(0.05)
+        os.kill(pids[1], signal.SIGKILL)
+        rc = proc.wait(timeout=RUN_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    time.sleep(0.5)  # the reader's last lines
+    out = "".join(lines)
+    assert rc == 0, out[-8000:]
+    assert "ranks [3] failed; 3 ranks go on from step" in out, out[-8000:]
+    assert "ranks [1] failed; 2 ranks go on from step" in out, out[-8000:]
+    assert "launcher: ranks [1, 3] were killed; ranks [] failed; the others finished" in out, out
+    for r in range(2):
+        assert f"rank {r}: trained {steps} steps on 2 ranks" in out, out[-8000:]
