@@ -34,7 +34,7 @@ from smddp.client.communicator import Communicator, connect
 from smddp.client.errors import SmddpError
 from smddp.core.wire import node_layout
 
-__all__ = ["SHRINK_ABORT", "SHRINK_DEFAULT", "shrink_group"]
+__all__ = ["SHRINK_ABORT", "SHRINK_DEFAULT", "failed_ranks", "shrink_group"]
 
 # torch's values (distributed_c10d.SHRINK_DEFAULT / SHRINK_ABORT, torch 2.13).
 SHRINK_DEFAULT = 0x00
@@ -71,6 +71,34 @@ def _shrunk_id(parent_id: str, generation: int) -> str:
     """The new communicator's id: the family's first id and the generation, the same on
     every survivor (``0#1``, then ``0#2``, ...)."""
     return f"{parent_id.split('#', 1)[0]}#{generation}"
+
+
+def failed_ranks(group: dist.ProcessGroup | None = None) -> frozenset[int]:
+    """The ranks of ``group`` that its daemons agreed have failed: what a
+    ``SmddpRankFailedError`` carries, for an error that reached the script without it (DDP's
+    reducer hands a backend error on as a plain ``DistBackendError``).
+
+    Args:
+        group: an smddp group; None: the default group.
+
+    Returns:
+        The failed ranks in ``group``'s numbering, the same on every survivor; empty while the
+        group has not failed, or when its failure named no rank (a timeout, a mismatch).
+
+    Raises:
+        TypeError: ``group`` is not an smddp group.
+        SmddpDaemonLostError: this node's daemon did not answer.
+    """
+    pg = group if group is not None else c10d._get_default_group()
+    if not isinstance(pg, SmddpProcessGroup):
+        raise TypeError(
+            f"smddp.failed_ranks asks smddp groups; this group's backend is {dist.get_backend(pg)}"
+        )
+    try:
+        failure = pg.comm.failure()
+    except SmddpError as exc:
+        raise translate(exc, pg.comm) from None
+    return failure.failed_ranks if failure is not None else frozenset()
 
 
 def shrink_group(

@@ -146,14 +146,15 @@ class _RegisterAfterImport(importlib.abc.MetaPathFinder):
 # The backend's public calls, imported (with torch) when first asked for.
 _BACKEND_CALLS = {
     "shrink_group": "smddp.backend.shrink",
+    "failed_ranks": "smddp.backend.shrink",
     "SHRINK_DEFAULT": "smddp.backend.shrink",
     "SHRINK_ABORT": "smddp.backend.shrink",
 }
 
 
 def __getattr__(name: str) -> Any:
-    """``smddp.shrink_group`` and its flags, from the backend, on first use (they need torch,
-    which ``import smddp`` does not import)."""
+    """``smddp.shrink_group``, its flags and ``smddp.failed_ranks``, from the backend, on first
+    use (they need torch, which ``import smddp`` does not import)."""
     module = _BACKEND_CALLS.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -81,6 +81,7 @@ def test_the_marked_blocks_are_there() -> None:
     assert any("/run/smddp/smddpd.sock" in t for t in marked), "system daemon"
     assert any("numpy_allreduce.py" in t for t in marked), "numpy example"
     assert any("~/smddp-env" in t for t in marked), "install"
+    assert any("train_elastic.py" in t for t in marked), "elastic example"
 
 
 def test_no_block_runs_a_bare_program() -> None:
@@ -230,6 +231,17 @@ def test_numpy_example(copy: Path, tmp_path: Path) -> None:
     for rank in (0, 1):
         assert f"rank {rank}: all_reduce(SUM) of 1048576 x float32 ok" in out, out
         assert f"rank {rank}: all_gather and barrier ok" in out, out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(RUN_TIMEOUT_S + 60)
+def test_elastic_example(copy: Path, tmp_path: Path) -> None:
+    # docs/failures.md: rank 2 of 4 SIGKILLs itself, the other three shrink and finish.
+    out = _run(_marked("train_elastic.py"), copy, _env(tmp_path))
+    assert "launcher: ranks [2] were killed; ranks [] failed; the others finished" in out, out
+    for rank in range(3):
+        assert f"rank {rank}: trained 40 steps on 3 ranks" in out, out[-3000:]
+    assert re.search(r"^launcher: kill -> first step on the shrunk group: [\d.]+ s", out, re.M), out
 
 
 @pytest.mark.slow

@@ -376,3 +376,59 @@ def test_two_nodes_agree_and_shrink(lost, loopback_nodes, launch_failure_world):
         assert res["world_size"] == len(survivors), (old, res)
         assert res["rank"] == survivors.index(old), (old, res)
     assert took < 30.0, took
+
+
+def asking_rank(rank: int, world: int, init_file: str, victim: int) -> dict[str, Any]:
+    """Asks ``smddp.failed_ranks()`` before and after rank ``victim`` dies (what a script
+    calls when the error reached it without ``failed_ranks``), and of a gloo group."""
+    import torch
+    import torch.distributed as dist
+
+    import smddp
+    from smddp.backend.errors import SmddpRankFailedError
+
+    torch.set_num_threads(1)
+    dist.init_process_group("smddp", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    gloo = dist.new_group(list(range(world)), backend="gloo")
+    dist.all_reduce(torch.ones(4))
+    result: dict[str, Any] = {"before": smddp.failed_ranks()}
+    try:
+        smddp.failed_ranks(gloo)
+    except TypeError as exc:
+        result["gloo"] = str(exc)
+    print(f"pid {os.getpid()}", flush=True)
+    print("ready", flush=True)
+    if rank == victim:
+        time.sleep(600)
+    try:
+        dist.all_reduce(torch.ones(4))
+        raise AssertionError("the all_reduce completed without the victim")
+    except SmddpRankFailedError as exc:
+        result["told"] = exc.failed_ranks
+    result["asked"] = smddp.failed_ranks()
+    result["asked_group"] = smddp.failed_ranks(dist.group.WORLD)
+    return result
+
+
+@pytest.mark.timeout(180)
+def test_failed_ranks_asks_the_daemon(system_daemon, rank_env, spawn_ranks, tmp_path):
+    env = rank_env(system_daemon.socket)
+    ranks = spawn_ranks(
+        asking_rank, WORLD, WORLD, str(tmp_path / "init"), VICTIM, env=env, timeout_s=150
+    )
+    ranks.wait_for("ready")
+    victim = ranks.ranks[VICTIM]
+    os.kill(victim.printed_pid(), signal.SIGKILL)
+    victim.proc.wait()
+    import pickle
+
+    for r in ranks.ranks:
+        if r.rank == VICTIM:
+            continue
+        r.proc.wait(timeout=120)
+        assert r.proc.returncode == 0, r.failure()
+        with open(r.folder / "result", "rb") as f:
+            res = pickle.load(f)
+        assert res["before"] == frozenset(), res
+        assert "smddp.failed_ranks asks smddp groups; this group's backend is gloo" in res["gloo"]
+        assert res["told"] == res["asked"] == res["asked_group"] == frozenset({VICTIM}), res
