@@ -7,6 +7,7 @@ unwelcome.
 
 from __future__ import annotations
 
+import atexit
 import mmap
 import os
 import queue
@@ -53,6 +54,20 @@ def grpc_channel(path: str) -> grpc.Channel:
             channel = grpc.insecure_channel("unix:" + path)
             _channels[path] = channel
         return channel
+
+
+def _close_channels() -> None:
+    """Closes the cached channels at exit, before the interpreter finalizes: a gRPC channel
+    left to finalization has its core threads call back into a half-torn-down interpreter,
+    which gRPC's issues report ending in SIGABRT or SIGSEGV after the script's last line."""
+    with _channels_lock:
+        channels = list(_channels.values())
+        _channels.clear()
+    for channel in channels:
+        channel.close()
+
+
+atexit.register(_close_channels)
 
 
 class DaemonSession:

@@ -60,6 +60,9 @@ launch_world = multinode.launch_world
 def make_rank_env(socket_path: str, node_id: str = NODE_ID, **extra: str) -> dict[str, str]:
     """A rank's environment: the daemon at ``socket_path``, no embedded fallback."""
     env = dict(os.environ, SMDDP_SOCKET=socket_path, SMDDP_EMBEDDED="0", SMDDP_NODE_ID=node_id)
+    # A rank that dies of a signal (SIGABRT, SIGSEGV) prints every thread's stack: a rare
+    # crash in CI then says where it was.
+    env["PYTHONFAULTHANDLER"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))
     env.update(extra)
     return env
