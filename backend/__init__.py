@@ -16,10 +16,8 @@ import torch.distributed as dist
 from smddp.backend import version  # noqa: F401  (first: refuses a torch outside the supported range)
 from smddp.backend.job import Job, rendezvous
 from smddp.backend.process_group import BACKEND_NAME, SmddpProcessGroup
-from smddp.client.communicator import Communicator, connect
 from smddp.client.config import ClientConfig
 from smddp.client.errors import SmddpError
-from smddp.core.wire import node_layout
 
 __all__ = ["BACKEND_NAME", "SmddpProcessGroup", "register"]
 
@@ -43,16 +41,12 @@ def _create(dist_opts: Any, pg_options: Any) -> SmddpProcessGroup:
             if _job is None or group_id == "0":
                 _job = rendezvous(store, rank, size, dist_opts.timeout, config)
             job = _job
-        comm: Communicator = connect(
-            job_id=job.job_id,
-            job_token=job.token,
+        comm = job.connect(
             rank=rank,
-            world_size=size,
             comm_id=group_id,
-            socket_path=job.socket_path,
-            timeout_s=timeout_s,
+            member_nodes=[job.node_of_rank[g] for g in global_ranks],
             global_rank=global_ranks[rank],
-            nodes=node_layout([job.node_of_rank[g] for g in global_ranks], job.peer_of_node),
+            timeout_s=timeout_s,
             config=config,
         )
     except SmddpError as exc:

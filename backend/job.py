@@ -17,6 +17,7 @@ import json
 import os
 import secrets
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING
@@ -25,11 +26,11 @@ if TYPE_CHECKING:
     # torch.distributed re-exports Store only when it is available: mypy cannot see it there.
     from torch._C._distributed_c10d import Store
 
-from smddp.client.communicator import daemon_info
+from smddp.client.communicator import Communicator, connect, daemon_info
 from smddp.client.config import ClientConfig
 from smddp.client.embedded import find_or_start_daemon
 from smddp.client.errors import ConnectError
-from smddp.core.wire import outward_ip
+from smddp.core.wire import node_layout, outward_ip
 
 # torch's launcher variables, not smddp's (those are ClientConfig's).
 ENV_RESTART = (
@@ -64,6 +65,41 @@ class Job:
     socket_path: str
     node_of_rank: tuple[str, ...]
     peer_of_node: dict[str, str] = field(default_factory=dict)
+
+    def connect(
+        self,
+        *,
+        rank: int,
+        comm_id: str,
+        member_nodes: Sequence[str],
+        global_rank: int,
+        timeout_s: float,
+        config: ClientConfig,
+        parent_comm_id: str = "",
+        excluded_ranks: Sequence[int] = (),
+        generation: int = 0,
+    ) -> Communicator:
+        """Registers this process as ``rank`` of a communicator of this job, whose members
+        (in rank order) live on ``member_nodes``; the lineage arguments are ``connect``'s.
+
+        Raises:
+            SmddpError: the daemon refused or could not be reached (``connect``'s errors).
+        """
+        return connect(
+            job_id=self.job_id,
+            job_token=self.token,
+            rank=rank,
+            world_size=len(member_nodes),
+            comm_id=comm_id,
+            socket_path=self.socket_path,
+            timeout_s=timeout_s,
+            global_rank=global_rank,
+            nodes=node_layout(list(member_nodes), self.peer_of_node),
+            config=config,
+            parent_comm_id=parent_comm_id,
+            excluded_ranks=excluded_ranks,
+            generation=generation,
+        )
 
 
 def _get(store: Store, key: str) -> str:

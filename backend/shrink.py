@@ -30,9 +30,8 @@ from torch.distributed import distributed_c10d as c10d
 
 from smddp.backend.errors import translate
 from smddp.backend.process_group import SmddpProcessGroup
-from smddp.client.communicator import Communicator, connect
+from smddp.client.communicator import Communicator
 from smddp.client.errors import SmddpError
-from smddp.core.wire import node_layout
 
 __all__ = ["SHRINK_ABORT", "SHRINK_DEFAULT", "failed_ranks", "shrink_group"]
 
@@ -176,16 +175,12 @@ def shrink_group(
     meta = _retire(pg, is_default)
     new_rank = survivors.index(rank)
     try:
-        comm = connect(
-            job_id=job.job_id,
-            job_token=job.token,
+        comm = job.connect(
             rank=new_rank,
-            world_size=len(survivors),
             comm_id=_shrunk_id(parent.session.comm_id, generation),
-            socket_path=job.socket_path,
-            timeout_s=parent.timeout_s,
+            member_nodes=nodes,
             global_rank=new_rank if is_default else parent_globals[rank],
-            nodes=node_layout(nodes, job.peer_of_node),
+            timeout_s=parent.timeout_s,
             config=parent.config,  # the group's, built once by the backend
             parent_comm_id=parent.session.comm_id,
             excluded_ranks=excluded,

@@ -36,11 +36,9 @@ from torchft.process_group import ProcessGroupWrapper
 
 from smddp.backend.job import rendezvous
 from smddp.backend.process_group import SmddpProcessGroup
-from smddp.client.communicator import connect
 from smddp.client.config import ClientConfig
 from smddp.client.embedded import daemon_answers
 from smddp.client.errors import SmddpError
-from smddp.core.wire import node_layout
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store
@@ -135,18 +133,12 @@ class ProcessGroupSmddp(ProcessGroupWrapper):  # type: ignore[misc]  # torchft s
         global_ranks = self._global_ranks or list(range(world_size))
         try:
             job = rendezvous(store, rank, world_size, self._timeout, config, STORE_PREFIX)
-            comm = connect(
-                job_id=job.job_id,
-                job_token=job.token,
+            comm = job.connect(
                 rank=rank,
-                world_size=world_size,
                 comm_id=COMM_ID,
-                socket_path=job.socket_path,
-                timeout_s=self._timeout.total_seconds(),
+                member_nodes=job.node_of_rank[:world_size],
                 global_rank=global_ranks[rank],
-                nodes=node_layout(
-                    [job.node_of_rank[r] for r in range(world_size)], job.peer_of_node
-                ),
+                timeout_s=self._timeout.total_seconds(),
                 config=config,
             )
         except SmddpError as exc:
