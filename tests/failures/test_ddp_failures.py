@@ -106,7 +106,9 @@ def test_raising_rank(hook: str, env: dict[str, str], tmp_path: Path) -> None:
     try:
         wait_ready(procs)
         rc = wait_exit(procs[VICTIM], "the raising rank")
-        assert rc == 1, f"the raising rank exited with {rc} (negative: a signal):\n{procs[VICTIM].output()}"
+        assert rc == 1, (
+            f"the raising rank exited with {rc} (negative: a signal):\n{procs[VICTIM].output()}"
+        )
         assert "rank 2 fails on purpose at step 3" in procs[VICTIM].output(), procs[VICTIM].output()
         failed_at = next(
             float(line.split()[2]) for line in procs[VICTIM].lines if line.startswith("failing ")
