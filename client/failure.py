@@ -8,6 +8,7 @@ who failed in a ``RankFailedError``, and for ``shrink_group``. The common op nev
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -47,14 +48,20 @@ def ask_failure(session: DaemonSession, timeout_s: float = AGREE_TIMEOUT_S) -> F
     Raises:
         DaemonLostError: the daemon did not answer.
     """
-    try:
-        reply = session.failure(timeout_s)
-    except grpc.RpcError as exc:
-        raise DaemonLostError(
-            f"job {session.job_id} comm {session.comm_id} rank {session.rank}: smddpd at {session.socket_path} did not say why the communicator failed: {exc.details() or exc.code()}"  # noqa: E501
-        ) from None
-    if not reply.failed:
-        return None
+    # The daemon answers within half a second each time (so that no rank holds its threads
+    # longer): ask again until the daemons agreed, or this rank's own wait is up.
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            reply = session.failure(max(0.0, deadline - time.monotonic()))
+        except grpc.RpcError as exc:
+            raise DaemonLostError(
+                f"job {session.job_id} comm {session.comm_id} rank {session.rank}: smddpd at {session.socket_path} did not say why the communicator failed: {exc.details() or exc.code()}"  # noqa: E501
+            ) from None
+        if not reply.failed:
+            return None
+        if reply.agreed or time.monotonic() >= deadline:
+            break
     return Failure(
         kind=reply.kind,
         message=reply.message,

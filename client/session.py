@@ -366,7 +366,9 @@ class DaemonSession:
             grpc.RpcError: the daemon did not answer.
         """
         request = pb.FailureRequest(
-            session_id=self.session_id, session_secret=self._secret, wait_ms=int(timeout_s * 1000)
+            session_id=self.session_id,
+            session_secret=self._secret,
+            wait_ms=max(1, int(timeout_s * 1000)),
         )
         reply: pb.FailureReply = self._stub.Failure(request, timeout=timeout_s + 5.0)
         return reply

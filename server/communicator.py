@@ -60,6 +60,9 @@ ARENA_WAIT_POLL_S = 5.0
 # heard from each other (a peer that never answers is dead, and its ranks are then named by
 # the lost-node failure each survivor's daemon detects for itself).
 AGREE_WAIT_S = 5.0
+# The longest one Failure call waits for that agreement: the rank asks again until it has it
+# (or its own AGREE_WAIT_S is up), so no call holds a gRPC thread longer than this.
+AGREE_SLICE_S = 0.5
 # The longest error text a reply carries (characters; UTF-8 takes at most 4 bytes each), well
 # inside the data socket's message limit (MAX_MESSAGE_BYTES, 1 MiB).
 MAX_ERROR_CHARS = 64 << 10
@@ -104,6 +107,9 @@ class Session:
     next_collective: tuple[int, int] = (1, 0)
     next_p2p: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # Held by this rank's Failure call while it waits for the daemons' agreement: one at a
+    # time, so a rank cannot hold many of the daemon's gRPC threads (every job's) waiting.
+    asking_failure: threading.Lock = field(default_factory=threading.Lock)
 
     def label(self) -> str:
         """``rank 2 (pid 4711, node n1)``, the way errors name a rank: the pid the kernel

@@ -12,9 +12,9 @@ from typing import cast
 import grpc
 
 from smddp.server import __version__
-from smddp.server.communicator import AGREE_WAIT_S, Session
+from smddp.server.communicator import AGREE_SLICE_S, Session
 from smddp.server.domain import Registration
-from smddp.server.errors import PermissionDenied, SmddpError
+from smddp.server.errors import LimitExceeded, PermissionDenied, SmddpError
 from smddp.server.grpc_edge import EdgeService, edge
 from smddp.server.limits import Slots
 from smddp.server.logthrottle import refusals
@@ -125,8 +125,15 @@ class NodeService(pb_grpc.NodeServicer, EdgeService):
     def Failure(self, request: pb.FailureRequest, context: grpc.ServicerContext) -> pb.FailureReply:
         session = self._registry.authenticate(request.session_id, request.session_secret)
         comm = session.comm
-        wait_s = min(request.wait_ms / 1000, AGREE_WAIT_S) if request.wait_ms else AGREE_WAIT_S
-        record = comm.failure_record(wait_s)
+        wait_s = min(request.wait_ms / 1000, AGREE_SLICE_S) if request.wait_ms else AGREE_SLICE_S
+        if not session.asking_failure.acquire(blocking=False):
+            raise LimitExceeded(
+                f"{comm.name()}: {session.label()} asked for the communicator's failure while its previous Failure call was still waiting; ask once at a time"  # noqa: E501
+            )
+        try:
+            record = comm.failure_record(wait_s)
+        finally:
+            session.asking_failure.release()
         if record is None:
             return pb.FailureReply(failed=False, generation=comm.generation)
         kind, message, ranks, agreed = record
