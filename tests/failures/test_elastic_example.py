@@ -269,13 +269,16 @@ def _follow(proc: subprocess.Popen[str], lines: list[str], marker: str) -> threa
 
 @pytest.mark.slow
 @pytest.mark.timeout(3 * RUN_TIMEOUT_S)
-def test_a_lost_node(tmp_path: Path, loopback_nodes: Any) -> None:
+@pytest.mark.parametrize("where", ["loopback", "netns"])
+def test_a_lost_node(where: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     """Two nodes (two daemons) x 2 ranks, one launcher per node as docs/failures.md says;
     node1's daemon is SIGKILLed: node0's ranks go on as a world of two, bitwise as a two-rank
-    run from their state at the shrink; node1's ranks fail (their daemon is gone)."""
+    run from their state at the shrink; node1's ranks fail (their daemon is gone).
+    ``netns``: each node a network namespace of its own, its launcher and ranks in it, the
+    store on node0's address across the bridge."""
     from ports import free_port
 
-    nodes = loopback_nodes(2)
+    nodes = request.getfixturevalue(f"{where}_nodes")(2)
     port = free_port()
     steps = 300
     dumps = tmp_path / "dumps"
@@ -290,12 +293,13 @@ def test_a_lost_node(tmp_path: Path, loopback_nodes: Any) -> None:
             SMDDP_EMBEDDED="0",
         )
         cmd = [
+            *node.prefix,
             sys.executable,
             str(EXAMPLE),
             "--nnodes=2",
             f"--node-rank={i}",
             "--nproc=2",
-            "--master-addr=127.0.0.1",
+            f"--master-addr={nodes[0].address}",
             f"--master-port={port}",
             f"--steps={steps}",
             *([f"--dump-dir={dumps}"] if i == 0 else []),
