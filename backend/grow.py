@@ -4,7 +4,7 @@ After a failure the survivors go on as a smaller group (``smddp.shrink_group``).
 process (started by a supervisor, a launcher, Kubernetes) calls ``smddp.join(store)``: it
 registers as waiting in the job's store and blocks. The survivors call ``smddp.grow()`` at a
 step boundary, every step or every few: when nobody waits it returns the current group after
-one store read on rank 0 and one broadcast of two integers; when replacements wait, every
+one store read on rank 0 and one broadcast of one integer; when replacements wait, every
 survivor and every admitted replacement ends with a new default group of the survivors (ranks
 0..S-1, in their order) followed by the replacements (ranks S.., in the order they queued), one
 generation on, whose communicator the daemons know was grown from the old one
@@ -114,8 +114,8 @@ def grow(
     """Admits the replacement processes waiting in ``smddp.join`` into the default group.
 
     Every rank of the group calls it at the same point (a step boundary). When nobody waits it
-    returns ``group`` itself, at the cost of one store read on rank 0 and one broadcast of two
-    integers, so it can be called every step.
+    returns ``group`` itself, at the cost of one store read on rank 0 and one broadcast of one
+    integer, so it can be called every step.
 
     Args:
         group: the default group (None). Only the default group grows: a joiner has no other.
