@@ -159,6 +159,9 @@ def grow(
     if rank == 0:
         try:
             word[0] = _admit(store, pg, job, comm_id, generation, wait_for, timeout)
+        except NotImplementedError:
+            problem = f"{where}: grow meets joiners in the job's store, which must keep queues (a TCPStore); this group's is a {type(store).__name__}"  # noqa: E501
+            word[0] = -1
         except (dist.DistError, OSError, ValueError) as exc:
             # The others wait in the broadcast: they learn that rank 0 failed, not a timeout.
             problem = f"{where}: grow could not read the job's store: {exc}"
@@ -338,7 +341,12 @@ def join(store: Store, timeout: timedelta | float | None = None) -> dist.Process
     uid = secrets.token_hex(8)
     host = socket.gethostname()
     record = {"uid": uid, "node": me, "peer": peer, "pid": os.getpid(), "host": host}
-    root.queue_push(_waiting_key(), json.dumps(record))
+    try:
+        root.queue_push(_waiting_key(), json.dumps(record))
+    except NotImplementedError:
+        raise SmddpJoinError(
+            f"smddp.join on node {me}: the job's store must keep queues (a TCPStore); this one is a {type(root).__name__}"  # noqa: E501
+        ) from None
     admission = _await_admission(root, uid, wait_s, f"node {me} (pid {os.getpid()})")
     if "refused" in admission:
         raise SmddpJoinError(
