@@ -324,3 +324,39 @@ def test_heal_gives_the_joiner_the_source_ranks_state_bitwise(
         _assert_bitwise_equal(r["model"], want["model"], f"rank {r['rank']} model")
         _assert_bitwise_equal(r["optimizer"], want["optimizer"], f"rank {r['rank']} optimizer")
         _assert_bitwise_equal(r["after"], want["after"], f"rank {r['rank']} after a step")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("joined", "excluded", "message"),
+    [
+        ([0], [], "must be the last ranks of the 3, after at least one rank of the parent"),
+        ([1, 2], [1], "a communicator made by grow excludes no ranks"),
+        ([0, 1, 2], [], "must be the last ranks of the 3, after at least one rank of the parent"),
+    ],
+)
+def test_the_daemon_refuses_a_grown_lineage_that_makes_no_sense(
+    joined, excluded, message, system_daemon
+):
+    """The daemon checks a grown communicator's joined_ranks (RegisterRequest field 15)."""
+    import secrets
+
+    from smddp.client.communicator import connect
+    from smddp.client.config import ClientConfig
+    from smddp.client.errors import SmddpError
+
+    with pytest.raises(SmddpError, match=message):
+        connect(
+            job_id="jgrowcheck",
+            job_token=secrets.token_bytes(32),
+            rank=0,
+            world_size=3,
+            comm_id="0#1",
+            socket_path=system_daemon.socket,
+            timeout_s=10,
+            config=ClientConfig(),
+            parent_comm_id="0",
+            excluded_ranks=excluded,
+            generation=1,
+            joined_ranks=joined,
+        )
