@@ -46,6 +46,10 @@ world is whole again:
 
     python examples/train_elastic.py --nproc 4 --kill-rank 2 --kill-at-step 20 --replace
 
+On several nodes (each launcher with ``--replace``), a node whose daemon died comes back with
+its daemon restarted and a launcher started again with ``--join``: its workers join the
+survivors at their next grow (``test_a_lost_node_comes_back``).
+
 The launcher prints the time from the replacement's start to its first step. The steps here
 take milliseconds, so the survivors' first grow after a shrink waits (up to
 ``--join-timeout``) for as many joiners as ranks were lost; a job whose steps take longer would
@@ -285,26 +289,39 @@ def work(args: argparse.Namespace) -> int:
             if not failed:
                 raise  # not a lost rank: nothing to shrink past
         else:
+            step_done_at = time.time()
             step += 1
             if not first_step_done:
-                say(f"rank {rank}: first step done at {time.time():.3f} (attempt {attempt})")
+                say(f"rank {rank}: first step done at {step_done_at:.3f} (attempt {attempt})")
                 first_step_done = True
             if shrunk_at is not None:
                 say(
-                    f"rank {first_rank} -> {rank}: first step on the shrunk group done at {time.time():.3f} ({time.time() - shrunk_at:.3f} s after the failure reached it)"  # noqa: E501
+                    f"rank {first_rank} -> {rank}: first step on the shrunk group done at {step_done_at:.3f} ({step_done_at - shrunk_at:.3f} s after the failure reached it)"  # noqa: E501
                 )
                 shrunk_at = None
             if rank == 0 and step % args.log_every == 0:
                 say(f"rank 0: step {step} loss {loss:.4f} on {dist.get_world_size()} ranks")
-            if args.replace and step < args.steps and step % args.grow_every == 0:
+            if not (args.replace and step < args.steps and step % args.grow_every == 0):
+                continue
+            try:
                 healed = grow_at_boundary(args, model, optimizer, shards, step)
+            except dist.DistBackendError as exc:
+                # A rank lost since the step can reach this rank first in grow's broadcast on
+                # the old group: the step is done, so the survivors shrink and take the next.
+                seen_at = time.time()
+                say(f"rank {rank}: grow after step {step} failed: {type(exc).__name__}")
+                failed = failed_ranks_of(exc)
+                traceback.clear_frames(exc.__traceback__)
+                if not failed:
+                    raise
+            else:
                 if healed is not None:
                     step = healed
                     old = weakref.ref(ddp)
                     del ddp  # here: a reference held by a callee's argument would outlive it
                     ensure_gone(old, "the DDP of the group before the grow")
                     ddp = DDP(model)
-            continue
+                continue
 
         # The old DDP's reducer holds autograd hooks on the parameters and the old group: it
         # must be gone before a new DDP wraps the model, or both reducers' hooks fire.
@@ -479,7 +496,9 @@ def launch(args: argparse.Namespace) -> int:
         return proc
 
     first_rank = args.node_rank * args.nproc
-    running = {first_rank + i: start(i, f"--rank={first_rank + i}") for i in range(args.nproc)}
+    # --join: a node that comes back (its daemon restarted) starts workers that join the job.
+    roles = [("--join",) if args.join else (f"--rank={first_rank + i}",) for i in range(args.nproc)]
+    running = {first_rank + i: start(i, *roles[i]) for i in range(args.nproc)}
     codes: dict[int, int] = {}
     # The replacements, by the rank each replaces: process, when it was started.
     replacing: dict[int, tuple[subprocess.Popen[str], float]] = {}
@@ -549,7 +568,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--join-timeout", type=float, default=60.0, help="seconds to wait for a replacement"
     )
-    p.add_argument("--join", action="store_true", help=argparse.SUPPRESS)  # a replacement
+    p.add_argument(
+        "--join",
+        action="store_true",
+        help="with --nproc: workers that join a running job at its next grow (a node back)",
+    )
     # Set by the launcher for its workers.
     p.add_argument("--store", default="", help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=-1, help=argparse.SUPPRESS)

@@ -12,6 +12,9 @@ shows the grown communicator's generation and who joined.
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,8 +27,10 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 from test_elastic_example import (  # noqa: E402
+    EXAMPLE,
     RUN_TIMEOUT_S,
     _assert_bitwise_equal,
+    _follow,
     _load,
     _run,
 )
@@ -360,3 +365,120 @@ def test_the_daemon_refuses_a_grown_lineage_that_makes_no_sense(
             generation=1,
             joined_ranks=joined,
         )
+
+
+def _launcher(
+    tmp_path: Path, node: Any, socket: str, port: int, *args: str
+) -> subprocess.Popen[str]:
+    env = dict(os.environ, SMDDP_SOCKET=socket, SMDDP_NODE_ID=node, SMDDP_EMBEDDED="0")
+    cmd = [
+        sys.executable,
+        str(EXAMPLE),
+        "--nnodes=2",
+        f"--node-rank={0 if node == 'node0' else 1}",
+        "--nproc=2",
+        "--master-addr=127.0.0.1",
+        f"--master-port={port}",
+        *args,
+    ]
+    return subprocess.Popen(
+        cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def _wait_all(procs: list[subprocess.Popen[str]], timeout_s: float) -> list[int]:
+    try:
+        return [p.wait(timeout=timeout_s) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(4 * RUN_TIMEOUT_S)
+def test_a_lost_node_comes_back(tmp_path: Path, loopback_nodes: Any, start_daemon: Any) -> None:
+    """Two nodes (two daemons) x 2 ranks; node1's daemon is SIGKILLed: node0's ranks shrink to
+    two and wait at their next grow. node1 comes back: a new daemon (same node id, new peer
+    address) and its launcher again, with --join: its two workers join as ranks 2 and 3 and are
+    healed; the four train on. All four end bitwise equal, and equal to a two-node run of the
+    same steps from the state the joiners were healed with."""
+    from ports import free_port
+
+    nodes = loopback_nodes(2)
+    port = free_port()
+    steps = 200
+    dumps = tmp_path / "dumps"
+    common = [f"--steps={steps}", "--replace", f"--dump-dir={dumps}"]
+    # The survivors wait at their first grow for the node to come back: longer than the
+    # restart below takes on a loaded machine, and the group's timeout longer still.
+    waits = ["--join-timeout=180", "--pg-timeout=300"]
+    outputs: list[list[str]] = [[], [], []]
+    first = [_launcher(tmp_path, n.node_id, n.daemon.socket, port, *common, *waits) for n in nodes]
+    stepping = _follow(first[0], outputs[0], "rank 0: step 20 loss")
+    _follow(first[1], outputs[1], "\0")
+    back: list[subprocess.Popen[str]] = []
+    try:
+        assert stepping.wait(RUN_TIMEOUT_S) and first[0].poll() is None, outputs
+        nodes[1].daemon.proc.kill()
+        nodes[1].daemon.proc.wait()
+        assert first[1].wait(timeout=RUN_TIMEOUT_S) == 1, "".join(outputs[1])[-6000:]
+        # node1 comes back: its daemon restarted (a new peer address), its launcher again.
+        daemon = start_daemon(args=("--node-id", "node1"), name="node1-back")
+        started = time.time()
+        back.append(_launcher(tmp_path, "node1", daemon.socket, port, "--join", *common, *waits))
+        _follow(back[0], outputs[2], "\0")
+        try:
+            codes = _wait_all([first[0], back[0]], RUN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(
+                f"node0 or node1's second launcher did not finish:\n--- node0:\n{''.join(outputs[0])[-6000:]}\n--- node1 back:\n{''.join(outputs[2])[-6000:]}"  # noqa: E501
+            )
+    finally:
+        for p in first + back:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    time.sleep(0.5)  # the pumps' last lines
+    out0, out1, out_back = ("".join(o) for o in outputs)
+    assert codes == [0, 0], (
+        f"{codes}\n--- node0:\n{out0[-6000:]}\n--- node1 back:\n{out_back[-6000:]}"
+    )
+    assert "SmddpDaemonLostError" in out1, out1[-6000:]
+    assert "ranks [2, 3] failed; 2 ranks go on from step" in out0, out0[-6000:]
+    assert "ranks [2, 3] joined; 4 ranks go on from step" in out0, out0[-6000:]
+    for r, out in ((0, out0), (1, out0), (2, out_back), (3, out_back)):
+        assert f"rank {r}: trained {steps} steps on 4 ranks" in out, out[-6000:]
+    firsts = [
+        float(t)
+        for t in re.findall(
+            r"^rank \d \(replacement\): first step done at ([\d.]+)", out_back, re.M
+        )
+    ]
+    assert len(firsts) == 2, out_back
+    print(f"node1's launcher started again -> its ranks' first step: {max(firsts) - started:.3f} s")
+
+    grown = _load(dumps / "grow.pt")
+    finals = [_load(dumps / f"final.rank{r}.pt") for r in range(4)]
+    for r in range(1, 4):
+        _assert_bitwise_equal(finals[r]["model"], finals[0]["model"], f"rank {r} model")
+        _assert_bitwise_equal(finals[r]["optimizer"], finals[0]["optimizer"], f"rank {r} opt")
+    assert steps - grown["step"] >= 20, grown["step"]
+
+    # The reference: the same two daemons, two launchers, from grow.pt.
+    ref = tmp_path / "reference"
+    port = free_port()
+    again = ["--resume=" + str(dumps / "grow.pt"), f"--steps={steps}", f"--dump-dir={ref}"]
+    refs = [
+        _launcher(tmp_path, "node0", nodes[0].daemon.socket, port, *again),
+        _launcher(tmp_path, "node1", daemon.socket, port, *again),
+    ]
+    ref_out: list[list[str]] = [[], []]
+    for p, o in zip(refs, ref_out):
+        _follow(p, o, "\0")
+    assert _wait_all(refs, RUN_TIMEOUT_S) == [0, 0], ref_out
+    reference = _load(ref / "final.pt")
+    assert reference["step"] == finals[0]["step"] == steps
+    _assert_bitwise_equal(finals[0]["model"], reference["model"], "model")
+    _assert_bitwise_equal(finals[0]["optimizer"], reference["optimizer"], "optimizer")
