@@ -65,7 +65,8 @@ def heal(
     state: list[torch.Tensor] = []
     if me == src and optimizer is not None:
         skeleton = _strip(optimizer.state_dict(), state)
-    box: list[Any] = [(shape, skeleton, [(tuple(t.shape), t.dtype) for t in state])]
+    meta = [(tuple(t.shape), t.dtype, t.device.type) for t in state]
+    box: list[Any] = [(shape, skeleton, meta)]
     dist.broadcast_object_list(box, group_src=src, group=pg)
     src_shape, skeleton, state_meta = box[0]
     if src_shape != shape:
@@ -75,7 +76,12 @@ def heal(
             f"rank {me}: the model's tensor {first} differs from rank {src}'s (rank {src}: {src_shape[first] if first < len(src_shape) else 'none'}, here: {shape[first] if first < len(shape) else 'none'}): heal needs the same model on every rank"  # noqa: E501
         )
     if me != src and optimizer is not None:
-        state = [torch.empty(s, dtype=d) for s, d in state_meta]
+        # On the device kind src keeps it on (this rank's current CUDA device for a GPU
+        # tensor): every rank's part of a broadcast lives on the same kind of device.
+        state = [
+            torch.empty(s, dtype=d, device="cuda" if kind == "cuda" else "cpu")
+            for s, d, kind in state_meta
+        ]
     _broadcast_flat(tensors + state, src, pg)
     if me != src and optimizer is not None and skeleton is not None:
         optimizer.load_state_dict(_fill(skeleton, iter(state)))
