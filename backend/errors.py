@@ -43,6 +43,14 @@ class SmddpDaemonLostError(SmddpBackendError):
     """The node daemon stopped, restarted or crashed."""
 
 
+class SmddpJoinError(SmddpBackendError):
+    """``smddp.join`` could not make this process a rank of the job (the message says why)."""
+
+
+class SmddpJoinTimeoutError(SmddpJoinError):
+    """No ``smddp.grow`` admitted the joining process within ``smddp.join``'s timeout."""
+
+
 def translate(exc: client_errors.SmddpError, comm: Communicator | None = None) -> SmddpBackendError:
     """The backend error for a client error, with the same message; a rank failure of
     ``comm`` also says which ranks failed and the group's generation (asked of its daemon)."""

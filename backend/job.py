@@ -78,6 +78,7 @@ class Job:
         parent_comm_id: str = "",
         excluded_ranks: Sequence[int] = (),
         generation: int = 0,
+        joined_ranks: Sequence[int] = (),
     ) -> Communicator:
         """Registers this process as ``rank`` of a communicator of this job, whose members
         (in rank order) live on ``member_nodes``; the lineage arguments are ``connect``'s.
@@ -99,6 +100,7 @@ class Job:
             parent_comm_id=parent_comm_id,
             excluded_ranks=excluded_ranks,
             generation=generation,
+            joined_ranks=joined_ranks,
         )
 
 

@@ -669,6 +669,7 @@ def connect(
     parent_comm_id: str = "",
     excluded_ranks: Sequence[int] = (),
     generation: int = 0,
+    joined_ranks: Sequence[int] = (),
 ) -> Communicator:
     """Registers this process as ``rank`` of a communicator with its node daemon.
 
@@ -688,6 +689,8 @@ def connect(
         parent_comm_id, excluded_ranks, generation: for shrink_group, the communicator this
             one replaces, its ranks left out (its numbering) and the new generation; every
             rank must pass the same three.
+        joined_ranks: for smddp.grow (with ``parent_comm_id`` and ``generation``, no
+            ``excluded_ranks``), the ranks of the new communicator that were not in the parent.
 
     Returns:
         The Communicator, ready for ops.
@@ -714,6 +717,7 @@ def connect(
         parent_comm_id=parent_comm_id,
         excluded_ranks=sorted(excluded_ranks),
         generation=generation,
+        joined_ranks=sorted(joined_ranks),
     )
     session = DaemonSession(path, register, config.op_channel)
     comm = Communicator(session, timeout_s, single_node=len(nodes) <= 1, config=config)

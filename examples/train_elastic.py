@@ -37,6 +37,25 @@ and a kill restarts the whole job, from step 0: the comparison this example is m
 ``--dump-dir`` writes the state (model, optimizer, step) at the shrink and at the end;
 ``--resume FILE`` starts from such a state: with ``--nproc 3`` it trains the shrunk world from
 the same state, which must end bitwise equal (``tests/failures/test_elastic_example.py``).
+
+A replacement (``--replace``): the launcher starts a new worker for each killed one, as a
+supervisor would. It calls ``smddp.join`` and waits; the survivors call ``smddp.grow`` at each
+step boundary (every ``--grow-every`` steps), which admits it as the last rank, then
+``smddp.heal`` sends it rank 0's model and optimizer state and the step to go on from, and the
+world is whole again:
+
+    python examples/train_elastic.py --nproc 4 --kill-rank 2 --kill-at-step 20 --replace
+
+On several nodes (each launcher with ``--replace``), a node whose daemon died comes back with
+its daemon restarted and a launcher started again with ``--join``: its workers join the
+survivors at their next grow (``test_a_lost_node_comes_back``).
+
+The launcher prints the time from the replacement's start to its first step. The steps here
+take milliseconds, so the survivors' first grow after a shrink waits (up to
+``--join-timeout``) for as many joiners as ranks were lost; a job whose steps take longer would
+just call ``grow()`` every few steps and let the replacement in whenever it is ready.
+``--dump-dir`` then also writes grow.pt (the state the replacement was healed with) and each
+rank's final state (final.rank{R}.pt), for the bitwise comparison (``tests/failures/test_grow.py``).
 """
 
 from __future__ import annotations
@@ -68,6 +87,7 @@ import smddp  # registers the "smddp" backend; shrink_group, failed_ranks
 
 GLOBAL_BATCH = 96  # divisible by 1, 2, 3, 4, 6, 8: the same global batch on any of these worlds
 FIRST_SHRUNK = re.compile(r"^rank \d+ -> \d+: first step on the shrunk group done at ([\d.]+)")
+FIRST_JOINED = re.compile(r"^rank (\d+) \(replacement\): first step done at ([\d.]+)")
 KILLED = re.compile(r"^rank (\d+): SIGKILL to itself at step \d+, at ([\d.]+)")
 
 
@@ -202,10 +222,21 @@ def agree_on_state(
     return int(state["step"]), src
 
 
+def heal_from_rank_0(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> int:
+    """After a grow: every rank takes rank 0's model and optimizer state (``smddp.heal``) and
+    its step, which is also where the data goes on (Shards.batch(step)). Returns the step."""
+    smddp.heal(model, optimizer, src=0)
+    box = torch.tensor([step], dtype=torch.int64)
+    dist.broadcast(box, src=0)
+    return int(box[0])
+
+
 def work(args: argparse.Namespace) -> int:
     """One rank: trains ``args.steps`` steps, shrinking past every rank that dies."""
     torch.set_num_threads(1)
     timeout = timedelta(seconds=args.pg_timeout)
+    if args.join:
+        return work_as_replacement(args, timeout)
     if args.store:
         # Started by this file's launcher, which holds the store: any rank may die, rank 0 too.
         host, port = args.store.rsplit(":", 1)
@@ -258,28 +289,45 @@ def work(args: argparse.Namespace) -> int:
             if not failed:
                 raise  # not a lost rank: nothing to shrink past
         else:
+            step_done_at = time.time()
             step += 1
             if not first_step_done:
-                say(f"rank {rank}: first step done at {time.time():.3f} (attempt {attempt})")
+                say(f"rank {rank}: first step done at {step_done_at:.3f} (attempt {attempt})")
                 first_step_done = True
             if shrunk_at is not None:
                 say(
-                    f"rank {first_rank} -> {rank}: first step on the shrunk group done at {time.time():.3f} ({time.time() - shrunk_at:.3f} s after the failure reached it)"  # noqa: E501
+                    f"rank {first_rank} -> {rank}: first step on the shrunk group done at {step_done_at:.3f} ({step_done_at - shrunk_at:.3f} s after the failure reached it)"  # noqa: E501
                 )
                 shrunk_at = None
             if rank == 0 and step % args.log_every == 0:
                 say(f"rank 0: step {step} loss {loss:.4f} on {dist.get_world_size()} ranks")
-            continue
+            if not (args.replace and step < args.steps and step % args.grow_every == 0):
+                continue
+            try:
+                healed = grow_at_boundary(args, model, optimizer, shards, step)
+            except dist.DistBackendError as exc:
+                # A rank lost since the step can reach this rank first in grow's broadcast on
+                # the old group: the step is done, so the survivors shrink and take the next.
+                seen_at = time.time()
+                say(f"rank {rank}: grow after step {step} failed: {type(exc).__name__}")
+                failed = failed_ranks_of(exc)
+                traceback.clear_frames(exc.__traceback__)
+                if not failed:
+                    raise
+            else:
+                if healed is not None:
+                    step = healed
+                    old = weakref.ref(ddp)
+                    del ddp  # here: a reference held by a callee's argument would outlive it
+                    ensure_gone(old, "the DDP of the group before the grow")
+                    ddp = DDP(model)
+                continue
 
         # The old DDP's reducer holds autograd hooks on the parameters and the old group: it
         # must be gone before a new DDP wraps the model, or both reducers' hooks fire.
         old = weakref.ref(ddp)
         del ddp
-        gc.collect()
-        if old() is not None:
-            raise RuntimeError(
-                f"rank {rank}: the failed step's DDP is still referenced; a new DDP beside it would see its autograd hooks fire too"  # noqa: E501
-            )
+        ensure_gone(old, "the failed step's DDP")
         shrunk_at = seen_at
         smddp.shrink_group(failed)
         say(
@@ -293,10 +341,99 @@ def work(args: argparse.Namespace) -> int:
         if dump_dir is not None and dist.get_rank() == 0:
             dump(dump_dir / "shrink.pt", state_of(model, optimizer, step))
 
+    finish(args, model, optimizer, step)
+    return 0
+
+
+def finish(
+    args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.Optimizer, step: int
+) -> None:
     say(f"rank {dist.get_rank()}: trained {step} steps on {dist.get_world_size()} ranks")
-    if dump_dir is not None and dist.get_rank() == 0:
-        dump(dump_dir / "final.pt", state_of(model, optimizer, step))
+    if args.dump_dir:
+        if dist.get_rank() == 0:
+            dump(Path(args.dump_dir) / "final.pt", state_of(model, optimizer, step))
+        if args.replace:
+            rank_file = Path(args.dump_dir) / f"final.rank{dist.get_rank()}.pt"
+            dump(rank_file, state_of(model, optimizer, step))
     dist.destroy_process_group()
+
+
+def ensure_gone(old: weakref.ref[DDP], what: str) -> None:
+    """Checks that a dropped DDP is gone: its reducer holds autograd hooks on the parameters
+    and the old group, and a new DDP beside it would see both reducers' hooks fire."""
+    gc.collect()
+    if old() is not None:
+        raise RuntimeError(
+            f"rank {dist.get_rank()}: {what} is still referenced; a new DDP beside it would see its autograd hooks fire too"  # noqa: E501
+        )
+
+
+def grow_at_boundary(
+    args: argparse.Namespace,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    shards: Shards,
+    step: int,
+) -> int | None:
+    """At a step boundary: admits the replacements waiting (``smddp.grow``) and heals them.
+    Returns the step to go on from when the group grew (the caller then wraps the model in a
+    DDP of the new group), None when nobody joined."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    missing = max(0, args.world_size - world)
+    # The first grow after a loss waits for the replacements (see the module's docstring).
+    started = time.time()
+    group = smddp.grow(wait_for=missing, timeout=args.join_timeout)
+    if group.size() == world:
+        return None
+    step = heal_from_rank_0(model, optimizer, step)
+    shards.reshard()
+    say(
+        f"rank {rank} -> {dist.get_rank()}: ranks {list(range(world, group.size()))} joined; {group.size()} ranks go on from step {step} ({time.time() - started:.3f} s to grow and heal)"  # noqa: E501
+    )
+    if args.dump_dir and dist.get_rank() == 0:
+        dump(Path(args.dump_dir) / "grow.pt", state_of(model, optimizer, step))
+    return step
+
+
+def work_as_replacement(args: argparse.Namespace, timeout: timedelta) -> int:
+    """A replacement worker: joins at the survivors' next grow, is healed from rank 0, and
+    trains the remaining steps (it is not killed again, and grows no further)."""
+    host, port = args.store.rsplit(":", 1)
+    store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+    # Everything that takes time before joining: once admitted, the survivors wait for it.
+    model = make_model(args.seed)  # its weights are replaced by rank 0's
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    data = load_data()
+    waiting_at = time.time()
+    say(f"replacement pid {os.getpid()}: waiting to join at {waiting_at:.3f}")
+    smddp.join(store, timeout=args.join_timeout)
+    rank = dist.get_rank()
+    joined_at = time.time()
+    step = heal_from_rank_0(model, optimizer, 0)
+    shards = Shards(data, args.seed)
+    ddp = DDP(model)
+    say(
+        f"rank {rank} (replacement): admitted {joined_at - waiting_at:.3f} s after it queued, healed at step {step} in {time.time() - joined_at:.3f} s"  # noqa: E501
+    )
+    first = True
+    while step < args.steps:
+        x, y = shards.batch(step)
+        loss = train_step(ddp, optimizer, x, y)
+        step += 1
+        if first:
+            say(f"rank {rank} (replacement): first step done at {time.time():.3f}")
+            first = False
+        if rank == 0 and step % args.log_every == 0:
+            say(f"rank 0: step {step} loss {loss:.4f} on {dist.get_world_size()} ranks")
+        if step < args.steps and step % args.grow_every == 0:
+            healed = grow_at_boundary(args, model, optimizer, shards, step)
+            if healed is not None:
+                step = healed
+                old = weakref.ref(ddp)
+                del ddp
+                ensure_gone(old, "the DDP of the group before the grow")
+                ddp = DDP(model)
+    finish(args, model, optimizer, step)
     return 0
 
 
@@ -338,20 +475,15 @@ def launch(args: argparse.Namespace) -> int:
     ]
     passed += [f"--dump-dir={args.dump_dir}"] if args.dump_dir else []
     passed += [f"--resume={args.resume}"] if args.resume else []
-    workers = []
+    if args.replace:
+        passed += ["--replace", f"--grow-every={args.grow_every}"]
+        passed += [f"--join-timeout={args.join_timeout}"]
     outputs: list[list[str]] = []
-    for local in range(args.nproc):
-        rank = args.node_rank * args.nproc + local
-        cmd = [
-            sys.executable,
-            __file__,
-            f"--store={address}",
-            f"--rank={rank}",
-            f"--world-size={world}",
-            *passed,
-        ]
+
+    def start(local: int, *role: str) -> subprocess.Popen[str]:
+        cmd = [sys.executable, __file__, f"--store={address}", f"--world-size={world}"]
         proc = subprocess.Popen(
-            cmd,
+            [*cmd, *role, *passed],
             env=dict(env, LOCAL_RANK=str(local)),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
@@ -360,9 +492,34 @@ def launch(args: argparse.Namespace) -> int:
         )
         lines: list[str] = []
         threading.Thread(target=_pump, args=(proc, lines), daemon=True).start()
-        workers.append((rank, proc))
         outputs.append(lines)
-    codes = {rank: proc.wait() for rank, proc in workers}
+        return proc
+
+    first_rank = args.node_rank * args.nproc
+    # --join: a node that comes back (its daemon restarted) starts workers that join the job.
+    roles = [("--join",) if args.join else (f"--rank={first_rank + i}",) for i in range(args.nproc)]
+    running = {first_rank + i: start(i, *roles[i]) for i in range(args.nproc)}
+    codes: dict[int, int] = {}
+    # The replacements, by the rank each replaces: process, when it was started.
+    replacing: dict[int, tuple[subprocess.Popen[str], float]] = {}
+    replaced: dict[int, int] = {}  # their exit codes
+    while running or len(replaced) < len(replacing):
+        for rank, proc in list(running.items()):
+            code = proc.poll()
+            if code is None:
+                continue
+            del running[rank]
+            codes[rank] = code
+            if code == -signal.SIGKILL and args.replace:
+                # As a supervisor would: a new worker in the dead one's place, which joins
+                # the survivors at their next grow.
+                started = time.time()
+                replacing[rank] = (start(rank - first_rank, "--join"), started)
+                say(f"launcher: rank {rank} was killed; its replacement started at {started:.3f}")
+        for rank, (proc, _) in replacing.items():
+            if rank not in replaced and proc.poll() is not None:
+                replaced[rank] = proc.returncode
+        time.sleep(0.05)
     time.sleep(0.2)  # the pumps' last lines
     text = [line for lines in outputs for line in lines]
     killed = [m for m in map(KILLED.match, text) if m]
@@ -375,7 +532,15 @@ def launch(args: argparse.Namespace) -> int:
         say(
             f"launcher: kill -> first step on the shrunk group: {kill_to_first:.3f} s (slowest of {len(firsts)} survivors)"  # noqa: E501
         )
-    return 1 if failed or len(lost) == world else 0
+    joined = sorted((float(m[2]), int(m[1])) for m in map(FIRST_JOINED.match, text) if m)
+    for (rank, (_, started)), (first_step, new_rank) in zip(sorted(replacing.items()), joined):
+        say(
+            f"launcher: the replacement of rank {rank} (now rank {new_rank}): start -> first step {first_step - started:.3f} s"  # noqa: E501
+        )
+    bad = sorted(r for r, c in replaced.items() if c != 0)
+    if replacing:
+        say(f"launcher: replacements of ranks {sorted(replacing)}; those of ranks {bad} failed")
+    return 1 if failed or bad or len(lost) == world and not replacing else 0
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -394,6 +559,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--pg-timeout", type=float, default=120.0, help="the group's timeout, seconds")
     p.add_argument("--dump-dir", default="", help="write shrink.pt and final.pt here (rank 0)")
     p.add_argument("--resume", default="", help="start from a shrink.pt / final.pt state")
+    p.add_argument(
+        "--replace",
+        action="store_true",
+        help="start a replacement for each killed worker; it joins at the survivors' next grow",
+    )
+    p.add_argument("--grow-every", type=int, default=1, help="with --replace: steps per grow()")
+    p.add_argument(
+        "--join-timeout", type=float, default=60.0, help="seconds to wait for a replacement"
+    )
+    p.add_argument(
+        "--join",
+        action="store_true",
+        help="with --nproc: workers that join a running job at its next grow (a node back)",
+    )
     # Set by the launcher for its workers.
     p.add_argument("--store", default="", help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=-1, help=argparse.SUPPRESS)

@@ -317,6 +317,8 @@ class Communicator:
         self.parent_comm_id = ""
         self.excluded: tuple[int, ...] = ()
         self.generation = 0
+        # Set by the registry for a communicator made by smddp.grow: its ranks that joined.
+        self.joined: tuple[int, ...] = ()
         # The ranks that left or died (a clean leave fails the others as well) and, once
         # failed, the set every survivor is told: this node's finding merged with each peer
         # node's until every peer has been heard from (``_agreed``), then frozen, so that every
@@ -1389,6 +1391,7 @@ class Communicator:
                 generation=self.generation,
                 parent_comm_id=self.parent_comm_id,
                 excluded_ranks=self.excluded,
+                joined_ranks=self.joined,
                 failed_ranks=sorted(self._failed_ranks),
                 failed=self._failed[1] if self._failed else "",
                 ops_completed=_clamp(

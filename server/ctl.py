@@ -217,7 +217,11 @@ def cmd_status(args: argparse.Namespace) -> int:
             f"  job {c.job_id} comm {c.comm_id}: "
             f"{len(c.ranks)}/{c.world_size} ranks, {c.ops_completed} ops, {state}"
         )
-        if c.generation:
+        if c.generation and c.joined_ranks:
+            print(
+                f"    generation {c.generation}: grown from comm {c.parent_comm_id}; ranks {', '.join(map(str, c.joined_ranks))} joined"  # noqa: E501
+            )
+        elif c.generation:
             print(
                 f"    generation {c.generation}: shrunk from comm {c.parent_comm_id}, which left out ranks {', '.join(map(str, c.excluded_ranks))}"  # noqa: E501
             )

@@ -59,10 +59,12 @@ class Registration:
     global_rank: int = 0
     node_id: str = ""
     nodes: tuple[NodeSpec, ...] = ()  # empty: every rank on this node
-    # Set by shrink_group: the communicator replaced, its ranks left out, the new generation.
+    # Set by shrink_group: the communicator replaced, its ranks left out, the new generation;
+    # by smddp.grow: the communicator replaced, the ranks that joined, the new generation.
     parent_comm_id: str = ""
     excluded: tuple[int, ...] = ()
     generation: int = 0
+    joined: tuple[int, ...] = ()
 
     @classmethod
     def from_proto(cls, req: pb.RegisterRequest) -> Registration:
@@ -73,7 +75,7 @@ class Registration:
             pid=req.pid, global_rank=req.global_rank, node_id=req.node_id,
             nodes=tuple(NodeSpec(n.node_id, n.peer_address, tuple(n.ranks)) for n in req.nodes),
             parent_comm_id=req.parent_comm_id, excluded=tuple(req.excluded_ranks),
-            generation=req.generation,
+            generation=req.generation, joined=tuple(req.joined_ranks),
         )  # fmt: skip
 
 

@@ -107,6 +107,11 @@ class Metrics:
             "Communicators this daemon made for shrink_group's survivors (generation 1 and up; smddpctl status shows each one's generation and the ranks it left out)",  # noqa: E501
             registry=r,
         )
+        self.grows = Counter(
+            "smddp_grows",
+            "Communicators this daemon made for smddp.grow (survivors and the replacements that joined them; smddpctl status shows each one's generation and the ranks that joined)",  # noqa: E501
+            registry=r,
+        )
         self.registered_ranks = Gauge(
             "smddp_registered_ranks", "Ranks registered with this daemon", registry=r
         )

@@ -207,6 +207,7 @@ class Registry:
                 comm.parent_comm_id = req.parent_comm_id
                 comm.excluded = req.excluded
                 comm.generation = req.generation
+                comm.joined = req.joined
                 comm.max_pending_ops = self.config.max_pending_ops
                 comm.algorithms = Selector(comm.layout.name(), self.config.algo)
                 if len(comm.nodes) > 1:
@@ -225,11 +226,12 @@ class Registry:
                     )
                 job.comms[req.comm_id] = comm
                 if req.generation and self.metrics is not None:
-                    self.metrics.shrinks.inc()
-            elif (req.parent_comm_id, req.excluded, req.generation) != (
+                    (self.metrics.grows if req.joined else self.metrics.shrinks).inc()
+            elif (req.parent_comm_id, req.excluded, req.generation, req.joined) != (
                 comm.parent_comm_id,
                 comm.excluded,
                 comm.generation,
+                comm.joined,
             ):
                 mismatch = self._shrink_mismatch(comm, req, where)
             else:
@@ -303,17 +305,21 @@ class Registry:
 
     @staticmethod
     def _check_shrink(req: Registration, where: str) -> None:
-        """Checks the shrink_group fields of a registration (all empty for any other)."""
+        """Checks the lineage fields of a registration: shrink_group's (excluded ranks) or
+        smddp.grow's (joined ranks), all empty for any other."""
         if not req.parent_comm_id:
-            if req.excluded or req.generation:
+            if req.excluded or req.generation or req.joined:
                 raise InvalidRequest(
-                    f"{where}: excluded_ranks and generation come with a parent_comm_id (shrink_group)"  # noqa: E501
+                    f"{where}: excluded_ranks, joined_ranks and generation come with a parent_comm_id (shrink_group, grow)"  # noqa: E501
                 )
             return
         if not COMM_ID.match(req.parent_comm_id) or req.parent_comm_id == req.comm_id:
             raise InvalidRequest(
                 f"{where}: parent_comm_id {quote(req.parent_comm_id)} must name another communicator"  # noqa: E501
             )
+        if req.joined:
+            Registry._check_grow(req, where)
+            return
         excluded = list(req.excluded)
         parent_size = req.world_size + len(excluded)
         if not excluded or excluded != sorted(set(excluded)) or excluded[-1] >= parent_size:
@@ -325,9 +331,33 @@ class Registry:
             raise InvalidRequest(f"{where}: a shrunk communicator's generation is at least 1")
 
     @staticmethod
+    def _check_grow(req: Registration, where: str) -> None:
+        """Checks smddp.grow's fields: the joiners are the last ranks, after the parent's."""
+        joined = list(req.joined)
+        first = req.world_size - len(joined)
+        if req.excluded:
+            raise InvalidRequest(
+                f"{where}: a communicator made by grow excludes no ranks (joined_ranks {joined[:16]}, excluded_ranks {list(req.excluded)[:16]})"  # noqa: E501
+            )
+        if first < 1 or joined != list(range(first, req.world_size)):
+            raise InvalidRequest(
+                f"{where}: "
+                f"joined_ranks {joined[:16]} must be the last ranks of the {req.world_size}, after at least one rank of the parent"  # noqa: E501
+            )
+        if req.generation < 1:
+            raise InvalidRequest(f"{where}: a grown communicator's generation is at least 1")
+
+    @staticmethod
     def _shrink_mismatch(comm: Communicator, req: Registration, where: str) -> str:
-        """The error for a survivor whose shrink_group differs from the ranks' before it."""
+        """The error for a survivor whose shrink_group (or grow) differs from the ranks'
+        before it."""
         before = sorted(comm.members)
+        if req.joined or comm.joined:
+            return (
+                f"{where}: "
+                f"rank {req.rank} called grow on comm {req.parent_comm_id or '(none)'} admitting ranks {list(req.joined)} (generation {req.generation}), but {rank_list(before)} admitted ranks {list(comm.joined)} to comm {comm.parent_comm_id or '(none)'} (generation {comm.generation}): "  # noqa: E501
+                "every rank of a grown group must name the same joiners"
+            )
         return (
             f"{where}: "
             f"rank {req.rank} called shrink_group on comm {req.parent_comm_id or '(none)'} excluding ranks {list(req.excluded)} (generation {req.generation}), but {rank_list(before)} excluded ranks {list(comm.excluded)} of comm {comm.parent_comm_id or '(none)'} (generation {comm.generation}): "  # noqa: E501

@@ -149,12 +149,16 @@ _BACKEND_CALLS = {
     "failed_ranks": "smddp.backend.shrink",
     "SHRINK_DEFAULT": "smddp.backend.shrink",
     "SHRINK_ABORT": "smddp.backend.shrink",
+    "grow": "smddp.backend.grow",
+    "join": "smddp.backend.grow",
+    "heal": "smddp.backend.heal",
 }
 
 
 def __getattr__(name: str) -> Any:
-    """``smddp.shrink_group``, its flags and ``smddp.failed_ranks``, from the backend, on first
-    use (they need torch, which ``import smddp`` does not import)."""
+    """``smddp.shrink_group``, its flags, ``smddp.failed_ranks``, ``smddp.grow``,
+    ``smddp.join`` and ``smddp.heal``, from the backend, on first use (they need torch, which
+    ``import smddp`` does not import)."""
     module = _BACKEND_CALLS.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -133,6 +133,7 @@ OUTSIDE_CONFIG: set[tuple[str, str]] = set()
 # Everything they call takes the config they built.
 ENTRY_POINTS = {
     ("backend/__init__.py", "_create"),
+    ("backend/grow.py", "join"),
     ("backend/torchft.py", "_create_pg"),
     ("client/communicator.py", "connect"),
     ("client/discovery.py", "rendezvous"),

@@ -217,7 +217,7 @@ class MeetRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., proof: _Optional[bytes] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., node_id: _Optional[str] = ..., peer_address: _Optional[str] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("job_id", "job_token", "comm_id", "rank", "world_size", "global_rank", "node_id", "pid", "arena_bytes", "timeout_ms", "nodes", "parent_comm_id", "excluded_ranks", "generation")
+    __slots__ = ("job_id", "job_token", "comm_id", "rank", "world_size", "global_rank", "node_id", "pid", "arena_bytes", "timeout_ms", "nodes", "parent_comm_id", "excluded_ranks", "generation", "joined_ranks")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_TOKEN_FIELD_NUMBER: _ClassVar[int]
     COMM_ID_FIELD_NUMBER: _ClassVar[int]
@@ -232,6 +232,7 @@ class RegisterRequest(_message.Message):
     PARENT_COMM_ID_FIELD_NUMBER: _ClassVar[int]
     EXCLUDED_RANKS_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    JOINED_RANKS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     job_token: bytes
     comm_id: str
@@ -246,7 +247,8 @@ class RegisterRequest(_message.Message):
     parent_comm_id: str
     excluded_ranks: _containers.RepeatedScalarFieldContainer[int]
     generation: int
-    def __init__(self, job_id: _Optional[str] = ..., job_token: _Optional[bytes] = ..., comm_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., global_rank: _Optional[int] = ..., node_id: _Optional[str] = ..., pid: _Optional[int] = ..., arena_bytes: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeSpec, _Mapping]]] = ..., parent_comm_id: _Optional[str] = ..., excluded_ranks: _Optional[_Iterable[int]] = ..., generation: _Optional[int] = ...) -> None: ...
+    joined_ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, job_id: _Optional[str] = ..., job_token: _Optional[bytes] = ..., comm_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., global_rank: _Optional[int] = ..., node_id: _Optional[str] = ..., pid: _Optional[int] = ..., arena_bytes: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeSpec, _Mapping]]] = ..., parent_comm_id: _Optional[str] = ..., excluded_ranks: _Optional[_Iterable[int]] = ..., generation: _Optional[int] = ..., joined_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class NodeSpec(_message.Message):
     __slots__ = ("node_id", "peer_address", "ranks")
@@ -525,7 +527,7 @@ class RankStatus(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., global_rank: _Optional[int] = ..., pid: _Optional[int] = ..., node_id: _Optional[str] = ..., attached: _Optional[bool] = ..., ops_completed: _Optional[int] = ...) -> None: ...
 
 class CommStatus(_message.Message):
-    __slots__ = ("job_id", "comm_id", "world_size", "ranks", "pending", "failed", "ops_completed", "algorithms", "generation", "parent_comm_id", "excluded_ranks", "failed_ranks")
+    __slots__ = ("job_id", "comm_id", "world_size", "ranks", "pending", "failed", "ops_completed", "algorithms", "generation", "parent_comm_id", "excluded_ranks", "failed_ranks", "joined_ranks")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     COMM_ID_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -538,6 +540,7 @@ class CommStatus(_message.Message):
     PARENT_COMM_ID_FIELD_NUMBER: _ClassVar[int]
     EXCLUDED_RANKS_FIELD_NUMBER: _ClassVar[int]
     FAILED_RANKS_FIELD_NUMBER: _ClassVar[int]
+    JOINED_RANKS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     comm_id: str
     world_size: int
@@ -550,7 +553,8 @@ class CommStatus(_message.Message):
     parent_comm_id: str
     excluded_ranks: _containers.RepeatedScalarFieldContainer[int]
     failed_ranks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, job_id: _Optional[str] = ..., comm_id: _Optional[str] = ..., world_size: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., pending: _Optional[_Iterable[_Union[PendingOp, _Mapping]]] = ..., failed: _Optional[str] = ..., ops_completed: _Optional[int] = ..., algorithms: _Optional[_Iterable[str]] = ..., generation: _Optional[int] = ..., parent_comm_id: _Optional[str] = ..., excluded_ranks: _Optional[_Iterable[int]] = ..., failed_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+    joined_ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, job_id: _Optional[str] = ..., comm_id: _Optional[str] = ..., world_size: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., pending: _Optional[_Iterable[_Union[PendingOp, _Mapping]]] = ..., failed: _Optional[str] = ..., ops_completed: _Optional[int] = ..., algorithms: _Optional[_Iterable[str]] = ..., generation: _Optional[int] = ..., parent_comm_id: _Optional[str] = ..., excluded_ranks: _Optional[_Iterable[int]] = ..., failed_ranks: _Optional[_Iterable[int]] = ..., joined_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StatusReply(_message.Message):
     __slots__ = ("node_id", "version", "uptime_seconds", "comms")
