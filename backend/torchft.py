@@ -169,13 +169,17 @@ class ProcessGroupSmddp(ProcessGroupWrapper):  # type: ignore[misc]  # torchft s
                 f"smddp: the process group of replica {self._replica_id} (quorum {self._quorum_id}, rank {self._rank}) was aborted"  # noqa: E501
             )
         if isinstance(pg, SmddpProcessGroup):
-            self._leave(pg)
+            why = "after an error" if errored else "to replace it"
+            self._leave(
+                pg,
+                f"torchft aborted the process group of replica {self._replica_id} (quorum {self._quorum_id}) {why}",  # noqa: E501
+            )
 
-    def _leave(self, pg: SmddpProcessGroup) -> None:
+    def _leave(self, pg: SmddpProcessGroup, reason: str = "") -> None:
         # Deregistering first is what fails the ops in flight (here and on the peers); the
         # rest (draining them, unmapping the arena) may wait on them, so it runs apart.
         try:
-            pg.comm.session.leave()
+            pg.comm.session.leave(reason)
         except Exception as exc:  # the daemon may be gone: nothing left to leave
             log.debug("smddp: leaving the torchft group failed: %r", exc)
 

@@ -384,17 +384,21 @@ class DaemonSession:
         )
         self._stub.Revoke(request, timeout=timeout_s)
 
-    def leave(self) -> None:
+    def leave(self, reason: str = "") -> None:
         """Leaves the communicator now, keeping socket and arena for ``close``: the daemon
         fails the communicator's pending and later ops on every rank, this one's included
-        (an abort; torchft's ProcessGroupSmddp.abort). A second call, or ``close``'s, is
-        refused by the daemon and ignored."""
+        (an abort; torchft's ProcessGroupSmddp.abort), telling them ``reason`` (default:
+        destroy_process_group). A second call, or ``close``'s, is refused by the daemon and
+        ignored."""
         if self._closed:
             return
         try:
             self._stub.Deregister(
                 pb.DeregisterRequest(
-                    session_id=self.session_id, session_secret=self._secret, shrink=self.shrink
+                    session_id=self.session_id,
+                    session_secret=self._secret,
+                    shrink=self.shrink,
+                    reason=reason,
                 ),
                 timeout=5,
             )

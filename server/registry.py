@@ -666,9 +666,9 @@ class Registry:
 
     # -- leaving ------------------------------------------------------------------------------
 
-    def deregister(self, session: Session, shrink: str = "") -> None:
-        """Removes a rank that left cleanly (destroy_process_group), or for the survivors'
-        new group (``shrink`` says which: it is then not one of the failed ranks)."""
+    def deregister(self, session: Session, shrink: str = "", reason: str = "") -> None:
+        """Removes a rank that left cleanly (destroy_process_group, or ``reason``), or for the
+        survivors' new group (``shrink`` says which: it is then not one of the failed ranks)."""
         if shrink:
             why = (
                 f"{session.comm.name()}: "
@@ -678,7 +678,7 @@ class Registry:
             return
         why = (
             f"{session.comm.name()}: "
-            f"{session.label()} has left the communicator (destroy_process_group)"
+            f"{session.label()} has left the communicator ({reason or 'destroy_process_group'})"
         )
         self._drop(session, why, pb.RANK_FAILED, logging.INFO)
 

@@ -118,7 +118,7 @@ class NodeService(pb_grpc.NodeServicer, EdgeService):
         self, request: pb.DeregisterRequest, context: grpc.ServicerContext
     ) -> pb.DeregisterReply:
         session = self._registry.authenticate(request.session_id, request.session_secret)
-        self._registry.deregister(session, request.shrink[:4096])
+        self._registry.deregister(session, request.shrink[:4096], request.reason[:4096])
         return pb.DeregisterReply()
 
     @edge()

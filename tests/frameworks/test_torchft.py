@@ -312,8 +312,14 @@ def _abort_rank(rank: int, store_port: int) -> dict[str, object]:
     print("ready", flush=True)
     assert sys.stdin.readline().strip() == "go"
     if rank == 1:
-        pg.shutdown()  # after SIGCONT: its group failed when rank 0 left it
-        return {}
+        # After SIGCONT: its group failed when rank 0 left it, and the daemon says why.
+        try:
+            pg.allreduce([torch.ones(4)], AllreduceOptions()).wait()
+            told = ""
+        except Exception as exc:
+            told = str(exc)
+        pg.shutdown()
+        return {"told": told}
     work = pg.allreduce([torch.ones(4)], AllreduceOptions())
     threading.Timer(ABORT_AFTER_S, pg.abort).start()
     started = time.monotonic()
@@ -361,10 +367,14 @@ def test_abort_ends_an_op_that_waits_on_a_hung_peer(daemon: Any, spawn_ranks: An
             )
     finally:
         hung.send_signal(signal.SIGCONT)
-    result, _ = ranks.join()
+    result, peer = ranks.join()
     assert result["error"], "the all_reduce with a hung peer did not fail after abort"
     # The daemon's reason: this rank's own leaving failed the op.
     assert "has left the communicator" in result["error"], result["error"]
+    # ... and it says torchft aborted the group, here and on the peer (not destroy_process_group).
+    why = "torchft aborted the process group of replica replica_0 (quorum 1) after an error"
+    assert why in result["error"], result["error"]
+    assert why in peer["told"] and "rank 0" in peer["told"], peer
     failed_after = result["failed_after"]
     print(f"\nan op on a hung peer failed {failed_after:.2f} s after it started (abort: 1 s)")
     assert result["failed_after"] < ABORT_BOUND_S, (

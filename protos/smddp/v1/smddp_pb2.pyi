@@ -477,14 +477,16 @@ class OpReply(_message.Message):
     def __init__(self, request_id: _Optional[int] = ..., ok: _Optional[bool] = ..., error_kind: _Optional[_Union[ErrorKind, str]] = ..., error: _Optional[str] = ..., source_rank: _Optional[int] = ...) -> None: ...
 
 class DeregisterRequest(_message.Message):
-    __slots__ = ("session_id", "session_secret", "shrink")
+    __slots__ = ("session_id", "session_secret", "shrink", "reason")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_SECRET_FIELD_NUMBER: _ClassVar[int]
     SHRINK_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     session_secret: bytes
     shrink: str
-    def __init__(self, session_id: _Optional[str] = ..., session_secret: _Optional[bytes] = ..., shrink: _Optional[str] = ...) -> None: ...
+    reason: str
+    def __init__(self, session_id: _Optional[str] = ..., session_secret: _Optional[bytes] = ..., shrink: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class DeregisterReply(_message.Message):
     __slots__ = ()
